@@ -1,0 +1,169 @@
+"""ODBConfig: every option of odb in one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
+
+OversizePolicy = Literal["error", "alone", "skip"]
+LossScaling = Literal["exact", "approx", "sample", "none"]
+
+_OVERSIZE = ("error", "alone", "skip")
+_LOSS_SCALING = ("exact", "approx", "sample", "none")
+
+
+def _fail(name: str, value: Any, rule: str, fix: str, exc: type = ValueError) -> None:
+    raise exc(f"ODBConfig.{name}={value!r}: {rule}. Fix: {fix}.")
+
+
+def _check_int(name: str, value: Any, minimum: int, fix: str, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, value, f"must be an int{' or None' if optional else ''}", fix, TypeError)
+    if value < minimum:
+        _fail(name, value, f"must be >= {minimum}", fix)
+
+
+@dataclasses.dataclass(frozen=True)
+class ODBConfig:
+    """All options of online dynamic batching.
+
+    Example:
+        >>> cfg = ODBConfig(token_budget=16384, buffer_size=1024, pad_to_multiple_of=8)
+        >>> cfg.token_budgets
+        (16384,)
+
+    Attributes:
+        token_budget: the most a batch may cost. A batch of B samples whose longest
+            padded sample has length L costs B x L. An int budgets the sum over all
+            length dimensions; a tuple gives one budget per dimension (e.g. source
+            and target of an encoder-decoder pair).
+        buffer_size: processed samples per planning window.
+        max_carry: the most samples carried from one window to the next (samples
+            that did not fit a well-packed batch yet). Default: buffer_size // 2.
+        pack_efficiency: a batch is emitted from a window (rather than carried) when
+            its real tokens reach this share of a full batch of copies of its longest
+            sample. Lower values emit sooner and pad more.
+        pad_to_multiple_of: padded lengths are rounded up to a multiple of this.
+        max_batch_size: the most samples per batch (None: no limit).
+        batch_size_multiple: batch sizes are a multiple of this whenever the budget
+            allows that many samples and that many remain in the window.
+        length_fn: ``length_fn(sample) -> int | tuple[int, ...]``; default reads
+            ``input_ids`` (see ``odb.lengths.default_length``).
+        quadratic_length: when set, each padded token costs ``1 + L / quadratic_length``
+            (attention grows with L^2; as lhotse's quadratic duration).
+        image_patches_key: sample field holding the number of image patches.
+        max_image_patches: cap on the sum of image patches in one batch.
+        oversize: what to do with one sample that alone costs more than the budget:
+            "error" (default), "alone" (its own batch) or "skip" (counted, warned).
+        seed: seed of shuffling and batch order; None draws one from the
+            DataLoader's ``generator`` or torch's global RNG when the loader is built.
+        loss_scaling: "exact", "approx", "sample" or "none" (see docs/algorithm.md).
+        label_key: the sample field with labels, for loss tokens.
+        ignore_index: label value that is not supervised.
+        shift_labels: count labels[1:] (the causal shift HF models apply).
+        loss_tokens_fn: ``fn(sample) -> int``, overrides the label count.
+        gradient_accumulation_steps: micro-batches per optimizer step, for the
+            denominator of exact loss scaling.
+        join: keep finished ranks in the exchange and emit ghost batches until all
+            ranks are done (True), or stop a rank when its data ends (False).
+        exchange_timeout_s: how long a rank waits for the others in one exchange.
+        transfer_chunk_size: processed samples per message from a worker.
+        step_info_key: key (dict batches) or attribute under which ODBStepInfo rides.
+    """
+
+    token_budget: Union[int, Tuple[int, ...]]
+    buffer_size: int = 1024
+    max_carry: Optional[int] = None
+    pack_efficiency: float = 0.95
+    pad_to_multiple_of: int = 1
+    max_batch_size: Optional[int] = None
+    batch_size_multiple: int = 1
+    length_fn: Optional[Callable[[Any], Union[int, Sequence[int]]]] = None
+    quadratic_length: Optional[int] = None
+    image_patches_key: Optional[str] = None
+    max_image_patches: Optional[int] = None
+    oversize: OversizePolicy = "error"
+    seed: Optional[int] = None
+    loss_scaling: LossScaling = "exact"
+    label_key: str = "labels"
+    ignore_index: int = -100
+    shift_labels: bool = False
+    loss_tokens_fn: Optional[Callable[[Any], int]] = None
+    gradient_accumulation_steps: int = 1
+    join: bool = True
+    exchange_timeout_s: float = 1800.0
+    transfer_chunk_size: int = 16
+    step_info_key: str = "odb_step_info"
+
+    def __post_init__(self) -> None:
+        budgets = self.token_budget if isinstance(self.token_budget, tuple) else (self.token_budget,)
+        if not budgets:
+            _fail("token_budget", self.token_budget, "must not be empty", "pass e.g. token_budget=16384")
+        for b in budgets:
+            _check_int("token_budget", b, 1, "pass a positive number of tokens, e.g. token_budget=16384")
+        _check_int("buffer_size", self.buffer_size, 1, "use a window of a few hundred samples or more, e.g. 1024")
+        _check_int("max_carry", self.max_carry, 0, "pass None (buffer_size // 2) or a count >= 0", optional=True)
+        if isinstance(self.pack_efficiency, bool) or not isinstance(self.pack_efficiency, (int, float)):
+            _fail("pack_efficiency", self.pack_efficiency, "must be a float", "pass e.g. 0.95", TypeError)
+        if not 0.0 < self.pack_efficiency <= 1.0 or math.isnan(self.pack_efficiency):
+            _fail("pack_efficiency", self.pack_efficiency, "must be in (0, 1]", "pass e.g. 0.95")
+        _check_int("pad_to_multiple_of", self.pad_to_multiple_of, 1, "pass 1 (no rounding) or e.g. 8")
+        _check_int("max_batch_size", self.max_batch_size, 1, "pass None (no cap) or a positive count", optional=True)
+        _check_int("batch_size_multiple", self.batch_size_multiple, 1, "pass 1 (any size) or e.g. 8")
+        if self.max_batch_size is not None and self.max_batch_size < self.batch_size_multiple:
+            _fail("max_batch_size", self.max_batch_size,
+                  f"must be >= batch_size_multiple={self.batch_size_multiple}",
+                  "raise max_batch_size or lower batch_size_multiple")
+        _check_int("quadratic_length", self.quadratic_length, 1, "pass None or a length such as 4096", optional=True)
+        for name in ("length_fn", "loss_tokens_fn"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                _fail(name, fn, "must be callable", "pass a function sample -> int", TypeError)
+        _check_int("max_image_patches", self.max_image_patches, 1, "pass None or a positive count", optional=True)
+        if (self.image_patches_key is None) != (self.max_image_patches is None):
+            _fail("max_image_patches", self.max_image_patches,
+                  "must be given together with image_patches_key",
+                  "set both image_patches_key and max_image_patches, or neither")
+        if self.oversize not in _OVERSIZE:
+            _fail("oversize", self.oversize, f"must be one of {_OVERSIZE}", 'use "error", "alone" or "skip"')
+        _check_int("seed", self.seed, 0, "pass None or a non-negative int", optional=True)
+        if self.loss_scaling not in _LOSS_SCALING:
+            _fail("loss_scaling", self.loss_scaling, f"must be one of {_LOSS_SCALING}", 'use "exact" (default)')
+        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1,
+                   "pass the trainer's accumulation steps, 1 or more")
+        if isinstance(self.exchange_timeout_s, bool) or not isinstance(self.exchange_timeout_s, (int, float)):
+            _fail("exchange_timeout_s", self.exchange_timeout_s, "must be a number of seconds", "pass e.g. 1800",
+                  TypeError)
+        if not self.exchange_timeout_s > 0:
+            _fail("exchange_timeout_s", self.exchange_timeout_s, "must be > 0",
+                  "pass minutes' worth of seconds, e.g. 1800")
+        _check_int("transfer_chunk_size", self.transfer_chunk_size, 1, "pass e.g. 16")
+        if not isinstance(self.join, bool):
+            _fail("join", self.join, "must be a bool", "pass True or False", TypeError)
+        if not isinstance(self.shift_labels, bool):
+            _fail("shift_labels", self.shift_labels, "must be a bool", "pass True or False", TypeError)
+        _check_int("ignore_index", self.ignore_index, -(2**62), "pass an int such as -100")
+        for name in ("label_key", "step_info_key"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                _fail(name, getattr(self, name), "must be a non-empty str", "pass a field name", TypeError)
+
+    @property
+    def token_budgets(self) -> Tuple[int, ...]:
+        """The budget as a tuple: one entry (sum over dimensions) or one per dimension."""
+        tb = self.token_budget
+        return tb if isinstance(tb, tuple) else (tb,)
+
+    @property
+    def carry_limit(self) -> int:
+        """The most samples carried between windows."""
+        return self.buffer_size // 2 if self.max_carry is None else self.max_carry
+
+    def replace(self, **changes: Any) -> "ODBConfig":
+        """A copy with some options changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ODBConfig))

@@ -1,0 +1,134 @@
+"""The cost of a batch, and how many samples fit under the budget (pure numpy).
+
+A batch of B samples whose longest padded sample has length L costs B x L per length
+dimension. With one budget the dimensions are summed; with one budget per dimension
+each dimension is bounded on its own. ``quadratic_length`` q makes each padded token
+cost ``1 + L / q`` (attention is quadratic in L). An optional cap bounds the sum of
+image patches in a batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .config import ODBConfig
+
+
+class CostModel:
+    """Batch cost and feasibility under one ODBConfig.
+
+    Example:
+        >>> import numpy as np
+        >>> cm = CostModel.from_config(ODBConfig(token_budget=100, pad_to_multiple_of=8))
+        >>> cm.batch_cost(cm.pad(np.array([[10], [3]])))
+        32.0
+    """
+
+    def __init__(
+        self,
+        budgets: Tuple[int, ...],
+        pad_to_multiple_of: int = 1,
+        quadratic_length: Optional[int] = None,
+        max_batch_size: Optional[int] = None,
+        batch_size_multiple: int = 1,
+        max_patches: Optional[int] = None,
+    ) -> None:
+        self.budgets = np.asarray(budgets, dtype=np.float64)
+        self.pad_to = pad_to_multiple_of
+        self.q = quadratic_length
+        self.max_batch = max_batch_size if max_batch_size is not None else np.iinfo(np.int64).max
+        self.multiple = batch_size_multiple
+        self.max_patches = max_patches
+
+    @classmethod
+    def from_config(cls, cfg: ODBConfig) -> "CostModel":
+        return cls(cfg.token_budgets, cfg.pad_to_multiple_of, cfg.quadratic_length, cfg.max_batch_size,
+                   cfg.batch_size_multiple, cfg.max_image_patches)
+
+    @property
+    def total_budget(self) -> float:
+        return float(self.budgets.sum())
+
+    def check_dims(self, n_dims: int) -> None:
+        """Raise if the budget does not fit the number of length dimensions."""
+        if len(self.budgets) not in (1, n_dims):
+            raise ValueError(
+                f"token_budget has {len(self.budgets)} entries but samples have {n_dims} length dimensions: "
+                f"the budget must be one int (summed over dimensions) or one per dimension. "
+                f"Fix: pass token_budget=<int> or a tuple of {n_dims} ints.")
+
+    def pad(self, lengths: np.ndarray) -> np.ndarray:
+        """Lengths (n, D) rounded up to pad_to_multiple_of."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if self.pad_to == 1:
+            return lengths
+        return -(-lengths // self.pad_to) * self.pad_to
+
+    def token_weight(self, padded: np.ndarray) -> np.ndarray:
+        """Cost of one sample padded to these lengths, per dimension (float)."""
+        w = padded.astype(np.float64)
+        return w if self.q is None else w * (1.0 + w / self.q)
+
+    def _per_sample_cost_ok(self, w_max: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        # w_max: (K, D) weights of the running maxima; counts: (K,) batch sizes.
+        if len(self.budgets) == 1:
+            return counts * w_max.sum(axis=1) <= self.budgets[0]
+        return (counts[:, None] * w_max <= self.budgets[None, :]).all(axis=1)
+
+    def batch_cost(self, padded_group: np.ndarray) -> float:
+        """Cost of one batch: B x (sum over dimensions of the weight of the max length)."""
+        padded_group = np.asarray(padded_group)
+        w = self.token_weight(padded_group.max(axis=0))
+        return float(len(padded_group) * w.sum())
+
+    def copies_that_fit(self, padded: np.ndarray, patches: Optional[np.ndarray]) -> np.ndarray:
+        """For each sample, how many copies of it fit in one batch (0: oversize)."""
+        fit = self.copies_that_fit_unrounded(padded)
+        if patches is not None and self.max_patches is not None:
+            by_patch = np.where(patches > 0, self.max_patches // np.maximum(patches, 1), fit)
+            fit = np.minimum(fit, by_patch)
+        return self.round_to_multiple(fit)
+
+    def round_to_multiple(self, counts: np.ndarray) -> np.ndarray:
+        """Round counts down to batch_size_multiple where they reach it (budget wins below it)."""
+        if self.multiple == 1:
+            return counts
+        return np.where(counts >= self.multiple, counts - counts % self.multiple, counts)
+
+    def max_counts_sorted(self, padded: np.ndarray, patches: Optional[np.ndarray]) -> np.ndarray:
+        """For samples sorted by decreasing size, the largest feasible batch starting at each i.
+
+        The batch starting at i holds samples i .. i+b-1; the result is b before the
+        batch_size_multiple rounding, never above the samples that remain.
+        """
+        n, dims = padded.shape
+        remaining = np.arange(n, 0, -1, dtype=np.int64)
+        if dims == 1:
+            # Sorted by decreasing length, the first sample of a batch is its longest.
+            counts = np.minimum(self.copies_that_fit_unrounded(padded), remaining)
+        else:
+            w = self.token_weight(padded)
+            min_w = float(w.sum(axis=1).min()) if len(self.budgets) == 1 else 0.0
+            k_cap = int(self.budgets[0] // max(min_w, 1e-9)) + 1 if len(self.budgets) == 1 else n
+            counts = np.empty(n, dtype=np.int64)
+            for i in range(n):
+                k = int(min(n - i, k_cap, self.max_batch))
+                run = np.maximum.accumulate(w[i:i + k], axis=0)
+                ok = self._per_sample_cost_ok(run, np.arange(1, k + 1))
+                counts[i] = k if ok.all() else int(np.argmin(ok))
+        if patches is not None and self.max_patches is not None:
+            cum = np.concatenate(([0], np.cumsum(patches)))
+            by_patch = np.searchsorted(cum, cum[:-1] + self.max_patches, side="right") - 1 - np.arange(n)
+            counts = np.minimum(counts, by_patch)
+        return counts
+
+    def copies_that_fit_unrounded(self, padded: np.ndarray) -> np.ndarray:
+        """Copies of each sample that fit the token budget and max_batch_size."""
+        w = self.token_weight(padded)
+        if len(self.budgets) == 1:
+            fit = np.floor(self.budgets[0] / np.maximum(w.sum(axis=1), 1e-9))
+        else:
+            fit = np.floor(self.budgets[None, :] / np.maximum(w, 1e-9)).min(axis=1)
+        return np.minimum(fit, self.max_batch).astype(np.int64)
