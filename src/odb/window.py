@@ -65,6 +65,17 @@ class WindowPlanner:
         self._carry_patches = None if patches is None else np.asarray(patches)[plan.carry]
         return PlannedWindow([ids[g] for g in plan.groups], ids[plan.oversize], final)
 
+    def defer(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
+        """Put planned samples back into the carry (a rank ran fewer steps than it planned)."""
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(len(ids), -1)
+        if self._carry_len is None or not len(self._carry_ids):
+            self.restore_carry(ids, lengths, patches)
+            return
+        self._carry_ids = np.concatenate((self._carry_ids, np.asarray(ids, dtype=np.int64)))
+        self._carry_len = np.concatenate((self._carry_len, lengths))
+        if patches is not None:
+            self._carry_patches = np.concatenate((self._carry_patches, patches))
+
     def restore_carry(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Set the carried samples (used by resume)."""
         self._carry_ids = np.asarray(ids, dtype=np.int64)

@@ -1,0 +1,22 @@
+"""odb: Online Dynamic Batching for PyTorch.
+
+Example:
+    >>> import torch, odb
+    >>> data = [{"input_ids": torch.ones(n, dtype=torch.long)} for n in (5, 3, 8, 2)]
+    >>> loader = odb.ODBDataLoader(data, token_budget=16, buffer_size=4, collate_fn=list)
+    >>> info = odb.pop_step_info(next(iter(loader)))
+    >>> info.loss_scale
+    1.0
+"""
+
+from .apply import ODBHandle, apply
+from .config import ODBConfig
+from .lengths import count_loss_tokens, default_length, seq2seq_lengths
+from .loader import ODBDataLoader
+from .step_info import ODBStepInfo, attach_step_info, pop_step_info
+
+__all__ = [
+    "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "apply", "attach_step_info", "count_loss_tokens",
+    "default_length", "pop_step_info", "seq2seq_lengths",
+]
+__version__ = "0.1.0"

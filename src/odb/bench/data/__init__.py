@@ -1,0 +1,1 @@
+"""Committed arrays of real token lengths (see scripts/make_lengths.py and odb.bench.realdata)."""

@@ -1,0 +1,268 @@
+"""One epoch of online dynamic batching over a stream of processed samples.
+
+stream of (id, sample) chunks -> windows of buffer_size -> WindowPlanner -> batch
+order -> rank alignment -> optimizer-step accounting -> collate_fn -> batch + info.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from .align import Alignment, StepPlan, WindowSummary, align_single
+from .config import ODBConfig
+from .lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
+from .step_info import ODBStepInfo, attach_step_info
+from .window import WindowPlanner
+
+Aligner = Callable[[WindowSummary], Alignment]
+
+
+@dataclasses.dataclass
+class EpochStats:
+    """Counters of one epoch on this rank."""
+
+    steps: int = 0
+    ghost_steps: int = 0
+    samples: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    loss_tokens: int = 0
+    windows: int = 0
+    oversize_alone: int = 0
+    oversize_skipped: int = 0
+    dropped_samples: int = 0
+
+    def as_dict(self) -> Dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["padding_ratio"] = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+        out["mean_batch_size"] = self.samples / max(self.steps - self.ghost_steps, 1)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Meta:
+    lengths: Tuple[int, ...]
+    loss_tokens: int
+    patches: int
+    position: int  # arrival position in this epoch
+
+
+class EpochRun:
+    """Iterates the batches of one epoch. Built by the loader; not public API."""
+
+    def __init__(self, cfg: ODBConfig, chunks: Iterable[List[Tuple[int, Any]]], collate_fn: Callable[[List[Any]], Any],
+                 *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False,
+                 aligner: Aligner = align_single, world_size: int = 1,
+                 finalize: Optional[Callable[[Any], Any]] = None) -> None:
+        self.cfg = cfg
+        self._chunks = iter(chunks)
+        self._collate = collate_fn
+        self._finalize = finalize
+        self.epoch, self.seed, self.shuffle, self.drop_last = epoch, seed, shuffle, drop_last
+        self._align, self.world_size = aligner, world_size
+        self.planner = WindowPlanner(cfg)
+        self.stats = EpochStats()
+        self._length_fn = cfg.length_fn or default_length
+        self._samples: Dict[int, Any] = {}
+        self._meta: Dict[int, _Meta] = {}
+        self._leftover: List[Tuple[int, Any]] = []
+        self._arrived = 0
+        self._exhausted = False
+        self._all_done = False
+        self._ghost: Optional[Tuple[int, Any, _Meta]] = None
+        self._step = 0
+
+    # ---- reading -------------------------------------------------------------------
+    def _read_window(self) -> List[int]:
+        """Ids of the next buffer_size processed samples (fewer at the end of data)."""
+        want = self.cfg.buffer_size
+        got: List[Tuple[int, Any]] = self._leftover
+        while len(got) < want and not self._exhausted:
+            try:
+                got = got + list(next(self._chunks))
+            except StopIteration:
+                self._exhausted = True
+        window, self._leftover = got[:want], got[want:]
+        if not self._leftover and not self._exhausted:
+            self._exhausted = self._peek_end()
+        ids = []
+        for sid, sample in window:
+            self._register(sid, sample)
+            ids.append(sid)
+        return ids
+
+    def _peek_end(self) -> bool:
+        # Knowing that this window is the last lets the planner flush it instead of
+        # carrying samples into a window that never comes.
+        try:
+            self._leftover = list(next(self._chunks))
+            return False
+        except StopIteration:
+            return True
+
+    def _register(self, sid: int, sample: Any) -> None:
+        cfg = self.cfg
+        if sid in self._samples:
+            raise ValueError(f"sample id {sid} arrived twice in one epoch: odb emits every sample once. "
+                             f"Fix: make the sampler yield each index at most once per epoch.")
+        lengths = as_length_tuple(self._length_fn(sample), sid)
+        loss = cfg.loss_tokens_fn(sample) if cfg.loss_tokens_fn else count_loss_tokens(
+            sample, cfg.label_key, cfg.ignore_index, cfg.shift_labels, fallback=lengths[0])
+        patches = image_patches(sample, cfg.image_patches_key) if cfg.image_patches_key else 0
+        self._samples[sid] = sample
+        self._meta[sid] = _Meta(lengths, int(loss), patches, self._arrived)
+        self._arrived += 1
+        if self._ghost is None:
+            self._ghost = (sid, sample, self._meta[sid])
+
+    # ---- planning ------------------------------------------------------------------
+    def _plan_next_window(self) -> List[Tuple[StepPlan, List[np.ndarray]]]:
+        groups: List[np.ndarray] = []
+        if not self._planned_final:
+            ids = self._read_window()
+            final = self._exhausted and not self._leftover
+            groups = self._plan(ids, final)
+            self._planned_final = final
+        elif len(self.planner.carried_ids):  # groups deferred by the alignment after the data ended
+            groups = self._plan([], True)
+        summary = WindowSummary([self._cost(g) for g in groups],
+                                [sum(self._meta[int(i)].loss_tokens for i in g) for g in groups],
+                                [len(g) for g in groups], exhausted=self._planned_final)
+        alignment = self._align(summary)
+        self._all_done = alignment.all_exhausted
+        for g in alignment.deferred:
+            self._defer(groups[g])
+        return [(s, groups) for s in alignment.steps]
+
+    _planned_final = False
+
+    def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
+        cfg = self.cfg
+        lengths = np.array([self._meta[i].lengths for i in ids], dtype=np.int64).reshape(len(ids), -1) \
+            if ids else np.empty((0, self._dims()), dtype=np.int64)
+        patches = np.array([self._meta[i].patches for i in ids], dtype=np.int64) if cfg.image_patches_key else None
+        planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final)
+        self.stats.windows += 1
+        groups = list(planned.groups)
+        for sid in planned.oversize.tolist():
+            groups.extend(self._oversize(sid))
+        if final and self.drop_last:
+            keep = [g for g in groups if self._cost(g) >= 0.5 * sum(cfg.token_budgets)]
+            for g in groups:
+                if not any(g is k for k in keep):
+                    self.stats.dropped_samples += len(g)
+                    self._forget(g)
+            groups = keep
+        return self._order(groups)
+
+    def _dims(self) -> int:
+        meta = next(iter(self._meta.values()), None)
+        return len(meta.lengths) if meta else 1
+
+    def _oversize(self, sid: int) -> List[np.ndarray]:
+        meta, policy = self._meta[sid], self.cfg.oversize
+        if policy == "error":
+            raise ValueError(
+                f"sample {sid} has length {meta.lengths if len(meta.lengths) > 1 else meta.lengths[0]}"
+                f"{f' and {meta.patches} image patches' if self.cfg.image_patches_key else ''}, so alone it "
+                f"exceeds token_budget={self.cfg.token_budget}"
+                f"{f' / max_image_patches={self.cfg.max_image_patches}' if self.cfg.image_patches_key else ''}. "
+                f"Rule: oversize='error' refuses such samples. Fix: raise token_budget, truncate samples "
+                f"(e.g. tokenizer max_length), or pass oversize='alone' (own batch) or 'skip'.")
+        if policy == "alone":
+            self.stats.oversize_alone += 1
+            return [np.array([sid], dtype=np.int64)]
+        self.stats.oversize_skipped += 1
+        self._forget([sid])
+        return []
+
+    def _forget(self, ids: Iterable[int]) -> None:
+        for i in ids:
+            self._samples.pop(int(i), None)
+
+    def _defer(self, group: np.ndarray) -> None:
+        metas = [self._meta[int(i)] for i in group]
+        self.planner.defer(group, np.array([m.lengths for m in metas]),
+                           np.array([m.patches for m in metas]) if self.cfg.image_patches_key else None)
+
+    def _order(self, groups: List[np.ndarray]) -> List[np.ndarray]:
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch, self.stats.windows])
+            return [groups[k] for k in rng.permutation(len(groups))]
+        return sorted(groups, key=lambda g: min(self._meta[int(i)].position for i in g))
+
+    def _cost(self, group: np.ndarray) -> int:
+        lengths = np.array([self._meta[int(i)].lengths for i in group])
+        padded = self.planner.cost.pad(lengths)
+        return int(len(group) * padded.max(axis=0).sum())
+
+    # ---- emitting ------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        k = self.cfg.gradient_accumulation_steps
+        pending: Deque[Tuple[StepPlan, List[np.ndarray]]] = collections.deque()
+        while True:
+            while len(pending) < k and not self._all_done:
+                pending.extend(self._plan_next_window())
+            if not pending:
+                break
+            chunk = [pending.popleft() for _ in range(min(k, len(pending)))]
+            for j, (plan, window_groups) in enumerate(chunk):
+                yield self._make_batch(plan, window_groups, [p for p, _ in chunk], j)
+        if self.stats.oversize_skipped:
+            warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
+                          f"{self.cfg.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=2)
+
+    def _make_batch(self, plan: StepPlan, window_groups: List[np.ndarray], chunk: List[StepPlan], j: int) -> Any:
+        ghost = plan.group is None
+        if ghost:
+            if self._ghost is None:
+                raise RuntimeError("odb must emit a ghost batch on a rank that received no sample this epoch. "
+                                   "Fix: give every rank at least one sample (shard the data so no rank is empty).")
+            ids = np.array([self._ghost[0]])
+            samples = [self._ghost[1]]
+            metas = [self._ghost[2]]
+        else:
+            ids = window_groups[plan.group]
+            samples = [self._samples.pop(int(i)) for i in ids]
+            metas = [self._meta.pop(int(i)) for i in ids]
+        lengths = np.array([m.lengths for m in metas])
+        real = int(lengths.sum())
+        padded = int(len(ids) * self.planner.cost.pad(lengths).max(axis=0).sum())
+        local_loss = 0 if ghost else plan.local_loss_tokens
+        info = ODBStepInfo(
+            step=self._step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
+            all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,
+            global_loss_tokens=sum(p.global_loss_tokens for p in chunk), real_tokens=0 if ghost else real,
+            padded_tokens=padded, loss_scale=0.0 if ghost else self._scale(plan, chunk),
+            is_ghost=ghost, world_size=self.world_size, micro_step=j, micro_steps=len(chunk),
+            sample_ids=() if ghost else tuple(int(i) for i in ids))
+        self._step += 1
+        st = self.stats
+        st.steps += 1
+        st.ghost_steps += ghost
+        st.samples += info.local_samples
+        st.real_tokens += info.real_tokens
+        st.padded_tokens += padded
+        st.loss_tokens += local_loss
+        batch = self._collate(samples)
+        if self._finalize is not None:
+            batch = self._finalize(batch)
+        return attach_step_info(batch, info, self.cfg.step_info_key)
+
+    def _scale(self, plan: StepPlan, chunk: List[StepPlan]) -> float:
+        mode, w = self.cfg.loss_scaling, self.world_size
+        if mode == "none":
+            return 1.0
+        if mode == "sample":
+            total = sum(p.global_samples for p in chunk)
+            return w * plan.local_samples / total if total else 0.0
+        if mode == "approx":
+            local_total = sum(p.local_loss_tokens for p in chunk)
+            return plan.local_loss_tokens / local_total if local_total else 0.0
+        total = sum(p.global_loss_tokens for p in chunk)
+        return w * plan.local_loss_tokens / total if total else 0.0

@@ -1,0 +1,251 @@
+"""ODBDataLoader: a torch DataLoader whose batches are planned under a token budget."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
+
+from .config import CONFIG_FIELDS, ODBConfig
+from .engine import EpochRun, EpochStats
+from .lengths import as_length_tuple, default_length
+from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable, keep_list
+from .window import oracle_groups
+
+_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+_ESTIMATE_PROBES = 128
+
+
+def make_config(config: Optional[ODBConfig], token_budget: Any, options: Dict[str, Any]) -> ODBConfig:
+    """One ODBConfig from a config object and/or keyword options."""
+    unknown = set(options) - CONFIG_FIELDS
+    if unknown:
+        raise TypeError(f"unknown odb option(s) {sorted(unknown)}: not ODBConfig fields nor DataLoader arguments. "
+                        f"Fix: check the spelling against odb.ODBConfig.")
+    if config is not None:
+        if token_budget is not None:
+            options["token_budget"] = token_budget
+        return config.replace(**options) if options else config
+    if token_budget is None:
+        raise TypeError("odb needs token_budget (the most padded tokens per batch, B x L). "
+                        "Fix: pass token_budget=16384 or config=ODBConfig(...).")
+    return ODBConfig(token_budget=token_budget, **options)
+
+
+def draw_seed(generator: Optional[torch.Generator]) -> int:
+    """A base seed: from the DataLoader's generator when given, else torch's global RNG."""
+    if generator is not None:
+        return int(generator.initial_seed()) % (2**62)
+    return int(torch.empty((), dtype=torch.int64).random_().item()) % (2**62)
+
+
+class ODBLoaderMixin(DataLoader):
+    """The odb behaviour shared by ODBDataLoader and loaders converted by odb.apply.
+
+    It subclasses DataLoader (and is never built directly) so that a loader's class can
+    be switched in place: Python allows that only between classes of the same layout.
+    """
+    _odb_cfg: ODBConfig
+
+    def _odb_setup(self, cfg: ODBConfig, *, shuffle: bool, seed: int,
+                   group_collate: Callable[[Any], Any], sample_transform: Optional[Callable[[Any], Any]],
+                   own_sampler: Optional[EpochShuffleSampler], lengths: Optional[Sequence[int]] = None) -> None:
+        self._odb_cfg = cfg
+        self._odb_shuffle = shuffle
+        self._odb_seed = seed
+        self._odb_group_collate = group_collate
+        self._odb_transform = sample_transform
+        self._odb_own_sampler = own_sampler
+        self._odb_lengths = None if lengths is None else np.asarray(lengths)
+        self._odb_next_epoch = 0
+        self._odb_inner: Optional[DataLoader] = None
+        self._odb_last_steps: Optional[int] = None
+        self._odb_run: Optional[EpochRun] = None
+
+    # ---- public ----------------------------------------------------------------------
+    @property
+    def odb_config(self) -> ODBConfig:
+        """The options this loader plans with."""
+        return self._odb_cfg
+
+    @property
+    def odb_stats(self) -> Dict[str, Any]:
+        """Counters of the current (or last) epoch on this rank."""
+        run = self._odb_run
+        return (run.stats if run is not None else EpochStats()).as_dict()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration (and of the sampler, when it has set_epoch)."""
+        self._odb_next_epoch = int(epoch)
+        sampler = getattr(self, "sampler", None)
+        if hasattr(sampler, "set_epoch") and sampler is not self._odb_own_sampler:
+            sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        epoch = self._odb_next_epoch
+        self._odb_next_epoch = epoch + 1
+        if self._odb_own_sampler is not None:
+            self._odb_own_sampler.set_epoch(epoch)
+        run = EpochRun(self._odb_cfg, self._odb_chunks(), self._odb_group_collate, epoch=epoch,
+                       seed=self._odb_seed, shuffle=self._odb_shuffle, drop_last=bool(self.drop_last),
+                       finalize=self._odb_pin if self.pin_memory and torch.cuda.is_available() else None)
+        self._odb_run = run
+        return self._odb_epoch(run)
+
+    def __len__(self) -> int:
+        """Batches per epoch: exact after a full epoch, else an estimate from sample lengths."""
+        if self._odb_last_steps is not None:
+            return self._odb_last_steps
+        return self._odb_estimate_steps()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _odb_epoch(self, run: EpochRun) -> Iterator[Any]:
+        steps = 0
+        for batch in run:
+            steps += 1
+            yield batch
+        self._odb_last_steps = steps
+
+    def _odb_is_iterable(self) -> bool:
+        return isinstance(self.dataset, IterableDataset)
+
+    def _odb_inner_loader(self) -> DataLoader:
+        if self._odb_inner is not None:
+            return self._odb_inner
+        cfg = self._odb_cfg
+        kwargs: Dict[str, Any] = dict(
+            num_workers=self.num_workers, collate_fn=keep_list, pin_memory=False, timeout=self.timeout,
+            worker_init_fn=self.worker_init_fn, multiprocessing_context=self.multiprocessing_context,
+            generator=self.generator, persistent_workers=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None)
+        if _HAS_IN_ORDER:
+            kwargs["in_order"] = getattr(self, "in_order", True)
+        if self._odb_is_iterable():
+            ds = self.dataset if self._odb_transform is None else TransformedIterable(self.dataset, self._odb_transform)
+            inner = DataLoader(ds, batch_size=cfg.transfer_chunk_size, **kwargs)
+        else:
+            inner = DataLoader(IndexedDataset(self.dataset, self._odb_transform),
+                               batch_sampler=ChunkSampler(self.sampler, cfg.transfer_chunk_size), **kwargs)
+        if self.persistent_workers:
+            self._odb_inner = inner
+        return inner
+
+    def _odb_chunks(self) -> Iterator[Any]:
+        inner = self._odb_inner_loader()
+        if not self._odb_is_iterable():
+            return iter(inner)
+        return _number_stream(inner)
+
+    @staticmethod
+    def _odb_pin(batch: Any) -> Any:
+        return _pin(batch)
+
+    def _odb_estimate_steps(self) -> int:
+        cfg = self._odb_cfg
+        if self._odb_is_iterable():
+            raise TypeError("len() of an odb loader over an IterableDataset is known only after one epoch. "
+                            "Fix: iterate one epoch first, or use max_steps in the trainer.")
+        n = len(self.sampler)
+        if self._odb_lengths is not None:
+            lengths = self._odb_lengths
+        else:
+            probe = np.unique(np.linspace(0, len(self.dataset) - 1, min(_ESTIMATE_PROBES, len(self.dataset)))
+                              .astype(np.int64))
+            fn = cfg.length_fn or default_length
+            transform = self._odb_transform or (lambda s: s)
+            lengths = np.array([as_length_tuple(fn(transform(self.dataset[int(i)])), int(i)) for i in probe])
+        if n == 0 or len(lengths) == 0:
+            return 0
+        lengths = np.asarray(lengths).reshape(len(lengths), -1)
+        probe_cfg = cfg.replace(oversize="alone", image_patches_key=None, max_image_patches=None)
+        groups = oracle_groups(lengths, probe_cfg)
+        return max(1, int(np.ceil(len(groups) * n / len(lengths))))
+
+
+def _number_stream(inner: DataLoader) -> Iterator[Any]:
+    # Iterable datasets have no index: a sample's id is its arrival position, which is
+    # deterministic because the inner loader returns chunks in order.
+    position = 0
+    for chunk in inner:
+        yield [(position + k, s) for k, s in enumerate(chunk)]
+        position += len(chunk)
+
+
+def _pin(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.pin_memory()
+    if isinstance(obj, Mapping):
+        if type(obj) is dict:
+            return {k: _pin(v) for k, v in obj.items()}
+        for k in list(obj.keys()):  # dict-like batch types (e.g. BatchEncoding) keep their type
+            obj[k] = _pin(obj[k])
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_pin(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pin(v) for v in obj)
+    return obj
+
+
+class ODBDataLoader(ODBLoaderMixin):
+    """A DataLoader whose batches hold as many samples as fit ``token_budget``.
+
+    Every DataLoader argument keeps its meaning; ``batch_size`` must stay 1 (the
+    budget decides the batch size). ODB options are ODBConfig fields, given as keyword
+    arguments or as ``config=``. Each batch carries an ``ODBStepInfo`` (see
+    ``odb.pop_step_info``).
+
+    Example:
+        >>> import torch, odb
+        >>> data = [{"input_ids": torch.ones(n, dtype=torch.long)} for n in (5, 3, 8, 2)]
+        >>> loader = odb.ODBDataLoader(data, token_budget=16, buffer_size=4, collate_fn=list)
+        >>> sorted(len(odb.pop_step_info(b).sample_ids) for b in loader)
+        [2, 2]
+    """
+
+    def __init__(self, dataset: Any, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
+                 batch_size: Optional[int] = 1, shuffle: Optional[bool] = None, sampler: Any = None,
+                 batch_sampler: Any = None, num_workers: int = 0, collate_fn: Optional[Callable] = None,
+                 pin_memory: bool = False, drop_last: bool = False, timeout: float = 0,
+                 worker_init_fn: Optional[Callable] = None, multiprocessing_context: Any = None,
+                 generator: Optional[torch.Generator] = None, prefetch_factor: Optional[int] = None,
+                 persistent_workers: bool = False, pin_memory_device: str = "",
+                 lengths: Optional[Sequence[int]] = None, **options: Any) -> None:
+        dl_options = {k: options.pop(k) for k in list(options) if k == "in_order"}
+        cfg = make_config(config, token_budget, options)
+        if batch_size != 1 or batch_sampler is not None:
+            what = f"batch_sampler={batch_sampler!r}" if batch_sampler is not None else f"batch_size={batch_size!r}"
+            raise ValueError(f"ODBDataLoader got {what}: odb decides each batch's size from token_budget. "
+                             f"Fix: leave batch_size at 1 (cap samples per batch with max_batch_size=N).")
+        iterable = isinstance(dataset, IterableDataset)
+        if iterable and sampler is not None:
+            raise ValueError(f"ODBDataLoader got sampler={sampler!r} with an IterableDataset, which has no indices. "
+                             f"Fix: drop sampler; shard and order inside the dataset.")
+        seed = cfg.seed if cfg.seed is not None else draw_seed(generator)
+        own = None
+        if shuffle and sampler is None and not iterable:
+            own = sampler = EpochShuffleSampler(dataset, seed)
+        super().__init__(dataset, batch_size=1, shuffle=None, sampler=sampler, num_workers=num_workers,
+                         collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+                         worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                         generator=generator, prefetch_factor=prefetch_factor,
+                         persistent_workers=persistent_workers, pin_memory_device=pin_memory_device, **dl_options)
+        self._odb_setup(cfg, shuffle=bool(shuffle), seed=seed, group_collate=self.collate_fn,
+                        sample_transform=None, own_sampler=own, lengths=lengths)
+
+
+def group_collate_for(loader: DataLoader, collate_fn: Optional[Callable]) -> tuple:
+    """(group collate, per-sample transform) for a loader built with batch_size 1 or None."""
+    if loader.batch_size == 1:
+        return (collate_fn or loader.collate_fn), None
+    return (collate_fn or default_collate), loader.collate_fn
+
+
+def shuffles(loader: DataLoader) -> bool:
+    """Whether a loader's sampler shuffles (RandomSampler or a sampler with shuffle=True)."""
+    sampler = getattr(loader, "sampler", None)
+    return isinstance(sampler, RandomSampler) or bool(getattr(sampler, "shuffle", False))

@@ -1,0 +1,93 @@
+"""Pieces of the inner DataLoader that feeds odb single processed samples.
+
+All public torch.utils.data API: a dataset wrapper that tags each sample with its
+index, a batch sampler that sends samples to the main process in small chunks (one
+message per chunk, not per sample), a collate that keeps the chunk a list, and a
+seeded per-epoch shuffle sampler whose order is a pure function of (seed, epoch).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Optional, Sized, Tuple
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, Sampler
+
+
+class IndexedDataset(Dataset):
+    """Map-style wrapper: item i is ``(i, transform(dataset[i]))``."""
+
+    def __init__(self, dataset: Any, transform: Optional[Callable[[Any], Any]] = None) -> None:
+        self.dataset = dataset
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Tuple[int, Any]:
+        sample = self.dataset[index]
+        return int(index), (sample if self.transform is None else self.transform(sample))
+
+
+class TransformedIterable(IterableDataset):
+    """Iterable wrapper applying a per-sample transform in the workers."""
+
+    def __init__(self, dataset: IterableDataset, transform: Callable[[Any], Any]) -> None:
+        self.dataset = dataset
+        self.transform = transform
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.transform(s) for s in self.dataset)
+
+
+class ChunkSampler(Sampler[List[int]]):
+    """Groups the indices of ``sampler`` into chunks of ``size`` (transport only)."""
+
+    def __init__(self, sampler: Any, size: int) -> None:
+        self.sampler = sampler
+        self.size = size
+
+    def __iter__(self) -> Iterator[List[int]]:
+        chunk: List[int] = []
+        for index in self.sampler:
+            chunk.append(index)
+            if len(chunk) == self.size:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.size)
+
+
+def keep_list(samples: List[Any]) -> List[Any]:
+    """Collate of the inner loader: the chunk stays a list of single samples."""
+    return samples
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A random permutation of ``range(len(data_source))`` fixed by (seed, epoch).
+
+    Example:
+        >>> s = EpochShuffleSampler(range(5), seed=1)
+        >>> s.set_epoch(3)
+        >>> sorted(s) == list(range(5))
+        True
+    """
+
+    def __init__(self, data_source: Sized, seed: int) -> None:
+        self.data_source = data_source
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator()
+        g.manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
+        return iter(torch.randperm(len(self.data_source), generator=g).tolist())

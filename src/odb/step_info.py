@@ -1,0 +1,136 @@
+"""ODBStepInfo: what one batch means for the trainer, and how it rides on the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import MutableMapping
+from typing import Any, Dict, Optional, Tuple
+
+DEFAULT_KEY = "odb_step_info"
+
+
+@dataclasses.dataclass(frozen=True)
+class ODBStepInfo:
+    """Metadata of one (micro-)batch emitted by odb.
+
+    Example:
+        >>> info = ODBStepInfo(step=0, epoch=0, local_samples=4, all_samples_this_step=8,
+        ...                    local_loss_tokens=100, global_loss_tokens=200, real_tokens=120,
+        ...                    padded_tokens=128, loss_scale=1.0, is_ghost=False)
+        >>> info.padding_ratio
+        0.0625
+
+    Attributes:
+        step: index of this micro-batch within the epoch (the same on every rank).
+        epoch: the epoch it belongs to.
+        local_samples: real samples in this rank's batch (0 for a ghost).
+        all_samples_this_step: real samples in this step, all ranks together.
+        local_loss_tokens: supervised tokens in this rank's batch.
+        global_loss_tokens: supervised tokens over all ranks and all micro-batches of
+            the optimizer step this batch belongs to (the denominator of exact scaling).
+        real_tokens: non-pad tokens in this rank's batch (all length dimensions).
+        padded_tokens: B x L summed over length dimensions (what the batch costs).
+        loss_scale: multiply the model's mean loss by this before backward.
+        is_ghost: this batch only keeps collectives aligned; its loss_scale is 0.
+        world_size: ranks taking part.
+        micro_step: index of this micro-batch within its optimizer step.
+        micro_steps: micro-batches in this optimizer step (the last one of an epoch
+            may hold fewer than gradient_accumulation_steps).
+        sample_ids: ids of the samples in this batch (dataset indices for map-style
+            datasets, arrival positions for iterable ones).
+    """
+
+    step: int
+    epoch: int
+    local_samples: int
+    all_samples_this_step: int
+    local_loss_tokens: int
+    global_loss_tokens: int
+    real_tokens: int
+    padded_tokens: int
+    loss_scale: float
+    is_ghost: bool
+    world_size: int = 1
+    micro_step: int = 0
+    micro_steps: int = 1
+    sample_ids: Tuple[int, ...] = ()
+
+    @property
+    def padding_ratio(self) -> float:
+        """Share of the batch that is padding."""
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+    @property
+    def is_last_micro_step(self) -> bool:
+        """True when the optimizer should step after this micro-batch."""
+        return self.micro_step == self.micro_steps - 1
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_wrapped_types: Dict[type, type] = {}
+
+
+def _carrier_type(cls: type) -> type:
+    # A subclass of a tuple/list type that can hold an attribute; created once per type.
+    sub = _wrapped_types.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"__module__": cls.__module__})
+        _wrapped_types[cls] = sub
+    return sub
+
+
+def attach_step_info(batch: Any, info: ODBStepInfo, key: str = DEFAULT_KEY) -> Any:
+    """Put ``info`` on a collated batch and return the batch.
+
+    A mapping gets a key; a tuple or list is returned as a same-named subclass of its
+    type (it still unpacks and compares as before) with an attribute; any other object
+    gets an attribute.
+    """
+    if isinstance(batch, MutableMapping):
+        batch[key] = info
+        return batch
+    if isinstance(batch, (tuple, list)):
+        if type(batch) in _wrapped_types.values():
+            carrier = batch
+        elif isinstance(batch, tuple):
+            carrier = tuple.__new__(_carrier_type(type(batch)), batch)
+        else:
+            carrier = _carrier_type(type(batch))(batch)
+        setattr(carrier, key, info)
+        return carrier
+    try:
+        setattr(batch, key, info)
+    except AttributeError:
+        raise TypeError(
+            f"odb cannot attach its step info to a batch of type {type(batch).__name__}: it is not a mapping, "
+            f"tuple or list and takes no attributes. Fix: make collate_fn return a dict, tuple, list or an "
+            f"object with a __dict__.") from None
+    return batch
+
+
+def pop_step_info(batch: Any, key: str = DEFAULT_KEY) -> ODBStepInfo:
+    """Remove odb's metadata from a batch and return it.
+
+    Dict-like batches lose the key ``odb_step_info``; tuples, lists, tensors and other
+    objects carry it as the attribute ``odb_step_info``, which is deleted.
+
+    Example:
+        >>> batch = attach_step_info({"x": 1}, ODBStepInfo(0, 0, 1, 1, 1, 1, 1, 1, 1.0, False))
+        >>> pop_step_info(batch).loss_scale, batch
+        (1.0, {'x': 1})
+    """
+    info: Optional[ODBStepInfo]
+    if isinstance(batch, MutableMapping):
+        info = batch.pop(key, None)
+    else:
+        info = getattr(batch, key, None)
+        if info is not None:
+            delattr(batch, key)
+    if not isinstance(info, ODBStepInfo):
+        raise KeyError(
+            f"batch of type {type(batch).__name__} carries no ODBStepInfo under {key!r}: either it did not come "
+            f"from an odb loader or its step info was already popped. Fix: call pop_step_info once per batch "
+            f"from ODBDataLoader / odb.apply.")
+    return info
