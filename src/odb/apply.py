@@ -55,7 +55,7 @@ class ODBHandle:
 
 def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
           shuffle: Optional[bool] = None, collate_fn: Optional[Callable] = None,
-          lengths: Optional[Sequence[int]] = None, **options: Any) -> ODBHandle:
+          lengths: Optional[Sequence[int]] = None, process_group: Any = None, **options: Any) -> ODBHandle:
     """Make ``loader`` (a DataLoader built with batch_size=1 or None) batch by token budget, in place.
 
     Frameworks that hold a reference to the loader keep it; the loader's dataset,
@@ -88,5 +88,6 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
     seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator)
     loader.__class__ = _odb_class(type(loader))
     loader._odb_setup(cfg, shuffle=shuffles(loader) if shuffle is None else bool(shuffle), seed=seed,
-                      group_collate=group_collate, sample_transform=transform, own_sampler=None, lengths=lengths)
+                      group_collate=group_collate, sample_transform=transform, own_sampler=None, lengths=lengths,
+                      process_group=process_group)
     return ODBHandle(loader)

@@ -13,13 +13,13 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 import numpy as np
 
-from .align import Alignment, StepPlan, WindowSummary, align_single
+from .align import (StepPlan, WindowSummary, align_single, decide_steps, global_steps, shared_step_order,
+                    step_imbalance)
 from .config import ODBConfig
+from .dist import RankExchange
 from .lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
 from .step_info import ODBStepInfo, attach_step_info
 from .window import WindowPlanner
-
-Aligner = Callable[[WindowSummary], Alignment]
 
 
 @dataclasses.dataclass
@@ -36,11 +36,17 @@ class EpochStats:
     oversize_alone: int = 0
     oversize_skipped: int = 0
     dropped_samples: int = 0
+    split_groups: int = 0
+    deferred_groups: int = 0
+    imbalance_sum: float = 0.0
+    imbalance_max: float = 0.0
 
     def as_dict(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)
         out["padding_ratio"] = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
         out["mean_batch_size"] = self.samples / max(self.steps - self.ghost_steps, 1)
+        out["rank_imbalance"] = self.imbalance_sum / self.steps if self.steps and self.imbalance_sum else 1.0
+        out["ghost_fraction"] = self.ghost_steps / self.steps if self.steps else 0.0
         return out
 
 
@@ -57,14 +63,17 @@ class EpochRun:
 
     def __init__(self, cfg: ODBConfig, chunks: Iterable[List[Tuple[int, Any]]], collate_fn: Callable[[List[Any]], Any],
                  *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False,
-                 aligner: Aligner = align_single, world_size: int = 1,
+                 exchange: Optional[RankExchange] = None,
                  finalize: Optional[Callable[[Any], Any]] = None) -> None:
         self.cfg = cfg
         self._chunks = iter(chunks)
         self._collate = collate_fn
         self._finalize = finalize
         self.epoch, self.seed, self.shuffle, self.drop_last = epoch, seed, shuffle, drop_last
-        self._align, self.world_size = aligner, world_size
+        self._exchange = exchange if exchange is not None and exchange.world_size > 1 else None
+        self.world_size = self._exchange.world_size if self._exchange else 1
+        self._local_only = self._exchange is None
+        self._window_index = 0
         self.planner = WindowPlanner(cfg)
         self.stats = EpochStats()
         self._length_fn = cfg.length_fn or default_length
@@ -76,6 +85,10 @@ class EpochRun:
         self._all_done = False
         self._ghost: Optional[Tuple[int, Any, _Meta]] = None
         self._step = 0
+
+    def close(self) -> None:
+        """Let go of the sample stream, and so of the inner loader's worker processes."""
+        self._chunks = iter(())
 
     # ---- reading -------------------------------------------------------------------
     def _read_window(self) -> List[int]:
@@ -121,7 +134,7 @@ class EpochRun:
             self._ghost = (sid, sample, self._meta[sid])
 
     # ---- planning ------------------------------------------------------------------
-    def _plan_next_window(self) -> List[Tuple[StepPlan, List[np.ndarray]]]:
+    def _plan_next_window(self) -> List[Tuple[StepPlan, List[Any]]]:
         groups: List[np.ndarray] = []
         if not self._planned_final:
             ids = self._read_window()
@@ -130,14 +143,76 @@ class EpochRun:
             self._planned_final = final
         elif len(self.planner.carried_ids):  # groups deferred by the alignment after the data ended
             groups = self._plan([], True)
-        summary = WindowSummary([self._cost(g) for g in groups],
-                                [sum(self._meta[int(i)].loss_tokens for i in g) for g in groups],
-                                [len(g) for g in groups], exhausted=self._planned_final)
-        alignment = self._align(summary)
-        self._all_done = alignment.all_exhausted
-        for g in alignment.deferred:
-            self._defer(groups[g])
-        return [(s, groups) for s in alignment.steps]
+        self._window_index += 1
+        if self._local_only:
+            alignment = align_single(WindowSummary([self._cost(g) for g in groups], self._loss(groups),
+                                                   [len(g) for g in groups], exhausted=self._planned_final))
+            self._all_done = alignment.all_exhausted
+            return [(s, groups) for s in alignment.steps]
+        return self._align_ranks(groups)
+
+    def _loss(self, groups: List[np.ndarray]) -> List[int]:
+        return [sum(self._meta[int(i)].loss_tokens for i in g) for g in groups]
+
+    def _align_ranks(self, groups: List[np.ndarray]) -> List[Tuple[StepPlan, List[Optional[np.ndarray]]]]:
+        ex = self._exchange
+        where = f"epoch {self.epoch}, window {self._window_index}"
+        header = ex.all_gather(np.array([len(groups), self._must_emit(groups), int(self._planned_final),
+                                         self.seed]), where)
+        exhausted = header[:, 2].astype(bool)
+        if not self.cfg.join and exhausted.any():
+            # join=False: from the first window where a rank's data ends, every rank
+            # emits its own groups and stops when they end (the user wraps the model in Join).
+            self._local_only = True
+            self._all_done = self._planned_final
+            single = align_single(WindowSummary([self._cost(g) for g in groups], self._loss(groups),
+                                                [len(g) for g in groups], exhausted=self._planned_final))
+            return [(s, groups) for s in single.steps]
+        n_steps = decide_steps(header[:, 0], header[:, 1], exhausted)
+        fitted = self._fit(groups, n_steps)
+        costs = [self._cost(g) if g is not None else 0 for g in fitted]
+        ranked = [fitted[k] for k in np.argsort(-np.array(costs, dtype=np.int64), kind="stable")] if fitted else []
+        stats = np.array([[self._cost(g), len(g), self._loss([g])[0]] if g is not None else [0, 0, 0]
+                          for g in ranked], dtype=np.int64).reshape(n_steps, 3)
+        everyone = ex.all_gather(stats, where)
+        imbalance = step_imbalance(everyone)
+        self.stats.imbalance_sum += float(imbalance.sum())
+        self.stats.imbalance_max = max(self.stats.imbalance_max, float(imbalance.max(initial=1.0)))
+        order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, self._window_index, self.shuffle)
+        self._all_done = bool(exhausted.all())
+        slots = [k if ranked[k] is not None else None for k in range(n_steps)]
+        return [(s, ranked) for s in global_steps(everyone, ex.rank, order, slots)]
+
+    def _must_emit(self, groups: List[np.ndarray]) -> int:
+        """Groups this rank cannot defer: deferring more would grow its pool past buffer_size."""
+        room = self.cfg.buffer_size - len(self.planner.carried_ids)
+        must = len(groups)
+        for g in sorted(groups, key=self._cost):
+            if len(g) > room:
+                break
+            room -= len(g)
+            must -= 1
+        return must
+
+    def _fit(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
+        """Exactly n_steps groups: defer the least costly, split the largest, or add ghosts (None)."""
+        out: List[Optional[np.ndarray]] = list(groups)
+        if len(out) > n_steps:
+            by_cost = sorted(range(len(out)), key=lambda k: self._cost(out[k]))
+            drop = set(by_cost[:len(out) - n_steps])
+            for k in drop:
+                self._defer(out[k])
+            self.stats.deferred_groups += len(drop)
+            out = [g for k, g in enumerate(out) if k not in drop]
+        while len(out) < n_steps:
+            k = max(range(len(out)), key=lambda j: len(out[j]), default=None)
+            if k is None or len(out[k]) < 2:
+                out.append(None)
+                continue
+            g = out.pop(k)  # planner order: longest first, so both halves stay within budget
+            out.extend([g[:len(g) // 2 + len(g) % 2], g[len(g) // 2 + len(g) % 2:]])
+            self.stats.split_groups += 1
+        return out
 
     _planned_final = False
 
@@ -204,7 +279,7 @@ class EpochRun:
     # ---- emitting ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         k = self.cfg.gradient_accumulation_steps
-        pending: Deque[Tuple[StepPlan, List[np.ndarray]]] = collections.deque()
+        pending: Deque[Tuple[StepPlan, List[Any]]] = collections.deque()
         while True:
             while len(pending) < k and not self._all_done:
                 pending.extend(self._plan_next_window())
@@ -217,7 +292,7 @@ class EpochRun:
             warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
                           f"{self.cfg.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=2)
 
-    def _make_batch(self, plan: StepPlan, window_groups: List[np.ndarray], chunk: List[StepPlan], j: int) -> Any:
+    def _make_batch(self, plan: StepPlan, window_groups: List[Any], chunk: List[StepPlan], j: int) -> Any:
         ghost = plan.group is None
         if ghost:
             if self._ghost is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any, Sequence, Tuple, Union
 
@@ -53,12 +54,15 @@ def seq2seq_lengths(sample: Mapping) -> Tuple[int, int]:
 
 def as_length_tuple(value: Union[int, Sequence[int]], index: int) -> Tuple[int, ...]:
     """Validate what a length_fn returned."""
-    out = (value,) if isinstance(value, (int,)) or (hasattr(value, "__index__") and not hasattr(value, "__len__")) \
-        else tuple(value)
-    try:
-        out = tuple(int(v) for v in out)
-    except (TypeError, ValueError):
-        out = ()
+    out: Tuple[int, ...] = ()
+    if not isinstance(value, (str, bytes)):  # iterating "12" would read two lengths
+        try:
+            out = (operator.index(value),)  # ints, numpy ints, 0-d integer tensors
+        except TypeError:
+            try:
+                out = tuple(int(v) for v in value)
+            except (TypeError, ValueError):  # None, floats, other non-sequences fall to the error below
+                out = ()
     if not out or any(v < 0 for v in out):
         raise ValueError(f"length_fn returned {value!r} for sample {index}: a length must be an int >= 0 or a "
                          f"tuple of them. Fix: make length_fn return the token count(s) of the sample.")

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
 from .config import CONFIG_FIELDS, ODBConfig
+from .dist import RankExchange, world
 from .engine import EpochRun, EpochStats
 from .lengths import as_length_tuple, default_length
 from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable, keep_list
@@ -53,7 +54,8 @@ class ODBLoaderMixin(DataLoader):
 
     def _odb_setup(self, cfg: ODBConfig, *, shuffle: bool, seed: int,
                    group_collate: Callable[[Any], Any], sample_transform: Optional[Callable[[Any], Any]],
-                   own_sampler: Optional[EpochShuffleSampler], lengths: Optional[Sequence[int]] = None) -> None:
+                   own_sampler: Optional[EpochShuffleSampler], lengths: Optional[Sequence[int]] = None,
+                   process_group: Any = None) -> None:
         self._odb_cfg = cfg
         self._odb_shuffle = shuffle
         self._odb_seed = seed
@@ -65,6 +67,8 @@ class ODBLoaderMixin(DataLoader):
         self._odb_inner: Optional[DataLoader] = None
         self._odb_last_steps: Optional[int] = None
         self._odb_run: Optional[EpochRun] = None
+        self._odb_group = process_group
+        self._odb_exchange: Optional[RankExchange] = None
 
     # ---- public ----------------------------------------------------------------------
     @property
@@ -92,6 +96,7 @@ class ODBLoaderMixin(DataLoader):
             self._odb_own_sampler.set_epoch(epoch)
         run = EpochRun(self._odb_cfg, self._odb_chunks(), self._odb_group_collate, epoch=epoch,
                        seed=self._odb_seed, shuffle=self._odb_shuffle, drop_last=bool(self.drop_last),
+                       exchange=self._odb_rank_exchange(),
                        finalize=self._odb_pin if self.pin_memory and torch.cuda.is_available() else None)
         self._odb_run = run
         return self._odb_epoch(run)
@@ -103,11 +108,19 @@ class ODBLoaderMixin(DataLoader):
         return self._odb_estimate_steps()
 
     # ---- internals -----------------------------------------------------------------------
+    def _odb_rank_exchange(self) -> Optional[RankExchange]:
+        if self._odb_exchange is None and (self._odb_group is not None or world()[1] > 1):
+            self._odb_exchange = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group)
+        return self._odb_exchange
+
     def _odb_epoch(self, run: EpochRun) -> Iterator[Any]:
         steps = 0
-        for batch in run:
-            steps += 1
-            yield batch
+        try:
+            for batch in run:
+                steps += 1
+                yield batch
+        finally:
+            run.close()  # odb_stats keeps the run: without this a `break` would keep its workers alive
         self._odb_last_steps = steps
 
     def _odb_is_iterable(self) -> bool:
@@ -214,7 +227,7 @@ class ODBDataLoader(ODBLoaderMixin):
                  worker_init_fn: Optional[Callable] = None, multiprocessing_context: Any = None,
                  generator: Optional[torch.Generator] = None, prefetch_factor: Optional[int] = None,
                  persistent_workers: bool = False, pin_memory_device: str = "",
-                 lengths: Optional[Sequence[int]] = None, **options: Any) -> None:
+                 lengths: Optional[Sequence[int]] = None, process_group: Any = None, **options: Any) -> None:
         dl_options = {k: options.pop(k) for k in list(options) if k == "in_order"}
         cfg = make_config(config, token_budget, options)
         if batch_size != 1 or batch_sampler is not None:
@@ -235,7 +248,7 @@ class ODBDataLoader(ODBLoaderMixin):
                          generator=generator, prefetch_factor=prefetch_factor,
                          persistent_workers=persistent_workers, pin_memory_device=pin_memory_device, **dl_options)
         self._odb_setup(cfg, shuffle=bool(shuffle), seed=seed, group_collate=self.collate_fn,
-                        sample_transform=None, own_sampler=own, lengths=lengths)
+                        sample_transform=None, own_sampler=own, lengths=lengths, process_group=process_group)
 
 
 def group_collate_for(loader: DataLoader, collate_fn: Optional[Callable]) -> tuple:

@@ -1,0 +1,1 @@
+"""odb benchmarks: the main job of `make demo` (python -m odb.bench)."""
