@@ -52,8 +52,9 @@ class RankExchange:
 
     def all_gather(self, values: np.ndarray, where: str) -> np.ndarray:
         """(world, *values.shape) array of every rank's values (same shape on all ranks)."""
-        local = torch.as_tensor(np.ascontiguousarray(values, dtype=np.int64))
-        out = torch.empty((self.world_size,) + tuple(local.shape), dtype=torch.int64)
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        local = torch.as_tensor(values.reshape(-1))
+        out = torch.empty(self.world_size * local.numel(), dtype=torch.int64)
         try:
             dist.all_gather_into_tensor(out, local, group=self.group)
         except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
@@ -63,4 +64,4 @@ class RankExchange:
                 f"its odb loader ({type(err).__name__}: {err}). Fix: check the other ranks' logs; every rank "
                 f"must iterate its odb loaders in the same order; raise exchange_timeout_s for very slow "
                 f"steps.") from err
-        return out.numpy()
+        return out.numpy().reshape((self.world_size,) + values.shape)

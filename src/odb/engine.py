@@ -174,7 +174,7 @@ class EpochRun:
         ranked = [fitted[k] for k in np.argsort(-np.array(costs, dtype=np.int64), kind="stable")] if fitted else []
         stats = np.array([[self._cost(g), len(g), self._loss([g])[0]] if g is not None else [0, 0, 0]
                           for g in ranked], dtype=np.int64).reshape(n_steps, 3)
-        everyone = ex.all_gather(stats, where)
+        everyone = ex.all_gather(stats, where) if n_steps else np.zeros((self.world_size, 0, 3), dtype=np.int64)
         imbalance = step_imbalance(everyone)
         self.stats.imbalance_sum += float(imbalance.sum())
         self.stats.imbalance_max = max(self.stats.imbalance_max, float(imbalance.max(initial=1.0)))
@@ -205,10 +205,10 @@ class EpochRun:
             self.stats.deferred_groups += len(drop)
             out = [g for k, g in enumerate(out) if k not in drop]
         while len(out) < n_steps:
-            k = max(range(len(out)), key=lambda j: len(out[j]), default=None)
+            k = max((j for j, g in enumerate(out) if g is not None), key=lambda j: len(out[j]), default=None)
             if k is None or len(out[k]) < 2:
-                out.append(None)
-                continue
+                out.extend([None] * (n_steps - len(out)))  # nothing left to split: the rest are ghosts
+                break
             g = out.pop(k)  # planner order: longest first, so both halves stay within budget
             out.extend([g[:len(g) // 2 + len(g) % 2], g[len(g) // 2 + len(g) % 2:]])
             self.stats.split_groups += 1

@@ -1,0 +1,45 @@
+"""DDP on CPU (gloo) with odb: every rank runs the same number of steps, loss scaled exactly.
+
+    torchrun --nproc_per_node=2 examples/ddp_train.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+import odb
+from _common import SyntheticSFT, pad_collate, tiny_llama
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(tiny_llama())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = SyntheticSFT(n=400)
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = odb.ODBDataLoader(data, token_budget=4096, sampler=sampler, num_workers=1, collate_fn=pad_collate,
+                               buffer_size=128)
+    for epoch in range(2):
+        loader.set_epoch(epoch)  # also reaches the DistributedSampler
+        seen = 0
+        for batch in loader:
+            info = odb.pop_step_info(batch)
+            loss = model(**batch).loss * info.loss_scale  # ghost batches have loss_scale 0
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen += info.all_samples_this_step
+        stats = loader.odb_stats
+        print(f"rank {rank}/{world} epoch {epoch}: {stats['steps']} steps, {seen} samples (all ranks), "
+              f"ghost steps {stats['ghost_steps']}, padding {stats['padding_ratio']:.1%}, "
+              f"rank imbalance {stats['rank_imbalance']:.3f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

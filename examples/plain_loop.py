@@ -1,0 +1,36 @@
+"""Plain PyTorch loop with odb: one process, CPU by default.
+
+    python examples/plain_loop.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+import odb
+from _common import SyntheticSFT, pad_collate, tiny_llama
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = odb.ODBDataLoader(SyntheticSFT(n=400), token_budget=4096, shuffle=True, num_workers=2,
+                               collate_fn=pad_collate, buffer_size=256, gradient_accumulation_steps=2)
+    seen = 0
+    for batch in loader:
+        info = odb.pop_step_info(batch)            # removes odb's metadata from the batch
+        loss = model(**batch).loss * info.loss_scale  # HF mean over supervised tokens, scaled exactly
+        loss.backward()
+        if info.is_last_micro_step:
+            opt.step()
+            opt.zero_grad()
+        seen += info.all_samples_this_step
+        if info.step % 10 == 0:
+            print(f"step {info.step:3d} batch {info.local_samples:3d} samples "
+                  f"padding {info.padding_ratio:.1%} loss {loss.item() / max(info.loss_scale, 1e-9):.3f}")
+    print(f"epoch done: {seen} samples in {len(loader)} steps; stats {loader.odb_stats}")
+
+
+if __name__ == "__main__":
+    main()
