@@ -288,6 +288,13 @@ class EpochRun:
             chunk = [pending.popleft() for _ in range(min(k, len(pending)))]
             for j, (plan, window_groups) in enumerate(chunk):
                 yield self._make_batch(plan, window_groups, [p for p, _ in chunk], j)
+        fill = self.stats.padded_tokens / max(self.stats.steps * sum(self.cfg.token_budgets), 1)
+        if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5:
+            warnings.warn(f"odb rank {self._exchange.rank}: batches filled only {fill:.0%} of token_budget on "
+                          f"average in epoch {self.epoch} (split groups: {self.stats.split_groups}, ghost steps: "
+                          f"{self.stats.ghost_steps}): this rank's shard holds far fewer tokens than others'. "
+                          f"Fix: shuffle samples across ranks (DistributedSampler(shuffle=True)) or balance "
+                          f"shards by tokens.", stacklevel=2)
         if self.stats.oversize_skipped:
             warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
                           f"{self.cfg.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=2)
