@@ -91,3 +91,48 @@ class EpochShuffleSampler(Sampler[int]):
         g = torch.Generator()
         g.manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
         return iter(torch.randperm(len(self.data_source), generator=g).tolist())
+
+
+class ShardSampler(Sampler[int]):
+    """Each rank's share of a (shuffled) dataset, without DistributedSampler's padding.
+
+    DistributedSampler repeats indices so that every rank has the same count; odb's
+    join mode does not need equal counts, so this sampler gives every index to exactly
+    one rank (ranks differ by at most one sample).
+
+    Example:
+        >>> parts = [list(ShardSampler(range(5), num_replicas=2, rank=r, shuffle=False)) for r in (0, 1)]
+        >>> parts
+        [[0, 2, 4], [1, 3]]
+    """
+
+    def __init__(self, data_source: Sized, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        if num_replicas is None or rank is None:
+            from .dist import world  # the one module that reads torch.distributed
+
+            default_rank, default_world = world()
+            num_replicas = default_world if num_replicas is None else num_replicas
+            rank = default_rank if rank is None else rank
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"ShardSampler got rank={rank} with num_replicas={num_replicas}: the rank must be in "
+                             f"[0, num_replicas). Fix: pass the process's rank and the world size.")
+        self.data_source, self.num_replicas, self.rank = data_source, num_replicas, rank
+        self.shuffle, self.seed, self.epoch = shuffle, int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.data_source)
+        return n // self.num_replicas + (1 if self.rank < n % self.num_replicas else 0)
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.data_source)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63))
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        return iter(order[self.rank::self.num_replicas])
