@@ -62,11 +62,12 @@ def simulate_ranks(lengths_per_rank: Sequence[np.ndarray], cfg: ODBConfig, *, ep
     sim_cfg = cfg.replace(length_fn=_sample_length, loss_tokens_fn=_sample_loss)
 
     def run(rank: int) -> None:
-        lengths = np.asarray(lengths_per_rank[rank])
-        loss = loss_tokens_per_rank[rank] if loss_tokens_per_rank else lengths.reshape(len(lengths), -1)[:, 0]
-        samples = [(rank * 10**9 + i, (lengths[i].tolist(), int(loss[i]))) for i in range(len(lengths))]
-        chunks = [samples[i:i + 64] for i in range(0, len(samples), 64)]
         try:
+            lengths = np.asarray(lengths_per_rank[rank])
+            loss = loss_tokens_per_rank[rank] if loss_tokens_per_rank else (lengths[:, 0] if lengths.ndim > 1
+                                                                            else lengths)
+            samples = [(rank * 10**9 + i, (lengths[i].tolist(), int(loss[i]))) for i in range(len(lengths))]
+            chunks = [samples[i:i + 64] for i in range(0, len(samples), 64)]
             er = EpochRun(sim_cfg, chunks, _keep, epoch=epoch, seed=seed, shuffle=shuffle,
                           exchange=hub.for_rank(rank))
             for batch in er:
