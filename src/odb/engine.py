@@ -7,6 +7,7 @@ order -> rank alignment -> optimizer-step accounting -> collate_fn -> batch + in
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import warnings
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -130,8 +131,9 @@ class EpochRun:
         self._samples[sid] = sample
         self._meta[sid] = _Meta(lengths, int(loss), patches, self._arrived)
         self._arrived += 1
-        if self._ghost is None:
-            self._ghost = (sid, sample, self._meta[sid])
+        if self._ghost is None and self._exchange is not None:
+            # A copy: the user's collate_fn may change the real sample when it is emitted.
+            self._ghost = (sid, copy.deepcopy(sample), self._meta[sid])
 
     # ---- planning ------------------------------------------------------------------
     def _plan_next_window(self) -> List[Tuple[StepPlan, List[Any]]]:

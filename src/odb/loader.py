@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
@@ -111,6 +112,12 @@ class ODBLoaderMixin(DataLoader):
     def _odb_rank_exchange(self) -> Optional[RankExchange]:
         if self._odb_exchange is None and (self._odb_group is not None or world()[1] > 1):
             self._odb_exchange = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group)
+            if not self._odb_is_iterable() and not _is_sharded(self.sampler):
+                warnings.warn(
+                    f"odb rank {self._odb_exchange.rank}: torch.distributed has {self._odb_exchange.world_size} "
+                    f"ranks but the loader's sampler ({type(self.sampler).__name__}) does not shard the dataset, "
+                    f"so every rank iterates all of it. Fix: pass sampler=odb.ShardSampler(dataset) or a "
+                    f"DistributedSampler.", stacklevel=3)
         return self._odb_exchange
 
     def _odb_epoch(self, run: EpochRun) -> Iterator[Any]:
@@ -177,6 +184,10 @@ class ODBLoaderMixin(DataLoader):
         probe_cfg = cfg.replace(oversize="alone", image_patches_key=None, max_image_patches=None)
         groups = oracle_groups(lengths, probe_cfg)
         return max(1, int(np.ceil(len(groups) * n / len(lengths))))
+
+
+def _is_sharded(sampler: Any) -> bool:
+    return hasattr(sampler, "num_replicas") and getattr(sampler, "num_replicas", 1) > 1
 
 
 def _number_stream(inner: DataLoader) -> Iterator[Any]:
