@@ -208,3 +208,30 @@ def misbehave(rank: int, world: int, p: Dict[str, Any]) -> None:
         if p["how"] == "raise":
             raise ValueError("boom on purpose")
         time.sleep(3600)
+
+
+# ---- start methods, two loaders at once, ShardSampler -------------------------------------
+
+
+def two_loaders(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
+    """A train and an eval loader iterated interleaved, with different worker start methods."""
+    train_ds = LengthDataset(known_lengths(p["n"], 1, 60, seed=2))
+    eval_ds = LengthDataset(known_lengths(p["n_eval"], 1, 60, seed=3))
+    train = odb.ODBDataLoader(train_ds, token_budget=p["budget"], sampler=odb.ShardSampler(train_ds, seed=1),
+                              num_workers=1, multiprocessing_context=p["train_ctx"], collate_fn=pad_collate,
+                              buffer_size=p["buffer"])
+    evals = odb.ODBDataLoader(eval_ds, token_budget=p["budget"], sampler=odb.ShardSampler(eval_ds, shuffle=False),
+                              num_workers=1, multiprocessing_context=p["eval_ctx"], collate_fn=pad_collate,
+                              buffer_size=p["buffer"])
+    train_steps, eval_epochs = [], [[]]
+    eval_iter = iter(evals)
+    for batch in train:
+        train_steps.append(record(batch, odb.pop_step_info(batch)))
+        try:
+            eb = next(eval_iter)
+        except StopIteration:
+            eval_epochs.append([])
+            eval_iter = iter(evals)
+            eb = next(eval_iter)
+        eval_epochs[-1].append(record(eb, odb.pop_step_info(eb)))
+    return {"train": train_steps, "eval": eval_epochs}

@@ -135,3 +135,16 @@ def test_a_dead_rank_makes_the_others_raise_instead_of_hanging(tmp_path):
 def test_harness_reports_a_failing_rank_with_its_traceback_and_kills_the_rest(tmp_path):
     with pytest.raises(RankFailure, match=r"(?s)rank 1 raised:.*boom on purpose.*rank\(s\) \[0\] had not finished"):
         run_ranks("misbehave", 2, dict(rank=0, how="hang", raising=1), tmp_path, deadline_s=30)
+
+
+def test_two_loaders_interleaved_with_spawn_and_forkserver_workers(tmp_path):
+    n, n_eval, world = 203, 61, 2
+    params = dict(n=n, n_eval=n_eval, budget=200, buffer=32, train_ctx="forkserver", eval_ctx="spawn")
+    results = run_ranks("two_loaders", world, params, tmp_path)
+    check_aligned([r["train"] for r in results], world)
+    emitted = [i for r in results for s in r["train"] for i in s["ids"]]
+    assert sorted(emitted) == list(range(n)), "ShardSampler + join: every training sample exactly once"
+    first_eval_epochs = [r["eval"][0] for r in results]
+    check_aligned(first_eval_epochs, world)
+    if len(results[0]["eval"]) > 1:  # the eval loader was restarted mid-training: a full first epoch
+        assert sorted(i for run in first_eval_epochs for s in run for i in s["ids"]) == list(range(n_eval))

@@ -41,6 +41,9 @@ class ODBConfig:
             length dimensions; a tuple gives one budget per dimension (e.g. source
             and target of an encoder-decoder pair).
         buffer_size: processed samples per planning window.
+        first_window_size: the first window of an epoch holds this many samples and
+            each next one twice as many, up to buffer_size, so the first batch does not
+            wait for a full buffer (set it to buffer_size to disable the ramp).
         max_carry: the most samples carried from one window to the next (samples
             that did not fit a well-packed batch yet). Default: buffer_size // 2.
         pack_efficiency: a batch is emitted from a window (rather than carried) when
@@ -76,6 +79,7 @@ class ODBConfig:
 
     token_budget: Union[int, Tuple[int, ...]]
     buffer_size: int = 1024
+    first_window_size: int = 64
     max_carry: Optional[int] = None
     pack_efficiency: float = 0.95
     pad_to_multiple_of: int = 1
@@ -105,6 +109,7 @@ class ODBConfig:
         for b in budgets:
             _check_int("token_budget", b, 1, "pass a positive number of tokens, e.g. token_budget=16384")
         _check_int("buffer_size", self.buffer_size, 1, "use a window of a few hundred samples or more, e.g. 1024")
+        _check_int("first_window_size", self.first_window_size, 1, "pass e.g. 64, or buffer_size for no ramp")
         _check_int("max_carry", self.max_carry, 0, "pass None (buffer_size // 2) or a count >= 0", optional=True)
         if isinstance(self.pack_efficiency, bool) or not isinstance(self.pack_efficiency, (int, float)):
             _fail("pack_efficiency", self.pack_efficiency, "must be a float", "pass e.g. 0.95", TypeError)

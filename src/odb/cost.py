@@ -47,6 +47,13 @@ class CostModel:
         return cls(cfg.token_budgets, cfg.pad_to_multiple_of, cfg.quadratic_length, cfg.max_batch_size,
                    cfg.batch_size_multiple, cfg.max_image_patches)
 
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model with every token budget multiplied by ``factor``."""
+        out = CostModel.__new__(CostModel)
+        out.__dict__.update(self.__dict__)
+        out.budgets = self.budgets * factor
+        return out
+
     @property
     def total_budget(self) -> float:
         return float(self.budgets.sum())

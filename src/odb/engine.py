@@ -20,6 +20,7 @@ from .config import ODBConfig
 from .dist import RankExchange
 from .lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
 from .step_info import ODBStepInfo, attach_step_info
+from .planner import balanced_partition
 from .window import WindowPlanner
 
 
@@ -38,6 +39,7 @@ class EpochStats:
     oversize_skipped: int = 0
     dropped_samples: int = 0
     split_groups: int = 0
+    carry_groups: int = 0
     deferred_groups: int = 0
     imbalance_sum: float = 0.0
     imbalance_max: float = 0.0
@@ -94,7 +96,8 @@ class EpochRun:
     # ---- reading -------------------------------------------------------------------
     def _read_window(self) -> List[int]:
         """Ids of the next buffer_size processed samples (fewer at the end of data)."""
-        want = self.cfg.buffer_size
+        cfg = self.cfg
+        want = min(cfg.buffer_size, cfg.first_window_size << min(self.stats.windows, 30))
         got: List[Tuple[int, Any]] = self._leftover
         while len(got) < want and not self._exhausted:
             try:
@@ -185,6 +188,14 @@ class EpochRun:
         slots = [k if ranked[k] is not None else None for k in range(n_steps)]
         return [(s, ranked) for s in global_steps(everyone, ex.rank, order, slots)]
 
+    def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
+        """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""
+        ids = np.concatenate(groups)
+        metas = [self._meta[int(i)] for i in ids]
+        patches = np.array([m.patches for m in metas]) if self.cfg.image_patches_key else None
+        parts = balanced_partition(np.array([m.lengths for m in metas]), ids, self.planner.cost, n_steps, patches)
+        return [ids[p] for p in parts]
+
     def _must_emit(self, groups: List[np.ndarray]) -> int:
         """Groups this rank cannot defer: deferring more would grow its pool past buffer_size."""
         room = self.cfg.buffer_size - len(self.planner.carried_ids)
@@ -197,7 +208,8 @@ class EpochRun:
         return must
 
     def _fit(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
-        """Exactly n_steps groups: defer the least costly, split the largest, or add ghosts (None)."""
+        """Exactly n_steps groups: defer the least costly; or take groups from the carry, then split
+        the largest, then add ghosts (None)."""
         out: List[Optional[np.ndarray]] = list(groups)
         if len(out) > n_steps:
             by_cost = sorted(range(len(out)), key=lambda k: self._cost(out[k]))
@@ -206,6 +218,11 @@ class EpochRun:
                 self._defer(out[k])
             self.stats.deferred_groups += len(drop)
             out = [g for k, g in enumerate(out) if k not in drop]
+        if self._planned_final and n_steps > len(out) and out:
+            out = self._rebalance(out, n_steps)
+        from_carry = self.planner.take_from_carry(n_steps - len(out))
+        out.extend(from_carry)
+        self.stats.carry_groups += len(from_carry)
         while len(out) < n_steps:
             k = max((j for j, g in enumerate(out) if g is not None), key=lambda j: len(out[j]), default=None)
             if k is None or len(out[k]) < 2:

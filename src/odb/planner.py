@@ -164,3 +164,40 @@ def _drain_carry(runs: List[np.ndarray], tokens: np.ndarray, ideal: np.ndarray, 
         extra.append(carried[s:e])
         excess -= e - s
     return extra
+
+
+def balanced_partition(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, n_groups: int,
+                       patches: Optional[np.ndarray] = None) -> List[np.ndarray]:
+    """Cut a pool into at most ``n_groups`` runs whose costliest run is as cheap as possible.
+
+    Used for the last window of a rank that must fill a given number of steps: instead
+    of full batches and a few tiny ones, every step gets a similar share. Returns
+    positions into the pool, longest run first.
+
+    Example:
+        >>> groups = balanced_partition(np.array([8, 8, 8, 8]), np.arange(4), CostModel((32,)), 2)
+        >>> [len(g) for g in groups]
+        [2, 2]
+    """
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(len(ids), -1)
+    if len(lengths) == 0 or n_groups <= 0:
+        return []
+    padded = cost.pad(lengths)
+    order = sort_order(padded, np.asarray(ids))
+    pad_s = padded[order]
+    patch_s = None if patches is None else np.asarray(patches)[order]
+
+    def cut(scale: float) -> List[tuple]:
+        return greedy_segments(cost.scaled(scale).max_counts_sorted(pad_s, patch_s), cost.multiple)
+
+    best = cut(1.0)
+    if len(best) <= n_groups:
+        lo, hi = 0.0, 1.0
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            segs = cut(mid)
+            if len(segs) <= n_groups:
+                hi, best = mid, segs
+            else:
+                lo = mid
+    return [order[s:e] for s, e in best]

@@ -76,6 +76,22 @@ class WindowPlanner:
         if patches is not None:
             self._carry_patches = np.concatenate((self._carry_patches, patches))
 
+    def take_from_carry(self, count: int) -> List[np.ndarray]:
+        """Up to ``count`` batches cut greedily from the carry, costliest (fullest) first; removed from it."""
+        if count <= 0 or self._carry_len is None or not len(self._carry_ids):
+            return []
+        plan = plan_window(self._carry_len, self._carry_ids, self.cost, final=True, patches=self._carry_patches)
+        costs = [self.cost.batch_cost(self.cost.pad(self._carry_len[g])) for g in plan.groups]
+        chosen = [plan.groups[k] for k in np.argsort(-np.asarray(costs), kind="stable")[:count]]
+        keep = np.ones(len(self._carry_ids), dtype=bool)
+        for g in chosen:
+            keep[g] = False
+        out = [self._carry_ids[g] for g in chosen]
+        self._carry_ids, self._carry_len = self._carry_ids[keep], self._carry_len[keep]
+        if self._carry_patches is not None:
+            self._carry_patches = self._carry_patches[keep]
+        return out
+
     def restore_carry(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Set the carried samples (used by resume)."""
         self._carry_ids = np.asarray(ids, dtype=np.int64)
@@ -93,11 +109,14 @@ def plan_stream(lengths: np.ndarray, cfg: ODBConfig,
     lengths = np.asarray(lengths, dtype=np.int64)
     n = len(lengths)
     wp = WindowPlanner(cfg)
-    for start in range(0, max(n, 1), cfg.buffer_size):
-        stop = min(start + cfg.buffer_size, n)
+    start, k = 0, 0
+    while start < n or (n == 0 and k == 0):
+        size = min(cfg.buffer_size, cfg.first_window_size << min(k, 30))
+        stop = min(start + size, n)
         sl = slice(start, stop)
         yield wp.plan(np.arange(start, stop), lengths[sl], None if patches is None else patches[sl],
                       final=stop >= n)
+        start, k = stop, k + 1
 
 
 def oracle_groups(lengths: np.ndarray, cfg: ODBConfig, patches: Optional[np.ndarray] = None) -> List[np.ndarray]:
