@@ -110,8 +110,6 @@ def test_from_config_and_total_budget() -> None:
     assert CostModel.from_config(ODBConfig(token_budget=64)).max_batch == INT_MAX
 
 
-@pytest.mark.xfail(strict=True, reason="token_weight computes L * (1 + L/q) in floats: when B copies cost exactly "
-                   "the budget the weight can round one ulp up, so copies_that_fit returns B - 1 (0: oversize)")
 @pytest.mark.parametrize("budget, q, length, copies", [
     (40, 9, 15, 1),  # 15 x (1 + 15/9) = 40 exactly: reported oversize
     (40, 3, 5, 3),   # 3 x 5 x (1 + 5/3) = 40 exactly: only 2 copies

@@ -345,8 +345,6 @@ def test_carry_drain_emits_the_best_packed_run_first() -> None:
     assert sorted(plan.carry.tolist()) == [2, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="planner._dp_segments emits a run only when its value is > 0 "
-                   "(strictly), so a run that exactly reaches pack_efficiency (here a full batch at 1.0) is carried")
 def test_a_run_that_exactly_reaches_pack_efficiency_is_emitted() -> None:
     plan = plan_window(np.full(10, 10), np.arange(10), CostModel((100,)), final=False, pack_efficiency=1.0,
                        carry_limit=50)

@@ -127,6 +127,10 @@ class ODBConfig:
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 _fail(name, fn, "must be callable", "pass a function sample -> int", TypeError)
+        if self.image_patches_key is not None and (not isinstance(self.image_patches_key, str)
+                                                   or not self.image_patches_key):
+            _fail("image_patches_key", self.image_patches_key, "must be a non-empty str or None",
+                  "pass the sample field holding the patch count, e.g. 'num_image_patches'", TypeError)
         _check_int("max_image_patches", self.max_image_patches, 1, "pass None or a positive count", optional=True)
         if (self.image_patches_key is None) != (self.max_image_patches is None):
             _fail("max_image_patches", self.max_image_patches,

@@ -16,6 +16,11 @@ import numpy as np
 from .config import ODBConfig
 
 
+# Quadratic weights are floats: a batch whose exact cost equals the budget may compute
+# a hair above it. Integer-length costs (no quadratic term) are exact and unaffected.
+_ULP = 1.0 + 1e-12
+
+
 class CostModel:
     """Batch cost and feasibility under one ODBConfig.
 
@@ -76,13 +81,13 @@ class CostModel:
     def token_weight(self, padded: np.ndarray) -> np.ndarray:
         """Cost of one sample padded to these lengths, per dimension (float)."""
         w = padded.astype(np.float64)
-        return w if self.q is None else w * (1.0 + w / self.q)
+        return w if self.q is None else w * (self.q + w) / self.q
 
     def _per_sample_cost_ok(self, w_max: np.ndarray, counts: np.ndarray) -> np.ndarray:
         # w_max: (K, D) weights of the running maxima; counts: (K,) batch sizes.
         if len(self.budgets) == 1:
-            return counts * w_max.sum(axis=1) <= self.budgets[0]
-        return (counts[:, None] * w_max <= self.budgets[None, :]).all(axis=1)
+            return counts * w_max.sum(axis=1) <= self.budgets[0] * _ULP
+        return (counts[:, None] * w_max <= self.budgets[None, :] * _ULP).all(axis=1)
 
     def batch_cost(self, padded_group: np.ndarray) -> float:
         """Cost of one batch: B x (sum over dimensions of the weight of the max length)."""
@@ -135,7 +140,7 @@ class CostModel:
         """Copies of each sample that fit the token budget and max_batch_size."""
         w = self.token_weight(padded)
         if len(self.budgets) == 1:
-            fit = np.floor(self.budgets[0] / np.maximum(w.sum(axis=1), 1e-9))
+            fit = np.floor(self.budgets[0] * _ULP / np.maximum(w.sum(axis=1), 1e-9))
         else:
-            fit = np.floor(self.budgets[None, :] / np.maximum(w, 1e-9)).min(axis=1)
+            fit = np.floor(self.budgets[None, :] * _ULP / np.maximum(w, 1e-9)).min(axis=1)
         return np.minimum(fit, self.max_batch).astype(np.int64)

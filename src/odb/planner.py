@@ -34,6 +34,9 @@ class WindowPlan:
     oversize: np.ndarray
 
 
+_TIE = 1e-6  # tokens; absorbs float error where emitting and carrying tie
+
+
 def sort_order(padded: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Decreasing total padded length; ties broken by sample id (deterministic)."""
     return np.lexsort((ids, -padded.sum(axis=1)))
@@ -72,7 +75,7 @@ def _dp_segments(tokens: np.ndarray, counts: np.ndarray, ideal: np.ndarray, effi
             sizes = np.arange(multiple, b_max + 1, multiple)
             vals = scale * (cum[i + sizes] - cum[i]) - ideal[i] + best[i + sizes]
         k = int(np.argmax(vals))
-        if vals[k] > best[i]:
+        if vals[k] >= best[i] - _TIE:  # a run that just reaches pack_efficiency is emitted
             best[i] = vals[k]
             take[i] = sizes[k]
     segs, i = [], 0
