@@ -195,7 +195,9 @@ def run_planning(workloads: Dict[str, np.ndarray], budget: int = 16384, buffer_s
             batches, arrival, times = odb_batches(lengths, ODBConfig(token_budget=budget, buffer_size=size), seed)
             m = batch_metrics(lengths, batches, budget, arrival)
             m.update(window_plan_ms_mean=1e3 * float(np.mean(times)), window_plan_ms_max=1e3 * float(np.max(times)),
-                     plan_s=float(np.sum(times)))
+                     plan_s=float(np.sum(times)),
+                     # how many full batches one window holds: small values force under-filled batches
+                     window_in_budgets=size * float(lengths.sum(axis=1).mean()) / budget)
             methods[f"odb-{size}"] = m
         for m in methods.values():
             m["ratio_to_oracle"] = m["useful_fill"] / methods["oracle"]["useful_fill"]

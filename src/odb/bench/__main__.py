@@ -1,0 +1,127 @@
+"""The benchmark of ``make demo``: planner quality, loader speed and training speed.
+
+    python -m odb.bench --out out/bench            # the full run (about 3 minutes on 2 cores)
+    python -m odb.bench --out /tmp/b --quick       # tiny sizes, for the smoke test
+
+Writes ``results.json``, ``bench.png`` and ``summary.md`` under ``--out`` and prints the
+tables. Offline: the model is built from a config, nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .. import __version__
+from .planning import BUFFER_SIZES, load_workloads, run_planning
+from .report import plot, render
+from .workloads import lognormal_lengths
+
+# name -> (full, quick)
+SIZES: Dict[str, tuple] = {
+    "planning_samples": (20000, 1500),
+    "loader_samples": (20000, 600),
+    "loader_repeats": (3, 1),
+    "loader_bs1_samples": (4000, 200),
+    "train_samples": (800, 24),
+}
+
+
+def _progress() -> Callable[..., Any]:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return lambda it, **kw: it
+    return lambda it, **kw: tqdm(it, file=sys.stderr, dynamic_ncols=True, **kw)
+
+
+def _machine() -> Dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info: Dict[str, Any] = {"cpu": cpu, "logical_cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version(), "torch": torch.__version__, "odb": __version__,
+                            "torch_threads": torch.get_num_threads()}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m odb.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/bench", help="output folder (default: out/bench)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for smoke tests")
+    p.add_argument("--device", default="cpu", help="device of the training benchmark, e.g. cpu or cuda")
+    p.add_argument("--skip-train", action="store_true", help="skip the training benchmark")
+    p.add_argument("--skip-loader", action="store_true", help="skip the loader-speed benchmark")
+    p.add_argument("--no-real", action="store_true", help="leave out the committed real-data workloads")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    size = {k: v[1] if args.quick else v[0] for k, v in SIZES.items()}
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device. "
+                         f"Fix: run on a GPU machine with a CUDA build of torch, or use --device cpu.")
+    os.makedirs(args.out, exist_ok=True)
+    progress = _progress()
+    t_all = time.perf_counter()
+    results: Dict[str, Any] = {"meta": {"command": "python -m odb.bench " + " ".join(argv or sys.argv[1:]),
+                                        "quick": args.quick, "sizes": size, "machine": _machine()},
+                               "wall_s": {}}
+
+    t0 = time.perf_counter()
+    workloads = load_workloads(size["planning_samples"], real=not args.no_real,
+                               log=lambda m: print(m, file=sys.stderr))
+    results["planning"] = run_planning(workloads, budget=16384, buffer_sizes=BUFFER_SIZES, progress=progress)
+    results["wall_s"]["planning"] = time.perf_counter() - t0
+
+    if not args.skip_loader:
+        from .loader_speed import run_loader_speed
+
+        t0 = time.perf_counter()
+        results["loader"] = run_loader_speed(lognormal_lengths(900.0, 1.0, size["loader_samples"]), num_workers=2,
+                                             budget=16384, batch_size=16, repeats=size["loader_repeats"],
+                                             bs1_samples=size["loader_bs1_samples"],
+                                             warm_up_samples=min(512, size["loader_samples"]), progress=progress)
+        results["wall_s"]["loader"] = time.perf_counter() - t0
+
+    if not args.skip_train:
+        from .training import run_training
+
+        t0 = time.perf_counter()
+        results["training"] = run_training(size["train_samples"], device=args.device, budget=4096, max_len=1024,
+                                           progress=progress)
+        results["wall_s"]["training"] = time.perf_counter() - t0
+
+    results["wall_s"]["total"] = time.perf_counter() - t_all
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, os.path.join(args.out, "bench.png"))
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(render(results, markdown=True) + "\n")
+    print(render(results))
+    print(f"wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in results["wall_s"].items()))
+    print(f"wrote {args.out}/results.json, bench.png, summary.md")
+    return results
+
+
+if __name__ == "__main__":
+    main()
