@@ -122,11 +122,12 @@ class CostModel:
             counts = np.minimum(self.copies_that_fit_unrounded(padded), remaining)
         else:
             w = self.token_weight(padded)
-            min_w = float(w.sum(axis=1).min()) if len(self.budgets) == 1 else 0.0
-            k_cap = int(self.budgets[0] // max(min_w, 1e-9)) + 1 if len(self.budgets) == 1 else n
+            # A batch holding sample i costs at least B x its weight, so it holds at most
+            # the copies of i that fit: the scan from i stops there.
+            caps = self.copies_that_fit_unrounded(padded)
             counts = np.empty(n, dtype=np.int64)
             for i in range(n):
-                k = int(min(n - i, k_cap, self.max_batch))
+                k = int(min(n - i, caps[i]))
                 run = np.maximum.accumulate(w[i:i + k], axis=0)
                 ok = self._per_sample_cost_ok(run, np.arange(1, k + 1))
                 counts[i] = k if ok.all() else int(np.argmin(ok))

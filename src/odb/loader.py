@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -15,7 +15,8 @@ from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
 from .engine import EpochRun, EpochStats
 from .lengths import as_length_tuple, default_length
-from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable, keep_list
+from .sampling import (ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable, keep_list, pack_chunk,
+                       unpack_chunk)
 from .window import oracle_groups
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
@@ -138,7 +139,8 @@ class ODBLoaderMixin(DataLoader):
             return self._odb_inner
         cfg = self._odb_cfg
         kwargs: Dict[str, Any] = dict(
-            num_workers=self.num_workers, collate_fn=keep_list, pin_memory=False, timeout=self.timeout,
+            num_workers=self.num_workers, collate_fn=pack_chunk if self.num_workers > 0 else keep_list,
+            pin_memory=False, timeout=self.timeout,
             worker_init_fn=self.worker_init_fn, multiprocessing_context=self.multiprocessing_context,
             generator=self.generator, persistent_workers=self.persistent_workers,
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None)
@@ -156,9 +158,10 @@ class ODBLoaderMixin(DataLoader):
 
     def _odb_chunks(self) -> Iterator[Any]:
         inner = self._odb_inner_loader()
+        chunks = map(unpack_chunk, inner) if self.num_workers > 0 else iter(inner)
         if not self._odb_is_iterable():
-            return iter(inner)
-        return _number_stream(inner)
+            return chunks
+        return _number_stream(chunks)
 
     @staticmethod
     def _odb_pin(batch: Any) -> Any:
@@ -190,7 +193,7 @@ def _is_sharded(sampler: Any) -> bool:
     return hasattr(sampler, "num_replicas") and getattr(sampler, "num_replicas", 1) > 1
 
 
-def _number_stream(inner: DataLoader) -> Iterator[Any]:
+def _number_stream(inner: Iterable[List[Any]]) -> Iterator[Any]:
     # Iterable datasets have no index: a sample's id is its arrival position, which is
     # deterministic because the inner loader returns chunks in order.
     position = 0

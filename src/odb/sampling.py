@@ -2,13 +2,15 @@
 
 All public torch.utils.data API: a dataset wrapper that tags each sample with its
 index, a batch sampler that sends samples to the main process in small chunks (one
-message per chunk, not per sample), a collate that keeps the chunk a list, and a
+message per chunk, not per sample), collates that keep the chunk a list (packing its
+tensors into one buffer per dtype when workers send it), and a
 seeded per-epoch shuffle sampler whose order is a pure function of (seed, epoch).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Optional, Sized, Tuple
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sized, Tuple
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler
@@ -136,3 +138,71 @@ class ShardSampler(Sampler[int]):
         else:
             order = list(range(n))
         return iter(order[self.rank::self.num_replicas])
+
+
+class _TensorSlot:
+    """Placeholder for the k-th tensor of a packed chunk."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __reduce__(self) -> Tuple[Any, Tuple[int]]:
+        return _TensorSlot, (self.k,)
+
+
+def _packable(obj: Any) -> bool:
+    return (type(obj) is torch.Tensor and obj.layout == torch.strided and obj.device.type == "cpu"
+            and not obj.requires_grad and not obj.is_quantized)
+
+
+Packed = Tuple[Any, Dict[torch.dtype, torch.Tensor], List[Tuple[torch.dtype, int, Tuple[int, ...]]]]
+
+
+def pack_chunk(samples: List[Any]) -> Packed:
+    """Collate of the inner loader with workers: the chunk's tensors travel as one buffer per dtype.
+
+    A worker hands each tensor to the main process through its own shared-memory file
+    descriptor, which costs about a millisecond per tensor; one buffer per chunk pays
+    that once. Tensors inside plain dicts, lists and tuples are packed; anything else
+    travels as before.
+    """
+    tensors: List[torch.Tensor] = []
+
+    def strip(obj: Any) -> Any:
+        if _packable(obj):
+            tensors.append(obj)
+            return _TensorSlot(len(tensors) - 1)
+        if type(obj) is dict:
+            return {k: strip(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(strip(v) for v in obj)
+        return obj
+
+    skeleton = strip(samples)
+    parts: Dict[torch.dtype, List[torch.Tensor]] = {}
+    used: Dict[torch.dtype, int] = {}
+    specs = []
+    for t in tensors:
+        specs.append((t.dtype, used.get(t.dtype, 0), tuple(t.shape)))
+        used[t.dtype] = used.get(t.dtype, 0) + t.numel()
+        parts.setdefault(t.dtype, []).append(t.reshape(-1))
+    return skeleton, {d: torch.cat(p) for d, p in parts.items()}, specs
+
+
+def unpack_chunk(packed: Packed) -> List[Any]:
+    """The samples of a packed chunk; their tensors are views into the chunk's buffers."""
+    skeleton, buffers, specs = packed
+
+    def fill(obj: Any) -> Any:
+        if type(obj) is _TensorSlot:
+            dtype, offset, shape = specs[obj.k]
+            return buffers[dtype][offset:offset + math.prod(shape)].view(shape)
+        if type(obj) is dict:
+            return {k: fill(v) for k, v in obj.items()}
+        if type(obj) in (list, tuple):
+            return type(obj)(fill(v) for v in obj)
+        return obj
+
+    return fill(skeleton)
