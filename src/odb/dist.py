@@ -9,7 +9,7 @@ No sample data crosses ranks.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import numpy as np
 import torch

@@ -14,43 +14,14 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 import numpy as np
 
-from .align import (StepPlan, WindowSummary, align_single, decide_steps, global_steps, shared_step_order,
-                    step_imbalance)
+from .align import StepPlan, WindowSummary, align_single
 from .config import ODBConfig
 from .dist import RankExchange
 from .lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
+from .ranks import RankFitting
+from .stats import EpochStats
 from .step_info import ODBStepInfo, attach_step_info
-from .planner import balanced_partition
 from .window import WindowPlanner
-
-
-@dataclasses.dataclass
-class EpochStats:
-    """Counters of one epoch on this rank."""
-
-    steps: int = 0
-    ghost_steps: int = 0
-    samples: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    loss_tokens: int = 0
-    windows: int = 0
-    oversize_alone: int = 0
-    oversize_skipped: int = 0
-    dropped_samples: int = 0
-    split_groups: int = 0
-    carry_groups: int = 0
-    deferred_groups: int = 0
-    imbalance_sum: float = 0.0
-    imbalance_max: float = 0.0
-
-    def as_dict(self) -> Dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["padding_ratio"] = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
-        out["mean_batch_size"] = self.samples / max(self.steps - self.ghost_steps, 1)
-        out["rank_imbalance"] = self.imbalance_sum / self.steps if self.steps and self.imbalance_sum else 1.0
-        out["ghost_fraction"] = self.ghost_steps / self.steps if self.steps else 0.0
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +32,7 @@ class _Meta:
     position: int  # arrival position in this epoch
 
 
-class EpochRun:
+class EpochRun(RankFitting):
     """Iterates the batches of one epoch. Built by the loader; not public API."""
 
     def __init__(self, cfg: ODBConfig, chunks: Iterable[List[Tuple[int, Any]]], collate_fn: Callable[[List[Any]], Any],
@@ -86,6 +57,7 @@ class EpochRun:
         self._arrived = 0
         self._exhausted = False
         self._all_done = False
+        self._planned_final = False
         self._ghost: Optional[Tuple[int, Any, _Meta]] = None
         self._step = 0
 
@@ -158,82 +130,6 @@ class EpochRun:
 
     def _loss(self, groups: List[np.ndarray]) -> List[int]:
         return [sum(self._meta[int(i)].loss_tokens for i in g) for g in groups]
-
-    def _align_ranks(self, groups: List[np.ndarray]) -> List[Tuple[StepPlan, List[Optional[np.ndarray]]]]:
-        ex = self._exchange
-        where = f"epoch {self.epoch}, window {self._window_index}"
-        header = ex.all_gather(np.array([len(groups), self._must_emit(groups), int(self._planned_final),
-                                         self.seed]), where)
-        exhausted = header[:, 2].astype(bool)
-        if not self.cfg.join and exhausted.any():
-            # join=False: from the first window where a rank's data ends, every rank
-            # emits its own groups and stops when they end (the user wraps the model in Join).
-            self._local_only = True
-            self._all_done = self._planned_final
-            single = align_single(WindowSummary([self._cost(g) for g in groups], self._loss(groups),
-                                                [len(g) for g in groups], exhausted=self._planned_final))
-            return [(s, groups) for s in single.steps]
-        n_steps = decide_steps(header[:, 0], header[:, 1], exhausted)
-        fitted = self._fit(groups, n_steps)
-        costs = [self._cost(g) if g is not None else 0 for g in fitted]
-        ranked = [fitted[k] for k in np.argsort(-np.array(costs, dtype=np.int64), kind="stable")] if fitted else []
-        stats = np.array([[self._cost(g), len(g), self._loss([g])[0]] if g is not None else [0, 0, 0]
-                          for g in ranked], dtype=np.int64).reshape(n_steps, 3)
-        everyone = ex.all_gather(stats, where) if n_steps else np.zeros((self.world_size, 0, 3), dtype=np.int64)
-        imbalance = step_imbalance(everyone)
-        self.stats.imbalance_sum += float(imbalance.sum())
-        self.stats.imbalance_max = max(self.stats.imbalance_max, float(imbalance.max(initial=1.0)))
-        order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, self._window_index, self.shuffle)
-        self._all_done = bool(exhausted.all())
-        slots = [k if ranked[k] is not None else None for k in range(n_steps)]
-        return [(s, ranked) for s in global_steps(everyone, ex.rank, order, slots)]
-
-    def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
-        """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""
-        ids = np.concatenate(groups)
-        metas = [self._meta[int(i)] for i in ids]
-        patches = np.array([m.patches for m in metas]) if self.cfg.image_patches_key else None
-        parts = balanced_partition(np.array([m.lengths for m in metas]), ids, self.planner.cost, n_steps, patches)
-        return [ids[p] for p in parts]
-
-    def _must_emit(self, groups: List[np.ndarray]) -> int:
-        """Groups this rank cannot defer: deferring more would grow its pool past buffer_size."""
-        room = self.cfg.buffer_size - len(self.planner.carried_ids)
-        must = len(groups)
-        for g in sorted(groups, key=self._cost):
-            if len(g) > room:
-                break
-            room -= len(g)
-            must -= 1
-        return must
-
-    def _fit(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
-        """Exactly n_steps groups: defer the least costly; or take groups from the carry, then split
-        the largest, then add ghosts (None)."""
-        out: List[Optional[np.ndarray]] = list(groups)
-        if len(out) > n_steps:
-            by_cost = sorted(range(len(out)), key=lambda k: self._cost(out[k]))
-            drop = set(by_cost[:len(out) - n_steps])
-            for k in drop:
-                self._defer(out[k])
-            self.stats.deferred_groups += len(drop)
-            out = [g for k, g in enumerate(out) if k not in drop]
-        if self._planned_final and n_steps > len(out) and out:
-            out = self._rebalance(out, n_steps)
-        from_carry = self.planner.take_from_carry(n_steps - len(out))
-        out.extend(from_carry)
-        self.stats.carry_groups += len(from_carry)
-        while len(out) < n_steps:
-            k = max((j for j, g in enumerate(out) if g is not None), key=lambda j: len(out[j]), default=None)
-            if k is None or len(out[k]) < 2:
-                out.extend([None] * (n_steps - len(out)))  # nothing left to split: the rest are ghosts
-                break
-            g = out.pop(k)  # planner order: longest first, so both halves stay within budget
-            out.extend([g[:len(g) // 2 + len(g) % 2], g[len(g) // 2 + len(g) % 2:]])
-            self.stats.split_groups += 1
-        return out
-
-    _planned_final = False
 
     def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
         cfg = self.cfg

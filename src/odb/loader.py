@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default
 
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
-from .engine import EpochRun, EpochStats
+from .engine import EpochRun
+from .stats import EpochStats
 from .lengths import as_length_tuple, default_length
 from .sampling import (ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable, keep_list, pack_chunk,
                        unpack_chunk)

@@ -118,7 +118,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(render(results, markdown=True) + "\n")
     print(render(results))
-    print(f"wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in results["wall_s"].items()))
+    print("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in results["wall_s"].items()))
     print(f"wrote {args.out}/results.json, bench.png, summary.md")
     return results
 

@@ -1,0 +1,35 @@
+"""Counters of one epoch of odb batching on one rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+
+@dataclasses.dataclass
+class EpochStats:
+    """Counters of one epoch on this rank."""
+
+    steps: int = 0
+    ghost_steps: int = 0
+    samples: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    loss_tokens: int = 0
+    windows: int = 0
+    oversize_alone: int = 0
+    oversize_skipped: int = 0
+    dropped_samples: int = 0
+    split_groups: int = 0
+    carry_groups: int = 0
+    deferred_groups: int = 0
+    imbalance_sum: float = 0.0
+    imbalance_max: float = 0.0
+
+    def as_dict(self) -> Dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["padding_ratio"] = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+        out["mean_batch_size"] = self.samples / max(self.steps - self.ghost_steps, 1)
+        out["rank_imbalance"] = self.imbalance_sum / self.steps if self.steps and self.imbalance_sum else 1.0
+        out["ghost_fraction"] = self.ghost_steps / self.steps if self.steps else 0.0
+        return out
