@@ -1,4 +1,4 @@
-"""The benchmark of ``make demo``: planner quality, loader speed and training speed.
+"""The benchmark of ``make demo``: planner quality, ranks, loader speed and training speed.
 
     python -m odb.bench --out out/bench            # the full run (about 3 minutes on 2 cores)
     python -m odb.bench --out /tmp/b --quick       # tiny sizes, for the smoke test
@@ -92,6 +92,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                log=lambda m: print(m, file=sys.stderr))
     results["planning"] = run_planning(workloads, budget=16384, buffer_sizes=BUFFER_SIZES, progress=progress)
     results["wall_s"]["planning"] = time.perf_counter() - t0
+
+    from .ranks_bench import run_ranks
+
+    t0 = time.perf_counter()
+    results["ranks"] = run_ranks({k: v for k, v in workloads.items() if k.startswith("lognormal")},
+                                 world=8, budget=16384, buffer_size=512,
+                                 align_windows=20 if args.quick else 100, progress=progress)
+    results["wall_s"]["ranks"] = time.perf_counter() - t0
 
     if not args.skip_loader:
         from .loader_speed import run_loader_speed

@@ -109,10 +109,22 @@ def training_table(training: Dict[str, Any], markdown: bool = False) -> str:
         f"(goal >= {training['goal_speedup_min']})")
 
 
+def ranks_table(ranks: Dict[str, Any], markdown: bool) -> str:
+    rows = [[name, w["steps"], f"{w['imbalance_mean']:.3f}", f"{w['imbalance_p95']:.3f}",
+             f"{w['ghost_fraction_max']:.4f}", f"{w['useful_fill']:.3f}", w["split_groups"]]
+            for name, w in ranks["workloads"].items()]
+    head = ["workload", "steps/rank", "imbalance mean", "imbalance p95", "ghost fraction", "useful fill", "splits"]
+    return _table(head, [[str(c) for c in row] for row in rows], markdown) + (f"\nalignment: {ranks['align_ms_per_window']:.3f} ms per window at "
+                                          f"{ranks['align_world']} simulated ranks (pure planning, one rank)")
+
+
 def render(results: Dict[str, Any], markdown: bool = False) -> str:
     h = "## " if markdown else "== "
     parts = [f"{h}Planner quality (useful fill / oracle)", summary_table(results["planning"], markdown=markdown), "",
              f"{h}Planner details", planning_tables(results["planning"], markdown)]
+    if "ranks" in results:
+        parts += [f"{h}Ranks ({results['ranks']['world']} simulated, buffer {results['ranks']['buffer_size']})",
+                  ranks_table(results["ranks"], markdown), ""]
     if "loader" in results:
         parts += [f"{h}Loader speed (medians of {results['loader']['repeats']})",
                   loader_table(results["loader"], markdown), ""]
