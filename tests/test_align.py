@@ -262,3 +262,18 @@ def test_simulation_is_deterministic(case, epoch):
     first = simulate_ranks(shards, cfg, epoch=epoch, seed=7, shuffle=shuffle)
     again = simulate_ranks(shards, cfg, epoch=epoch, seed=7, shuffle=shuffle)
     assert batches(first) == batches(again)
+
+
+@pytest.mark.filterwarnings("ignore:odb rank")  # tiny shards: the low-fill warning is expected here
+def test_1024_simulated_ranks_agree_on_steps_and_emit_every_sample_once():
+    rng = np.random.default_rng(1024)
+    shards = [rng.integers(1, 40, size=int(rng.integers(1, 12))) for _ in range(1024)]
+    cfg = ODBConfig(token_budget=64, buffer_size=8, seed=0)
+    infos = simulate_ranks(shards, cfg, seed=0)["infos"]
+    assert len({len(r) for r in infos}) == 1, "every rank runs the same number of steps"
+    emitted = sorted(i for r in infos for info in r for i in info.sample_ids)
+    assert emitted == sorted(rank * 10**9 + k for rank, s in enumerate(shards) for k in range(len(s)))
+    for column in zip(*infos):
+        assert len({info.all_samples_this_step for info in column}) == 1
+        assert column[0].all_samples_this_step == sum(info.local_samples for info in column)
+        assert all(info.padded_tokens <= 64 for info in column)
