@@ -19,6 +19,7 @@ from .config import ODBConfig
 from .dist import RankExchange
 from .lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
 from .ranks import RankFitting
+from .resume import ResumableRun
 from .stats import EpochStats
 from .step_info import ODBStepInfo, attach_step_info
 from .window import WindowPlanner
@@ -32,7 +33,7 @@ class _Meta:
     position: int  # arrival position in this epoch
 
 
-class EpochRun(RankFitting):
+class EpochRun(RankFitting, ResumableRun):
     """Iterates the batches of one epoch. Built by the loader; not public API."""
 
     def __init__(self, cfg: ODBConfig, chunks: Iterable[List[Tuple[int, Any]]], collate_fn: Callable[[List[Any]], Any],
@@ -58,6 +59,10 @@ class EpochRun(RankFitting):
         self._exhausted = False
         self._all_done = False
         self._planned_final = False
+        # Steps planned but not emitted yet, and the optimizer step being emitted.
+        self._pending: Deque[Tuple[StepPlan, Optional[np.ndarray]]] = collections.deque()
+        self._chunk: List[Tuple[StepPlan, Optional[np.ndarray]]] = []
+        self._chunk_pos = 0
         self._ghost: Optional[Tuple[int, Any, _Meta]] = None
         self._step = 0
 
@@ -111,7 +116,7 @@ class EpochRun(RankFitting):
             self._ghost = (sid, copy.deepcopy(sample), self._meta[sid])
 
     # ---- planning ------------------------------------------------------------------
-    def _plan_next_window(self) -> List[Tuple[StepPlan, List[Any]]]:
+    def _plan_next_window(self) -> List[Tuple[StepPlan, Optional[np.ndarray]]]:
         groups: List[np.ndarray] = []
         if not self._planned_final:
             ids = self._read_window()
@@ -125,7 +130,7 @@ class EpochRun(RankFitting):
             alignment = align_single(WindowSummary([self._cost(g) for g in groups], self._loss(groups),
                                                    [len(g) for g in groups], exhausted=self._planned_final))
             self._all_done = alignment.all_exhausted
-            return [(s, groups) for s in alignment.steps]
+            return [(s, groups[s.group]) for s in alignment.steps]
         return self._align_ranks(groups)
 
     def _loss(self, groups: List[np.ndarray]) -> List[int]:
@@ -194,15 +199,18 @@ class EpochRun(RankFitting):
     # ---- emitting ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         k = self.cfg.gradient_accumulation_steps
-        pending: Deque[Tuple[StepPlan, List[Any]]] = collections.deque()
         while True:
-            while len(pending) < k and not self._all_done:
-                pending.extend(self._plan_next_window())
-            if not pending:
-                break
-            chunk = [pending.popleft() for _ in range(min(k, len(pending)))]
-            for j, (plan, window_groups) in enumerate(chunk):
-                yield self._make_batch(plan, window_groups, [p for p, _ in chunk], j)
+            if self._chunk_pos >= len(self._chunk):
+                while len(self._pending) < k and not self._all_done:
+                    self._pending.extend(self._plan_next_window())
+                if not self._pending:
+                    break
+                self._chunk = [self._pending.popleft() for _ in range(min(k, len(self._pending)))]
+                self._chunk_pos = 0
+            j = self._chunk_pos
+            self._chunk_pos += 1
+            plan, ids = self._chunk[j]
+            yield self._make_batch(plan, ids, [p for p, _ in self._chunk], j)
         fill = self.stats.padded_tokens / max(self.stats.steps * sum(self.cfg.token_budgets), 1)
         if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5:
             warnings.warn(f"odb rank {self._exchange.rank}: batches filled only {fill:.0%} of token_budget on "
@@ -214,7 +222,7 @@ class EpochRun(RankFitting):
             warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
                           f"{self.cfg.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=2)
 
-    def _make_batch(self, plan: StepPlan, window_groups: List[Any], chunk: List[StepPlan], j: int) -> Any:
+    def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], chunk: List[StepPlan], j: int) -> Any:
         ghost = plan.group is None
         if ghost:
             if self._ghost is None:
@@ -224,7 +232,7 @@ class EpochRun(RankFitting):
             samples = [self._ghost[1]]
             metas = [self._ghost[2]]
         else:
-            ids = window_groups[plan.group]
+            ids = group
             samples = [self._samples.pop(int(i)) for i in ids]
             metas = [self._meta.pop(int(i)) for i in ids]
         lengths = np.array([m.lengths for m in metas])

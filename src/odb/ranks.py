@@ -20,7 +20,7 @@ from .planner import balanced_partition
 class RankFitting:
     """The distributed half of EpochRun (engine.py sets the attributes it uses)."""
 
-    def _align_ranks(self, groups: List[np.ndarray]) -> List[Tuple[StepPlan, List[Optional[np.ndarray]]]]:
+    def _align_ranks(self, groups: List[np.ndarray]) -> List[Tuple[StepPlan, Optional[np.ndarray]]]:
         ex = self._exchange
         where = f"epoch {self.epoch}, window {self._window_index}"
         header = ex.all_gather(np.array([len(groups), self._must_emit(groups), int(self._planned_final),
@@ -33,7 +33,7 @@ class RankFitting:
             self._all_done = self._planned_final
             single = align_single(WindowSummary([self._cost(g) for g in groups], self._loss(groups),
                                                 [len(g) for g in groups], exhausted=self._planned_final))
-            return [(s, groups) for s in single.steps]
+            return [(s, groups[s.group]) for s in single.steps]
         n_steps = decide_steps(header[:, 0], header[:, 1], exhausted)
         fitted = self._fit(groups, n_steps)
         costs = [self._cost(g) if g is not None else 0 for g in fitted]
@@ -47,7 +47,8 @@ class RankFitting:
         order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, self._window_index, self.shuffle)
         self._all_done = bool(exhausted.all())
         slots = [k if ranked[k] is not None else None for k in range(n_steps)]
-        return [(s, ranked) for s in global_steps(everyone, ex.rank, order, slots)]
+        return [(s, None if s.group is None else ranked[s.group])
+                for s in global_steps(everyone, ex.rank, order, slots)]
 
     def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
         """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""

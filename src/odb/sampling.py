@@ -48,10 +48,14 @@ class ChunkSampler(Sampler[List[int]]):
     def __init__(self, sampler: Any, size: int) -> None:
         self.sampler = sampler
         self.size = size
+        self.skip = 0  # indices of the next epoch to leave out (set by a resume, used once)
 
     def __iter__(self) -> Iterator[List[int]]:
         chunk: List[int] = []
-        for index in self.sampler:
+        skip, self.skip = self.skip, 0
+        for position, index in enumerate(self.sampler):
+            if position < skip:
+                continue
             chunk.append(index)
             if len(chunk) == self.size:
                 yield chunk
