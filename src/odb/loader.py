@@ -9,17 +9,16 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import numpy as np
 import torch
-from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
-                              default_collate)
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
 from .engine import EpochRun
 from .stats import EpochStats
 from .lengths import as_length_tuple, default_length
-from .resume import PLAN_OPTIONS, STATE_VERSION, check_state, retained_ids, skip_stream
-from .sampling import (ChunkSampler, EpochShuffleSampler, IndexedDataset, ShardSampler, TransformedIterable, keep_list,
-                       pack_chunk, unpack_chunk)
+from .loader_state import ResumableLoader
+from .sampling import (ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable, keep_list, pack_chunk,
+                       unpack_chunk)
 from .window import oracle_groups
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
@@ -49,7 +48,7 @@ def draw_seed(generator: Optional[torch.Generator]) -> int:
     return int(torch.empty((), dtype=torch.int64).random_().item()) % (2**62)
 
 
-class ODBLoaderMixin(DataLoader):
+class ODBLoaderMixin(ResumableLoader):
     """The odb behaviour shared by ODBDataLoader and loaders converted by odb.apply.
 
     It subclasses DataLoader (and is never built directly) so that a loader's class can
@@ -114,39 +113,6 @@ class ODBLoaderMixin(DataLoader):
         self._odb_run = run
         return self._odb_epoch(run)
 
-    def state_dict(self) -> Dict[str, Any]:
-        """Where this loader is, as plain data: ``load_state_dict`` on a fresh loader built with the
-        same arguments continues with exactly the batches this one has not emitted yet.
-
-        Call it between batches (e.g. when the trainer checkpoints). Each rank saves its own.
-        """
-        run = self._odb_run
-        mid_epoch = run is not None and self._odb_last_steps_epoch != run.epoch
-        rank, world_size = self._odb_world()
-        return {"odb_state_version": STATE_VERSION, "epoch": run.epoch if mid_epoch else self._odb_next_epoch,
-                "seed": self._odb_seed, "world_size": world_size, "rank": rank,
-                "dataset_len": None if self._odb_is_iterable() else len(self.dataset),
-                "iterable": self._odb_is_iterable(), "options": self._odb_plan_options(),
-                "run": run.run_state() if mid_epoch else None}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from ``state_dict()`` at the next ``iter()`` (strict: refuses another world size,
-        dataset length or planning options, with the reason)."""
-        rank, world_size = self._odb_world()
-        check_state(state, world_size=world_size, rank=rank,
-                    dataset_len=None if self._odb_is_iterable() else len(self.dataset),
-                    iterable=self._odb_is_iterable(), options=self._odb_plan_options())
-        if self._odb_own_sampler is None and not _replayable(self.sampler) and not self._odb_is_iterable():
-            raise ValueError(f"odb cannot resume mid-epoch with sampler {type(self.sampler).__name__}: its order "
-                             f"is not a function of (seed, epoch). Fix: use shuffle=True of ODBDataLoader (seeded), "
-                             f"odb.ShardSampler, DistributedSampler or a SequentialSampler.")
-        self._odb_seed = int(state["seed"])
-        if self._odb_own_sampler is not None:
-            self._odb_own_sampler.seed = self._odb_seed
-        self._odb_resume = state if state["run"] is not None else None
-        self._odb_next_epoch = int(state["epoch"])
-        self._odb_run = None
-
     def __len__(self) -> int:
         """Batches per epoch: exact after a full epoch, else an estimate from sample lengths."""
         if self._odb_last_steps is not None:
@@ -168,20 +134,6 @@ class ODBLoaderMixin(DataLoader):
     def _odb_world(self) -> tuple:
         ex = self._odb_rank_exchange()
         return (ex.rank, ex.world_size) if ex is not None else (0, 1)
-
-    def _odb_plan_options(self) -> Dict[str, Any]:
-        cfg = self._odb_cfg
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(cfg, k)) for k in PLAN_OPTIONS)}
-
-    def _odb_retained(self, run: EpochRun, run_state: Dict[str, Any]) -> Dict[int, Any]:
-        """The samples a resumed epoch needs again (carried, planned, ghost)."""
-        ids = retained_ids(run_state)
-        if self._odb_is_iterable():
-            found, rest = skip_stream(run._chunks, run_state["arrived"], set(ids))
-            run._chunks = rest
-            return found
-        transform = self._odb_transform
-        return {i: (self.dataset[i] if transform is None else transform(self.dataset[i])) for i in ids}
 
     def _odb_epoch(self, run: EpochRun) -> Iterator[Any]:
         try:
@@ -250,11 +202,6 @@ class ODBLoaderMixin(DataLoader):
         probe_cfg = cfg.replace(oversize="alone", image_patches_key=None, max_image_patches=None)
         groups = oracle_groups(lengths, probe_cfg)
         return max(1, int(np.ceil(len(groups) * n / len(lengths))))
-
-
-def _replayable(sampler: Any) -> bool:
-    """Samplers whose order is a function of (seed, epoch), so a resumed epoch sees the same order."""
-    return isinstance(sampler, (SequentialSampler, DistributedSampler, ShardSampler, EpochShuffleSampler))
 
 
 def _is_sharded(sampler: Any) -> bool:

@@ -1,0 +1,70 @@
+"""The loader's resume API: state_dict() and load_state_dict() (see odb.resume for the state).
+
+A DataLoader subclass (never built directly) between DataLoader and ODBLoaderMixin, so
+that odb.apply can still switch a loader's class in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+from .resume import PLAN_OPTIONS, STATE_VERSION, check_state, retained_ids, skip_stream
+from .sampling import EpochShuffleSampler, ShardSampler
+
+
+class ResumableLoader(DataLoader):
+    """state_dict / load_state_dict of odb loaders (attributes are set by ODBLoaderMixin)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where this loader is, as plain data: ``load_state_dict`` on a fresh loader built with the
+        same arguments continues with exactly the batches this one has not emitted yet.
+
+        Call it between batches (e.g. when the trainer checkpoints). Each rank saves its own.
+        """
+        run = self._odb_run
+        mid_epoch = run is not None and self._odb_last_steps_epoch != run.epoch
+        rank, world_size = self._odb_world()
+        return {"odb_state_version": STATE_VERSION, "epoch": run.epoch if mid_epoch else self._odb_next_epoch,
+                "seed": self._odb_seed, "world_size": world_size, "rank": rank,
+                "dataset_len": None if self._odb_is_iterable() else len(self.dataset),
+                "iterable": self._odb_is_iterable(), "options": self._odb_plan_options(),
+                "run": run.run_state() if mid_epoch else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from ``state_dict()`` at the next ``iter()`` (strict: refuses another world size,
+        dataset length or planning options, with the reason)."""
+        rank, world_size = self._odb_world()
+        check_state(state, world_size=world_size, rank=rank,
+                    dataset_len=None if self._odb_is_iterable() else len(self.dataset),
+                    iterable=self._odb_is_iterable(), options=self._odb_plan_options())
+        if self._odb_own_sampler is None and not _replayable(self.sampler) and not self._odb_is_iterable():
+            raise ValueError(f"odb cannot resume mid-epoch with sampler {type(self.sampler).__name__}: its order "
+                             f"is not a function of (seed, epoch). Fix: use shuffle=True of ODBDataLoader (seeded), "
+                             f"odb.ShardSampler, DistributedSampler or a SequentialSampler.")
+        self._odb_seed = int(state["seed"])
+        if self._odb_own_sampler is not None:
+            self._odb_own_sampler.seed = self._odb_seed
+        self._odb_resume = state if state["run"] is not None else None
+        self._odb_next_epoch = int(state["epoch"])
+        self._odb_run = None
+
+    def _odb_plan_options(self) -> Dict[str, Any]:
+        cfg = self._odb_cfg
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(cfg, k)) for k in PLAN_OPTIONS)}
+
+    def _odb_retained(self, run: Any, run_state: Dict[str, Any]) -> Dict[int, Any]:
+        """The samples a resumed epoch needs again (carried, planned, ghost)."""
+        ids = retained_ids(run_state)
+        if self._odb_is_iterable():
+            found, rest = skip_stream(run._chunks, run_state["arrived"], set(ids))
+            run._chunks = rest
+            return found
+        transform = self._odb_transform
+        return {i: (self.dataset[i] if transform is None else transform(self.dataset[i])) for i in ids}
+
+
+def _replayable(sampler: Any) -> bool:
+    """Samplers whose order is a function of (seed, epoch), so a resumed epoch sees the same order."""
+    return isinstance(sampler, (SequentialSampler, DistributedSampler, ShardSampler, EpochShuffleSampler))
