@@ -235,3 +235,37 @@ def two_loaders(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
             eb = next(eval_iter)
         eval_epochs[-1].append(record(eb, odb.pop_step_info(eb)))
     return {"train": train_steps, "eval": eval_epochs}
+
+
+# ---- resume under DDP ----------------------------------------------------------------------
+
+
+def resume_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
+    """An uninterrupted epoch, then the same epoch interrupted after ``stop`` steps and resumed."""
+    import itertools
+    import json
+
+    ds = LengthDataset(known_lengths(p["n"], 1, 60, seed=6))
+
+    def make():
+        return odb.ODBDataLoader(ds, token_budget=p["budget"], sampler=odb.ShardSampler(ds, seed=2),
+                                 num_workers=p["num_workers"], collate_fn=pad_collate, buffer_size=p["buffer"],
+                                 first_window_size=16, gradient_accumulation_steps=p["accumulation"])
+
+    def steps(batches):
+        out = []
+        for batch in batches:
+            info = odb.pop_step_info(batch)
+            out.append([info.step, list(info.sample_ids), info.loss_scale, info.all_samples_this_step])
+        return out
+
+    reference = steps(make())
+    results = {}
+    for stop in p["stops"]:
+        first = make()
+        head = steps(itertools.islice(first, stop))
+        state = json.loads(json.dumps(first.state_dict()))
+        resumed = make()
+        resumed.load_state_dict(state)
+        results[stop] = head + steps(resumed)
+    return {"reference": reference, "resumed": results}

@@ -148,3 +148,13 @@ def test_two_loaders_interleaved_with_spawn_and_forkserver_workers(tmp_path):
     check_aligned(first_eval_epochs, world)
     if len(results[0]["eval"]) > 1:  # the eval loader was restarted mid-training: a full first epoch
         assert sorted(i for run in first_eval_epochs for s in run for i in s["ids"]) == list(range(n_eval))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_resume_mid_epoch_under_ddp_continues_exactly(tmp_path, world):
+    params = dict(n=150, budget=160, buffer=32, num_workers=0, accumulation=2, stops=[0, 3, 8])
+    results = run_ranks("resume_ranks", world, params, tmp_path)
+    for rank, r in enumerate(results):
+        for stop, got in r["resumed"].items():
+            assert got == r["reference"], f"rank {rank}, stop {stop}: resumed steps differ"
+    assert sorted(i for r in results for s in r["reference"] for i in s[1]) == list(range(150))
