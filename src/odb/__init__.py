@@ -14,10 +14,11 @@ from .config import ODBConfig
 from .lengths import count_loss_tokens, default_length, seq2seq_lengths
 from .loader import ODBDataLoader
 from .sampling import ShardSampler
+from .schedule import linear_budget_ramp
 from .step_info import ODBStepInfo, attach_step_info, pop_step_info
 
 __all__ = [
     "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "apply", "attach_step_info", "count_loss_tokens",
-    "default_length", "pop_step_info", "seq2seq_lengths", "ShardSampler",
+    "default_length", "pop_step_info", "seq2seq_lengths", "ShardSampler", "linear_budget_ramp",
 ]
 __version__ = "0.1.0"

@@ -75,6 +75,12 @@ class ODBConfig:
         exchange_timeout_s: how long a rank waits for the others in one exchange.
         transfer_chunk_size: processed samples per message from a worker.
         step_info_key: key (dict batches) or attribute under which ODBStepInfo rides.
+        budget_schedule: ``((optimizer_step, token_budget), ...)`` from step 0: the budget
+            in force from each step on (e.g. ``odb.linear_budget_ramp``), applied per
+            planning window; an int token_budget only.
+        probe_worst_case: the first window of an epoch is a full buffer and its batch with
+            the longest samples is emitted first, so an out-of-memory error shows up
+            in the first step rather than hours later.
     """
 
     token_budget: Union[int, Tuple[int, ...]]
@@ -101,6 +107,8 @@ class ODBConfig:
     exchange_timeout_s: float = 1800.0
     transfer_chunk_size: int = 16
     step_info_key: str = "odb_step_info"
+    budget_schedule: Optional[Tuple[Tuple[int, int], ...]] = None
+    probe_worst_case: bool = False
 
     def __post_init__(self) -> None:
         budgets = self.token_budget if isinstance(self.token_budget, tuple) else (self.token_budget,)
@@ -155,6 +163,15 @@ class ODBConfig:
         if not isinstance(self.shift_labels, bool):
             _fail("shift_labels", self.shift_labels, "must be a bool", "pass True or False", TypeError)
         _check_int("ignore_index", self.ignore_index, -(2**62), "pass an int such as -100")
+        if self.budget_schedule is not None:
+            from .schedule import check_schedule
+
+            if isinstance(self.token_budget, tuple):
+                _fail("budget_schedule", self.budget_schedule, "needs an int token_budget, not per-dimension budgets",
+                      "use one summed budget, or no schedule")
+            object.__setattr__(self, "budget_schedule", check_schedule(self.budget_schedule))
+        if not isinstance(self.probe_worst_case, bool):
+            _fail("probe_worst_case", self.probe_worst_case, "must be a bool", "pass True or False", TypeError)
         for name in ("label_key", "step_info_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 _fail(name, getattr(self, name), "must be a non-empty str", "pass a field name", TypeError)

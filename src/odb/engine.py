@@ -19,6 +19,7 @@ from .config import ODBConfig
 from .dist import RankExchange
 from .lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
 from .ranks import RankFitting
+from .schedule import budget_at
 from .resume import ResumableRun
 from .stats import EpochStats
 from .step_info import ODBStepInfo, attach_step_info
@@ -74,7 +75,8 @@ class EpochRun(RankFitting, ResumableRun):
     def _read_window(self) -> List[int]:
         """Ids of the next buffer_size processed samples (fewer at the end of data)."""
         cfg = self.cfg
-        want = min(cfg.buffer_size, cfg.first_window_size << min(self.stats.windows, 30))
+        first = cfg.buffer_size if cfg.probe_worst_case else cfg.first_window_size
+        want = min(cfg.buffer_size, first << min(self.stats.windows, 30))
         got: List[Tuple[int, Any]] = self._leftover
         while len(got) < want and not self._exhausted:
             try:
@@ -116,7 +118,20 @@ class EpochRun(RankFitting, ResumableRun):
             self._ghost = (sid, copy.deepcopy(sample), self._meta[sid])
 
     # ---- planning ------------------------------------------------------------------
+    def set_token_budget(self, budget: Any) -> None:
+        """Plan the next windows under ``budget`` (steps already planned keep theirs)."""
+        if budget != self.cfg.token_budget:
+            self.cfg = self.cfg.replace(token_budget=budget)
+            self.planner.set_config(self.cfg)
+
+    def _follow_schedule(self) -> None:
+        schedule = self.cfg.budget_schedule
+        if schedule is not None:
+            planned = self._step + len(self._chunk) - self._chunk_pos + len(self._pending)
+            self.set_token_budget(budget_at(schedule, planned // self.cfg.gradient_accumulation_steps))
+
     def _plan_next_window(self) -> List[Tuple[StepPlan, Optional[np.ndarray]]]:
+        self._follow_schedule()
         groups: List[np.ndarray] = []
         if not self._planned_final:
             ids = self._read_window()
@@ -188,8 +203,16 @@ class EpochRun(RankFitting, ResumableRun):
     def _order(self, groups: List[np.ndarray]) -> List[np.ndarray]:
         if self.shuffle:
             rng = np.random.default_rng([self.seed, self.epoch, self.stats.windows])
-            return [groups[k] for k in rng.permutation(len(groups))]
-        return sorted(groups, key=lambda g: min(self._meta[int(i)].position for i in g))
+            groups = [groups[k] for k in rng.permutation(len(groups))]
+        else:
+            groups = sorted(groups, key=lambda g: min(self._meta[int(i)].position for i in g))
+        if self.cfg.probe_worst_case and self.stats.windows == 1 and groups:
+            worst = max(range(len(groups)), key=lambda k: (self._longest(groups[k]), self._cost(groups[k])))
+            groups.insert(0, groups.pop(worst))
+        return groups
+
+    def _longest(self, group: np.ndarray) -> int:
+        return max(sum(self._meta[int(i)].lengths) for i in group)
 
     def _cost(self, group: np.ndarray) -> int:
         lengths = np.array([self._meta[int(i)].lengths for i in group])

@@ -89,6 +89,18 @@ class ODBLoaderMixin(ResumableLoader):
         run = self._odb_run
         return (run.stats if run is not None else EpochStats()).as_dict()
 
+    def set_token_budget(self, token_budget: Any) -> None:
+        """Use ``token_budget`` from the next planning window on (replaces any budget_schedule).
+
+        Under DDP call it on every rank at the same step. To resume after a change, call it
+        again on the fresh loader before ``load_state_dict``.
+        """
+        self._odb_cfg = self._odb_cfg.replace(token_budget=token_budget, budget_schedule=None)
+        run = self._odb_run
+        if run is not None:
+            run.cfg = run.cfg.replace(budget_schedule=None)
+            run.set_token_budget(token_budget)
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next iteration (and of the sampler, when it has set_epoch)."""
         self._odb_next_epoch = int(epoch)

@@ -6,6 +6,7 @@ that odb.apply can still switch a loader's class in place.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict
 
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
@@ -51,8 +52,8 @@ class ResumableLoader(DataLoader):
         self._odb_run = None
 
     def _odb_plan_options(self) -> Dict[str, Any]:
-        cfg = self._odb_cfg
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(cfg, k)) for k in PLAN_OPTIONS)}
+        # As JSON would give them back (tuples become lists), so saved and current compare equal.
+        return json.loads(json.dumps({k: getattr(self._odb_cfg, k) for k in PLAN_OPTIONS}))
 
     def _odb_retained(self, run: Any, run_state: Dict[str, Any]) -> Dict[int, Any]:
         """The samples a resumed epoch needs again (carried, planned, ghost)."""

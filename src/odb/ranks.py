@@ -36,8 +36,9 @@ class RankFitting:
             return [(s, groups[s.group]) for s in single.steps]
         n_steps = decide_steps(header[:, 0], header[:, 1], exhausted)
         fitted = self._fit(groups, n_steps)
-        costs = [self._cost(g) if g is not None else 0 for g in fitted]
-        ranked = [fitted[k] for k in np.argsort(-np.array(costs, dtype=np.int64), kind="stable")] if fitted else []
+        probe = self.cfg.probe_worst_case and self._window_index == 1
+        keys = [(self._longest(g) if probe else 0, self._cost(g)) if g is not None else (0, 0) for g in fitted]
+        ranked = [fitted[k] for k in sorted(range(len(fitted)), key=lambda k: (-keys[k][0], -keys[k][1]))]
         stats = np.array([[self._cost(g), len(g), self._loss([g])[0]] if g is not None else [0, 0, 0]
                           for g in ranked], dtype=np.int64).reshape(n_steps, 3)
         everyone = ex.all_gather(stats, where) if n_steps else np.zeros((self.world_size, 0, 3), dtype=np.int64)
@@ -45,6 +46,8 @@ class RankFitting:
         self.stats.imbalance_sum += float(imbalance.sum())
         self.stats.imbalance_max = max(self.stats.imbalance_max, float(imbalance.max(initial=1.0)))
         order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, self._window_index, self.shuffle)
+        if probe and n_steps:  # every rank's batch with the longest samples runs first
+            order = np.concatenate(([0], order[order != 0]))
         self._all_done = bool(exhausted.all())
         slots = [k if ranked[k] is not None else None for k in range(n_steps)]
         return [(s, None if s.group is None else ranked[s.group])

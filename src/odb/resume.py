@@ -23,7 +23,8 @@ STATE_VERSION = 1
 # Options that change which batches come out: a state saved under other values is refused.
 PLAN_OPTIONS = ("token_budget", "buffer_size", "first_window_size", "max_carry", "pack_efficiency",
                 "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "quadratic_length",
-                "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling")
+                "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling",
+                "budget_schedule", "probe_worst_case")
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
             "run"}
 RUN_KEYS = {"arrived", "planned_final", "all_done", "local_only", "window_index", "step", "positions", "carry",

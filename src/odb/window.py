@@ -76,6 +76,11 @@ class WindowPlanner:
         if patches is not None:
             self._carry_patches = np.concatenate((self._carry_patches, patches))
 
+    def set_config(self, cfg: ODBConfig) -> None:
+        """Plan the next windows under another config (e.g. a new token budget)."""
+        self.cfg = cfg
+        self.cost = CostModel.from_config(cfg)
+
     def take_from_carry(self, count: int) -> List[np.ndarray]:
         """Up to ``count`` batches cut greedily from the carry, costliest (fullest) first; removed from it."""
         if count <= 0 or self._carry_len is None or not len(self._carry_ids):
