@@ -75,9 +75,10 @@ def test_global_steps_sums_every_rank_and_keeps_the_local_share():
                       [[90, 3, 20], [0, 0, 0]],
                       [[80, 5, 40], [40, 1, 5]]], dtype=np.int64)
     steps = global_steps(stats, rank=1, order=np.array([1, 0]), groups_by_rank_order=[6, None])
-    assert steps == [StepPlan(group=None, global_samples=3, global_loss_tokens=15, local_loss_tokens=0, local_samples=0),
+    assert steps == [StepPlan(group=None, global_samples=3, global_loss_tokens=15, local_loss_tokens=0, local_samples=0,
+                              imbalance=50 / 30),
                      StepPlan(group=6, global_samples=12, global_loss_tokens=90, local_loss_tokens=20,
-                              local_samples=3)]
+                              local_samples=3, imbalance=100 / 90)]
 
 
 def test_step_imbalance_is_max_over_mean_of_costs_and_one_for_an_empty_step():

@@ -32,6 +32,7 @@ class StepPlan:
     global_loss_tokens: int
     local_loss_tokens: int
     local_samples: int
+    imbalance: float = 1.0  # max over ranks of this step's cost / their mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +99,12 @@ def global_steps(stats: np.ndarray, rank: int, order: np.ndarray, groups_by_rank
     rank's group index (None: ghost) at each cost rank.
     """
     steps = []
+    imbalance = step_imbalance(stats)
     for k in order.tolist():
         col = stats[:, k, :]
         g = groups_by_rank_order[k]
         steps.append(StepPlan(g, int(col[:, 1].sum()), int(col[:, 2].sum()), int(stats[rank, k, 2]),
-                              int(stats[rank, k, 1])))
+                              int(stats[rank, k, 1]), float(imbalance[k])))
     return steps
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import time
 import warnings
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -222,6 +223,7 @@ class EpochRun(RankFitting, ResumableRun):
     # ---- emitting ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         k = self.cfg.gradient_accumulation_steps
+        asked = time.perf_counter()
         while True:
             if self._chunk_pos >= len(self._chunk):
                 while len(self._pending) < k and not self._all_done:
@@ -233,7 +235,9 @@ class EpochRun(RankFitting, ResumableRun):
             j = self._chunk_pos
             self._chunk_pos += 1
             plan, ids = self._chunk[j]
-            yield self._make_batch(plan, ids, [p for p, _ in self._chunk], j)
+            batch = self._make_batch(plan, ids, [p for p, _ in self._chunk], j, time.perf_counter() - asked)
+            yield batch
+            asked = time.perf_counter()  # the training loop asks for the next batch
         fill = self.stats.padded_tokens / max(self.stats.steps * sum(self.cfg.token_budgets), 1)
         if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5:
             warnings.warn(f"odb rank {self._exchange.rank}: batches filled only {fill:.0%} of token_budget on "
@@ -245,7 +249,8 @@ class EpochRun(RankFitting, ResumableRun):
             warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
                           f"{self.cfg.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=2)
 
-    def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], chunk: List[StepPlan], j: int) -> Any:
+    def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], chunk: List[StepPlan], j: int,
+                    waited_s: float) -> Any:
         ghost = plan.group is None
         if ghost:
             if self._ghost is None:
@@ -268,10 +273,16 @@ class EpochRun(RankFitting, ResumableRun):
             global_loss_tokens=sum(p.global_loss_tokens for p in chunk), real_tokens=0 if ghost else real,
             padded_tokens=padded, loss_scale=0.0 if ghost else self._scale(plan, chunk),
             is_ghost=ghost, world_size=self.world_size, micro_step=j, micro_steps=len(chunk),
-            sample_ids=() if ghost else tuple(int(i) for i in ids))
+            sample_ids=() if ghost else tuple(int(i) for i in ids), buffered_samples=len(self._samples),
+            loader_wait_s=waited_s, rank_imbalance=plan.imbalance)
         self._step += 1
         st = self.stats
         st.steps += 1
+        st.wait_s += waited_s
+        st.buffered_max = max(st.buffered_max, len(self._samples))
+        st.buffered_sum += len(self._samples)
+        st.imbalance_sum += plan.imbalance
+        st.imbalance_max = max(st.imbalance_max, plan.imbalance)
         st.ghost_steps += ghost
         st.samples += info.local_samples
         st.real_tokens += info.real_tokens

@@ -12,8 +12,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .align import (StepPlan, WindowSummary, align_single, decide_steps, global_steps, shared_step_order,
-                    step_imbalance)
+from .align import StepPlan, WindowSummary, align_single, decide_steps, global_steps, shared_step_order
 from .planner import balanced_partition
 
 
@@ -42,9 +41,6 @@ class RankFitting:
         stats = np.array([[self._cost(g), len(g), self._loss([g])[0]] if g is not None else [0, 0, 0]
                           for g in ranked], dtype=np.int64).reshape(n_steps, 3)
         everyone = ex.all_gather(stats, where) if n_steps else np.zeros((self.world_size, 0, 3), dtype=np.int64)
-        imbalance = step_imbalance(everyone)
-        self.stats.imbalance_sum += float(imbalance.sum())
-        self.stats.imbalance_max = max(self.stats.imbalance_max, float(imbalance.max(initial=1.0)))
         order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, self._window_index, self.shuffle)
         if probe and n_steps:  # every rank's batch with the longest samples runs first
             order = np.concatenate(([0], order[order != 0]))

@@ -34,13 +34,14 @@ RUN_KEYS = {"arrived", "planned_final", "all_done", "local_only", "window_index"
 def _step(entry: Tuple[StepPlan, Optional[np.ndarray]]) -> List[Any]:
     plan, ids = entry
     return [None if ids is None else [int(i) for i in ids], plan.global_samples, plan.global_loss_tokens,
-            plan.local_loss_tokens, plan.local_samples]
+            plan.local_loss_tokens, plan.local_samples, plan.imbalance]
 
 
 def _unstep(row: List[Any]) -> Tuple[StepPlan, Optional[np.ndarray]]:
-    ids, global_samples, global_loss, local_loss, local_samples = row
+    ids, global_samples, global_loss, local_loss, local_samples, imbalance = row
     group = None if ids is None else 0
-    return (StepPlan(group, int(global_samples), int(global_loss), int(local_loss), int(local_samples)),
+    return (StepPlan(group, int(global_samples), int(global_loss), int(local_loss), int(local_samples),
+                     float(imbalance)),
             None if ids is None else np.asarray(ids, dtype=np.int64))
 
 

@@ -25,11 +25,15 @@ class EpochStats:
     deferred_groups: int = 0
     imbalance_sum: float = 0.0
     imbalance_max: float = 0.0
+    wait_s: float = 0.0  # time the training loop waited inside next(loader)
+    buffered_sum: int = 0
+    buffered_max: int = 0  # samples held in memory (window, carry, planned steps)
 
     def as_dict(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)
         out["padding_ratio"] = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
         out["mean_batch_size"] = self.samples / max(self.steps - self.ghost_steps, 1)
-        out["rank_imbalance"] = self.imbalance_sum / self.steps if self.steps and self.imbalance_sum else 1.0
+        out["rank_imbalance"] = self.imbalance_sum / self.steps if self.steps else 1.0
+        out["mean_buffered"] = self.buffered_sum / self.steps if self.steps else 0.0
         out["ghost_fraction"] = self.ghost_steps / self.steps if self.steps else 0.0
         return out

@@ -38,6 +38,12 @@ class ODBStepInfo:
             may hold fewer than gradient_accumulation_steps).
         sample_ids: ids of the samples in this batch (dataset indices for map-style
             datasets, arrival positions for iterable ones).
+        buffered_samples: processed samples odb held in memory after this batch left
+            (window, carry, planned steps): the buffer occupancy.
+        loader_wait_s: how long the training loop waited in ``next(loader)`` for this
+            batch (reading workers' output, planning, collating).
+        rank_imbalance: max over ranks of this step's cost / the mean over ranks (1.0
+            with one rank).
     """
 
     step: int
@@ -54,6 +60,9 @@ class ODBStepInfo:
     micro_step: int = 0
     micro_steps: int = 1
     sample_ids: Tuple[int, ...] = ()
+    buffered_samples: int = 0
+    loader_wait_s: float = 0.0
+    rank_imbalance: float = 1.0
 
     @property
     def padding_ratio(self) -> float:
