@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__
 from .planning import BUFFER_SIZES, load_workloads, run_planning
-from .report import plot, render
+from .report import plot, plot_step_metrics, render
 from .workloads import lognormal_lengths
 
 # name -> (full, quick)
@@ -123,11 +123,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(args.out, "bench.png"))
+    if "loader" in results:
+        plot_step_metrics(results["loader"], os.path.join(args.out, "step_metrics.png"))
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(render(results, markdown=True) + "\n")
     print(render(results))
     print("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in results["wall_s"].items()))
-    print(f"wrote {args.out}/results.json, bench.png, summary.md")
+    print(f"wrote {args.out}/results.json, bench.png, step_metrics.png, summary.md")
     return results
 
 

@@ -13,7 +13,7 @@ import gc
 import resource
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -54,8 +54,12 @@ def _cpu_s(self0: Any, child0: Any) -> float:
             + (child1.ru_utime - child0.ru_utime) + (child1.ru_stime - child0.ru_stime))
 
 
-def measure_epoch(make_loader: Callable[[], DataLoader]) -> Dict[str, float]:
-    """One epoch: samples/s, CPU seconds of all processes, seconds to the first batch."""
+def measure_epoch(make_loader: Callable[[], DataLoader], series: Optional[Dict[str, List[float]]] = None
+                  ) -> Dict[str, float]:
+    """One epoch: samples/s, CPU seconds of all processes, seconds to the first batch.
+
+    With ``series``, an odb loader's per-step metrics (ODBStepInfo) are appended to it.
+    """
     loader = make_loader()
     gc.collect()
     self0, child0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -67,6 +71,12 @@ def measure_epoch(make_loader: Callable[[], DataLoader]) -> Dict[str, float]:
         if first is None:
             first = time.perf_counter() - t0
         samples += int(batch["input_ids"].shape[0])
+        if series is not None and "odb_step_info" in batch:
+            info = batch["odb_step_info"]
+            for key, value in (("batch_size", info.local_samples), ("padding_ratio", info.padding_ratio),
+                               ("buffered_samples", info.buffered_samples), ("loader_wait_ms", info.loader_wait_s * 1e3),
+                               ("padded_tokens", info.padded_tokens)):
+                series.setdefault(key, []).append(float(value))
     wall = time.perf_counter() - t0
     del it, loader  # workers are joined (and reaped) when the epoch ends; make sure before reading rusage
     gc.collect()
@@ -104,8 +114,11 @@ def run_loader_speed(lengths: Sequence[int], *, num_workers: int = 2, budget: in
         measure_epoch(make)
     runs: Dict[str, List[Dict[str, float]]] = {name: [] for name in names}
     schedule = [(r, name) for r in range(repeats) for name in (names if r % 2 == 0 else names[::-1])]
+    series: Dict[str, List[float]] = {}
     for _, name in progress(schedule, desc="loader speed", unit="epoch"):
-        runs[name].append(measure_epoch(makers[name]))
+        if name == "odb":
+            series = {}  # keep the last odb epoch's per-step metrics
+        runs[name].append(measure_epoch(makers[name], series if name == "odb" else None))
     med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in names}
     base, odb, one = med[f"plain_bs{batch_size}"], med["odb"], med["plain_bs1"]
     ratios = {
@@ -121,4 +134,4 @@ def run_loader_speed(lengths: Sequence[int], *, num_workers: int = 2, budget: in
     }
     return {"samples": len(dataset), "bs1_samples": min(bs1_samples, len(dataset)), "num_workers": num_workers, "token_budget": budget, "batch_size": batch_size,
             "repeats": repeats, "median": med, "runs": runs, "ratios": ratios, "goals": GOALS,
-            "goals_met": goals_met}
+            "goals_met": goals_met, "odb_step_metrics": series}

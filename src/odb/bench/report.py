@@ -134,6 +134,27 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
     return "\n".join(parts)
 
 
+def plot_step_metrics(loader: Dict[str, Any], path: str) -> None:
+    """Per-step metrics of one odb epoch (batch size, padding, buffer occupancy, loader wait)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = loader.get("odb_step_metrics") or {}
+    keys = [k for k in ("batch_size", "padding_ratio", "buffered_samples", "loader_wait_ms") if k in series]
+    if not keys:
+        return
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 1.8 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        ax.plot(series[key], lw=0.8)
+        ax.set_ylabel(key.replace("_", " "))
+    axes[-1, 0].set_xlabel(f"step of one odb epoch ({loader['samples']} samples, budget {loader['token_budget']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot(results: Dict[str, Any], path: str) -> None:
     import matplotlib
 
