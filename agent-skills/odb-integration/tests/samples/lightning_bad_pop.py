@@ -1,0 +1,21 @@
+# expect-framework: lightning
+# expect-findings: step-info
+import lightning as L
+import odb
+from odb.integrations.lightning import ODBCallback, ODBLightningLoader, scale_loss
+from my_project import SFTDataset, build_model, collate_fn
+
+
+class LitLM(L.LightningModule):
+    def train_dataloader(self):
+        data = SFTDataset("train.jsonl")
+        return ODBLightningLoader(odb.ODBDataLoader(data, token_budget=16384, sampler=odb.ShardSampler(data),
+                                                    num_workers=4, collate_fn=collate_fn))
+
+    def training_step(self, batch, batch_idx):
+        info = odb.pop_step_info(batch)
+        self.log("odb/samples", info.local_samples)
+        return scale_loss(self, self.model(**batch).loss)
+
+
+L.Trainer(callbacks=[ODBCallback()]).fit(LitLM())

@@ -1,0 +1,14 @@
+# expect-framework: plain_loop
+# expect-findings: odb-missing
+import torch
+from torch.utils.data import DataLoader
+from my_project import SFTDataset, build_model, collate_fn
+
+model = build_model()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+loader = DataLoader(SFTDataset("train.jsonl"), batch_size=8, shuffle=True, num_workers=4, collate_fn=collate_fn)
+for batch in loader:
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()

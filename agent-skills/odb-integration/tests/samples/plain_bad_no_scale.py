@@ -1,0 +1,19 @@
+# expect-framework: plain_loop
+# expect-findings: loss-scale
+import torch
+import odb
+from my_project import SFTDataset, build_model, collate_fn
+
+model = build_model()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+loader = odb.ODBDataLoader(SFTDataset("train.jsonl"), token_budget=16384, shuffle=True, num_workers=4,
+                           collate_fn=collate_fn)
+seen = 0
+for batch in loader:
+    info = odb.pop_step_info(batch)
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    seen += info.all_samples_this_step
+    print(f"scale {info.loss_scale:.3f}")
