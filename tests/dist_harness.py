@@ -4,7 +4,8 @@
 
 Each rank is a fresh interpreter (``python tests/dist_harness.py ...``, so nothing is
 inherited from pytest), joins ``init_process_group("gloo")`` on a free local port,
-calls ``dist_workers.<worker>(rank, world, params)`` and saves what it returns with
+calls ``dist_workers.<worker>(rank, world, params)`` (or ``<module>.<function>`` for a
+worker named ``"module:function"``, a module of tests/) and saves what it returns with
 torch.save. The parent waits until every rank has a result, an error or has exited,
 within one deadline; then it kills what is left. It fails naming the ranks that did not
 finish, or quoting a rank's traceback with its rank number. A rank listed in
@@ -117,13 +118,16 @@ def _child_main(argv: List[str]) -> None:
         import torch
         import torch.distributed as dist
 
-        import dist_workers
+        import importlib
+
+        module_name, _, func_name = worker.rpartition(":")  # "module:function", or a dist_workers function
+        workers = importlib.import_module(module_name or "dist_workers")
 
         torch.set_num_threads(1)
         params = json.loads((tmp / "params.json").read_text())
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=deadline_s))
-        result = getattr(dist_workers, worker)(rank, world, params)
+        result = getattr(workers, func_name)(rank, world, params)
         part = tmp / f"rank{rank}.pt.part"
         torch.save(result, part)
         os.replace(part, tmp / f"rank{rank}.pt")

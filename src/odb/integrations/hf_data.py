@@ -1,0 +1,122 @@
+"""The HF Trainer's training loader as an odb loader, its step estimate, and odb's checkpoint file.
+
+The loader is built the way ``Trainer.get_train_dataloader`` builds its own (collator
+with unused columns removed, workers, pinning, worker seeding, drop_last) except that
+it is not passed through ``accelerator.prepare``: that would re-shard or dispatch odb's
+batches across ranks. Each rank instead reads its own share of the dataset through an
+``odb.ShardSampler`` (every sample to exactly one rank) and odb aligns the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+from typing import Any, Dict, Optional, Sequence
+
+from torch.utils.data import IterableDataset
+
+from ..config import ODBConfig
+from ..loader import ODBDataLoader
+from ..sampling import ShardSampler
+
+STATE_VERSION = 1
+
+
+def state_file(checkpoint_dir: str, rank: int) -> str:
+    """Where a rank's odb state lives inside a Trainer checkpoint folder."""
+    return os.path.join(checkpoint_dir, f"odb_state_rank{rank}.json")
+
+
+def is_hf_dataset(dataset: Any) -> bool:
+    from transformers.utils import is_datasets_available
+
+    if not is_datasets_available():
+        return False
+    import datasets
+
+    return isinstance(dataset, datasets.Dataset)
+
+
+def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[int]]) -> ODBDataLoader:
+    """An ODBDataLoader over ``trainer.train_dataset`` with the Trainer's data settings."""
+    from transformers.trainer_utils import seed_worker
+
+    args = trainer.args
+    dataset, collator = trainer.train_dataset, trainer.data_collator
+    if is_hf_dataset(dataset):
+        dataset = trainer._remove_unused_columns(dataset, description="Training")
+    else:
+        collator = trainer._get_collator_with_removed_columns(collator, description="Training")
+    shuffle = getattr(args, "train_sampling_strategy", "random") != "sequential"
+    sampler = None
+    if not isinstance(dataset, IterableDataset):
+        sampler = ShardSampler(dataset, num_replicas=args.world_size, rank=args.process_index, shuffle=shuffle,
+                               seed=int(cfg.seed or 0))
+    workers = args.dataloader_num_workers
+    options: Dict[str, Any] = {}
+    if hasattr(args, "dataloader_in_order"):
+        options["in_order"] = args.dataloader_in_order
+    return ODBDataLoader(
+        dataset, config=cfg, sampler=sampler, shuffle=shuffle, collate_fn=collator, num_workers=workers,
+        pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers and workers > 0,
+        multiprocessing_context=args.dataloader_multiprocessing_context if workers > 0 else None,
+        prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        drop_last=args.dataloader_drop_last, lengths=lengths,
+        worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index), **options)
+
+
+def estimate_micro_steps(loader: ODBDataLoader, cfg: ODBConfig, lengths: Optional[Sequence[int]],
+                         world_size: int) -> Optional[int]:
+    """Micro-batches per epoch per rank, the same number on every rank; None without a length.
+
+    odb's own estimate (``len(loader)``) depends on the rank's shard size, which differs
+    by one sample between ranks; the learning-rate schedule and the Trainer's logging
+    intervals are derived from this number and must agree on all ranks, so it is taken
+    from the whole dataset and divided by the world size.
+    """
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        return None
+    whole = ODBDataLoader(dataset, config=cfg.replace(seed=cfg.seed or 0), lengths=lengths, collate_fn=list)
+    return max(1, -(-len(whole) // max(world_size, 1)))
+
+
+def write_state(checkpoint_dir: str, rank: int, world_size: int, loader: ODBDataLoader,
+                progress: Dict[str, Any]) -> None:
+    """Save this rank's loader position and sample progress into a Trainer checkpoint folder."""
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    state = {"odb_hf_state_version": STATE_VERSION, "rank": rank, "world_size": world_size,
+             "progress": progress, "loader": loader.state_dict()}
+    path = state_file(checkpoint_dir, rank)
+    with open(path + ".part", "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    os.replace(path + ".part", path)
+
+
+def read_state(checkpoint_dir: str, rank: int, world_size: int, strict: bool = True) -> Optional[Dict[str, Any]]:
+    """This rank's saved odb state, or None when the checkpoint has none (saved without odb).
+
+    ``strict=False`` (the data is not resumed mid-epoch) only needs the sample progress,
+    which is the same on every rank: any rank's file will do, whatever the world size.
+    """
+    path = state_file(checkpoint_dir, rank)
+    if not strict and not os.path.exists(path):
+        path = state_file(checkpoint_dir, 0)
+    if not os.path.exists(path):
+        if any(name.startswith("odb_state_rank") for name in os.listdir(checkpoint_dir)):
+            raise ValueError(f"checkpoint {checkpoint_dir} holds odb state of other ranks but none for rank {rank} "
+                             f"(this run has {world_size} ranks): odb resumes mid-epoch only with the world size it "
+                             f"saved with. Fix: resume with the same number of processes, or pass "
+                             f"ignore_data_skip=True to start the epoch's data afresh.")
+        return None
+    with open(path, encoding="utf-8") as f:
+        state = json.load(f)
+    if state.get("odb_hf_state_version") != STATE_VERSION:
+        raise ValueError(f"{path} has odb state version {state.get('odb_hf_state_version')!r}; this odb reads "
+                         f"version {STATE_VERSION}. Fix: resume with the odb version that saved it.")
+    if strict and state.get("world_size") != world_size:
+        raise ValueError(f"{path} was saved by {state.get('world_size')} rank(s); this run has {world_size}. "
+                         f"Rule: odb resumes mid-epoch only with the world size it saved with. Fix: resume with the "
+                         f"same number of processes, or pass ignore_data_skip=True to start the epoch's data afresh.")
+    return state

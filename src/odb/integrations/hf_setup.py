@@ -1,0 +1,132 @@
+"""Setup pieces of the HF Trainer integration: odb's per-trainer state, the progress callback,
+the checks of TrainingArguments and of the Trainer's loop API, and configure_trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import transformers
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from ..config import ODBConfig
+from ..loader import ODBDataLoader
+from ..step_info import ODBStepInfo
+from .hf_progress import SampleProgress, WindowMetrics
+
+_GROUPING = ("group_by_length", "batch_rebalance")
+# The Trainer methods whose 5.x behaviour this module builds on (checked when odb is enabled).
+_LOOP_API = {"_run_epoch": {"epoch", "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch",
+                            "steps_trained_in_current_epoch"},
+             "_init_training_state": {"resume_from_checkpoint"}, "get_batch_samples": {"epoch_iterator"},
+             "set_initial_training_values": {"dataloader"}, "_save_checkpoint": {"trial"}}
+
+
+class ODBRun:
+    """odb's state inside one Trainer (one attribute, so the Trainer's namespace stays clean)."""
+
+    def __init__(self, cfg: ODBConfig, lengths: Optional[Sequence[int]], shift: bool) -> None:
+        self.cfg, self.lengths, self.shift = cfg, lengths, shift
+        self.loader: Optional[ODBDataLoader] = None
+        self.progress = SampleProgress(None, 1)
+        self.window = WindowMetrics()
+        self.infos: Dict[int, ODBStepInfo] = {}  # id(micro-batch) -> its info, for the current step
+        self.step_infos: Tuple[ODBStepInfo, ...] = ()
+        self.active: Optional[ODBStepInfo] = None
+        self.resume = False  # the next epoch continues from a loaded loader state
+        self.first_pull = False  # the next get_batch_samples is the first of a resumed epoch
+        self.empty_resume = False  # ...and found nothing left (the state was saved after its last step)
+        self.exhausted = False
+
+
+class ProgressCallback(TrainerCallback):
+    """Sets ``state.epoch`` and ``state.max_steps`` from the samples seen (runs before the Trainer's own
+    flow callback, which stops training once ``global_step`` reaches ``max_steps``)."""
+
+    def __init__(self, run: ODBRun) -> None:
+        self.run = run
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        progress = self.run.progress
+        state.epoch = progress.epochs_done
+        if progress.target_epochs:
+            state.max_steps = state.global_step if progress.reached() else \
+                state.global_step + progress.steps_left_estimate()
+
+    def on_epoch_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        run = self.run
+        if run.exhausted:
+            run.progress.end_epoch()
+            state.epoch = run.progress.epochs_done
+        if run.empty_resume and not run.progress.reached():
+            control.should_training_stop = False  # the Trainer stops after an epoch without batches
+        run.empty_resume = False
+
+
+def configure_trainer(args: TrainingArguments, **changes: Any) -> TrainingArguments:
+    """A copy of ``args`` set up for odb training, with ``changes`` applied on top.
+
+    odb decides each batch's size from the token budget, so the copy has
+    ``per_device_train_batch_size=1`` (the Trainer's logged batch sizes then count
+    micro-batches), ``auto_find_batch_size=False`` (lower ``token_budget`` instead) and
+    ``train_sampling_strategy="random"`` in place of the length-grouping strategies that
+    odb replaces. ``enable_odb`` refuses those settings rather than changing them.
+
+    Example:
+        >>> args = configure_trainer(TrainingArguments("out", per_device_train_batch_size=8),
+        ...                          num_train_epochs=2)               # doctest: +SKIP
+        >>> args.per_device_train_batch_size                          # doctest: +SKIP
+        1
+    """
+    fixed: Dict[str, Any] = {"per_device_train_batch_size": 1, "auto_find_batch_size": False}
+    if getattr(args, "train_sampling_strategy", None) in _GROUPING:
+        fixed["train_sampling_strategy"] = "random"
+    fixed.update(changes)
+    return dataclasses.replace(args, **fixed)
+
+
+def loss_shifts_labels(trainer: Trainer) -> bool:
+    """Whether the model's loss drops each row's first label (causal LM), as the Trainer decides it."""
+    known = getattr(trainer, "_loss_shifts_labels", None)  # transformers >= 5.2x computes it
+    if known is not None:
+        return bool(known)
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    model = trainer.model  # a PEFT wrapper forwards these attributes to the model it wraps
+    causal = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+    return causal and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+
+
+def check_args(trainer: Trainer) -> None:
+    args = trainer.args
+    problems = []
+    if getattr(args, "train_sampling_strategy", None) in _GROUPING:
+        problems.append(f"train_sampling_strategy={args.train_sampling_strategy!r} groups samples by length, "
+                        f"which odb does itself (fix: 'random' or 'sequential')")
+    if args.auto_find_batch_size:
+        problems.append("auto_find_batch_size=True shrinks a batch size odb does not use (fix: False, and "
+                        "lower token_budget on out-of-memory)")
+    if args.n_gpu > 1:
+        problems.append(f"this process drives n_gpu={args.n_gpu} GPUs through torch.nn.DataParallel, which splits "
+                        f"odb's batches (fix: one process per GPU, e.g. torchrun --nproc_per_node={args.n_gpu})")
+    sizes = {"tensor": trainer.get_tp_size(), "context": trainer.get_cp_size(), "sequence": trainer.get_sp_size()}
+    problems += [f"{kind} parallelism of size {size} gives ranks the same batch, while odb gives every rank its "
+                 f"own (fix: data parallelism only: DDP, FSDP or DeepSpeed ZeRO)" for kind, size in sizes.items()
+                 if size > 1]
+    if problems:
+        raise ValueError("odb cannot train with these TrainingArguments: " + "; ".join(problems) +
+                         ". odb.integrations.hf.configure_trainer(args) returns a copy without the batch-size "
+                         "settings.")
+
+
+def check_loop_api() -> None:
+    for name, needed in _LOOP_API.items():
+        method = getattr(Trainer, name, None)
+        params = sorted(inspect.signature(method).parameters) if method is not None else []
+        if not needed <= set(params):
+            found = f"{name}({', '.join(params)})" if method is not None else "no such method"
+            raise RuntimeError(
+                f"odb.integrations.hf needs Trainer.{name}({', '.join(sorted(needed))}) of the transformers 5 "
+                f"training loop; transformers {transformers.__version__} has {found}. Fix: install "
+                f"transformers>=5.3 (tested with 5.23), or use odb.ODBDataLoader in your own training loop.")

@@ -1,0 +1,114 @@
+"""One optimizer step of odb batches for the HF Trainer, and the checks that keep its loss exact.
+
+The Trainer pulls ``gradient_accumulation_steps`` batches per optimizer step and steps
+the optimizer after every ``gradient_accumulation_steps``-th micro-batch. odb emits
+steps of exactly that many micro-batches except the last of an epoch, which may hold
+fewer; ``pad_step`` puts inert ``StepFiller`` entries in front of such a step so the
+Trainer's count stays aligned and the optimizer steps after the step's last real
+micro-batch (the fillers run no forward or backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+
+from ..config import ODBConfig
+from ..step_info import ODBStepInfo, pop_step_info
+
+
+class StepFiller(dict):
+    """A placeholder micro-batch: no samples, no forward, no backward, zero loss."""
+
+
+def make_filler(main_input_name: str) -> StepFiller:
+    """A filler whose main input is empty (the Trainer counts 0 tokens and 0 FLOPs for it)."""
+    return StepFiller({main_input_name: torch.zeros((1, 0), dtype=torch.long)})
+
+
+def next_step(iterator: Iterator[Any], key: str) -> Optional[Tuple[List[Any], List[ODBStepInfo]]]:
+    """The micro-batches of the next optimizer step and their step infos (popped); None at the end."""
+    try:
+        first = next(iterator)
+    except StopIteration:
+        return None
+    batches, infos = [first], [pop_step_info(first, key)]
+    if infos[0].micro_step != 0:
+        raise RuntimeError(
+            f"odb's training loader was at micro-batch {infos[0].micro_step} of an optimizer step when the Trainer "
+            f"started a new step: something else consumed batches of trainer's training loader. Fix: do not iterate "
+            f"the Trainer's training dataloader outside trainer.train().")
+    for k in range(1, infos[0].micro_steps):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            raise RuntimeError(f"odb's training loader ended inside an optimizer step (after micro-batch {k} of "
+                               f"{infos[0].micro_steps}). This is a bug in odb; please report it.") from None
+        batches.append(batch)
+        infos.append(pop_step_info(batch, key))
+    return batches, infos
+
+
+def pad_step(batches: List[Any], accumulation: int, main_input_name: str) -> List[Any]:
+    """``batches`` preceded by fillers up to ``accumulation`` entries."""
+    return [make_filler(main_input_name) for _ in range(accumulation - len(batches))] + batches
+
+
+def batch_loss_tokens(batch: Any, shift: bool, ignore_index: int) -> Optional[int]:
+    """Supervised tokens of a collated batch as the model's loss sees them (None: no label tensor).
+
+    ``shift_labels`` (as padding-free collators provide) is used as is; else ``labels``,
+    without its first column when the loss shifts labels (causal LM).
+    """
+    if not isinstance(batch, Mapping):
+        return None
+    labels = batch.get("shift_labels")
+    if labels is None:
+        labels = batch.get("labels")
+        if isinstance(labels, torch.Tensor) and shift:
+            labels = labels[..., 1:]
+    if not isinstance(labels, torch.Tensor):
+        return None
+    return int(labels.ne(ignore_index).sum())
+
+
+def check_loss_tokens(batches: List[Any], infos: List[ODBStepInfo], cfg: ODBConfig, shift: bool) -> None:
+    """Refuse batches whose collated labels hold another token count than odb planned with.
+
+    Exact scaling divides by odb's count (all ranks, all micro-batches); if the model
+    averages over a different count, the gradient is silently off, so this is an error.
+    """
+    if cfg.loss_scaling not in ("exact", "approx"):
+        return
+    for batch, info in zip(batches, infos):
+        if info.is_ghost:
+            continue
+        seen = batch_loss_tokens(batch, shift, cfg.ignore_index)
+        if seen is None or seen == info.local_loss_tokens:
+            continue
+        what = "labels[..., 1:]" if shift else "labels"
+        raise ValueError(
+            f"odb counted {info.local_loss_tokens} supervised tokens in the batch of samples "
+            f"{list(info.sample_ids[:8])}{'...' if len(info.sample_ids) > 8 else ''} but the collated batch holds "
+            f"{seen} ({what} != {cfg.ignore_index}, as the model's loss counts them), so the loss could not be "
+            f"scaled exactly. Rule: odb counts each sample's '{cfg.label_key}' before collate"
+            f"{', without its first token (shift_labels=True)' if cfg.shift_labels else ''}. Fix: let the dataset "
+            f"return the labels the model trains on (or pass loss_tokens_fn=lambda s: <its count>, e.g. "
+            f"len(s['input_ids']) - 1 when a causal-LM collator builds labels), pad labels on the right, set "
+            f"shift_labels={shift} to match the model's loss, or pass loss_scaling='sample' to weight samples "
+            f"instead of tokens.")
+
+
+def zero_loss(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
+    """A zero loss still connected to the model's graph (a batch without supervised tokens, a ghost).
+
+    The model's mean over zero tokens is NaN (0/0), and NaN times 0 stays NaN, so the
+    zero comes from the logits instead; every parameter still gets a (zero) gradient,
+    which keeps DDP's gradient all-reduce aligned.
+    """
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
+    if isinstance(logits, torch.Tensor) and logits.requires_grad:
+        return logits.sum().to(loss.dtype) * 0.0
+    return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
