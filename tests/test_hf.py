@@ -177,6 +177,11 @@ def test_resume_mid_epoch_at_epoch_end_and_after_the_end_continue_exactly(tmp_pa
         assert tail["steps"] == whole["steps"][at:], f"resumed at step {at}"
         assert tail["global_step"] == last
         assert all(torch.equal(whole["params"][n], tail["params"][n]) for n in whole["params"])
+    # ignore_data_skip=True: the interrupted epoch's data starts again (same order, same first batches)
+    again = W.train_ranks(0, 1, dict(p, out=str(tmp_path / "again"), resume=os.path.join(out, "checkpoint-2"),
+                                     args=dict(args, ignore_data_skip=True)))
+    assert [ids for (_, _, ids, _) in again["steps"][:2]] == [ids for (_, _, ids, _) in whole["steps"][:2]]
+    assert again["global_step"] == last + 2
 
 
 def test_resume_refuses_checkpoint_without_odb_state(tmp_path):

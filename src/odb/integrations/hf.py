@@ -168,8 +168,10 @@ class ODBTrainerMixin:
             run.resume = True
         return epoch, 0
 
-    def _run_epoch(self, **kwargs: Any) -> Any:
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         run = self._odb
+        kwargs = dict(inspect.signature(Trainer._run_epoch).bind(self, *args, **kwargs).arguments)
+        kwargs.pop("self")
         if kwargs.get("train_dataloader") is not run.loader or run.loader is None:
             return super()._run_epoch(**kwargs)
         if not run.resume:
