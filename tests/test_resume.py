@@ -117,3 +117,14 @@ def test_resume_refuses_a_sampler_without_a_reproducible_order():
     summary(loader, limit=2)
     with pytest.raises(ValueError, match="not a function of"):
         make().load_state_dict(loader.state_dict())
+
+
+def test_state_after_the_last_batch_but_before_exhaustion_is_the_next_epoch():
+    reference = map_loader(0, 1)
+    n = len(summary(reference))
+    loader = map_loader(0, 1)
+    it = iter(loader)
+    for _ in range(n):
+        odb.pop_step_info(next(it))
+    state = loader.state_dict()
+    assert state["run"] is None and state["epoch"] == 1

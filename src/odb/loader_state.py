@@ -25,7 +25,9 @@ class ResumableLoader(DataLoader):
         Call it between batches (e.g. when the trainer checkpoints). Each rank saves its own.
         """
         run = self._odb_run
-        mid_epoch = run is not None and self._odb_last_steps_epoch != run.epoch
+        # After an epoch's last batch the epoch is over even if the iterator was not exhausted.
+        finished = run is not None and run._all_done and not run._pending and run._chunk_pos >= len(run._chunk)
+        mid_epoch = run is not None and self._odb_last_steps_epoch != run.epoch and not finished
         rank, world_size = self._odb_world()
         return {"odb_state_version": STATE_VERSION, "epoch": run.epoch if mid_epoch else self._odb_next_epoch,
                 "seed": self._odb_seed, "world_size": world_size, "rank": rank,
