@@ -1,0 +1,265 @@
+"""odb in LLaMA-Factory's SFT training: ``CustomSeq2SeqTrainer`` and its data collators.
+
+Three entry points (LLaMA-Factory itself is imported only by ``run_exp``):
+
+- ``enable_odb(trainer=trainer, token_budget=...)``: a ``CustomSeq2SeqTrainer`` (any
+  transformers Trainer) built by your own code switches to odb batches, in place, through
+  ``odb.integrations.hf.enable_odb``, with the settings read from LLaMA-Factory's objects;
+- ``enable_odb(train_dataloader=loader, training_args=args, token_budget=...)``: a
+  ``DataLoader(batch_size=1, collate_fn=SFTDataCollatorWith4DAttentionMask(...))`` of your
+  own loop becomes an odb loader in place (``odb.apply``); returns its ``ODBHandle``;
+- ``run_exp(args, token_budget=...)``: LLaMA-Factory's own ``run_exp`` (the code behind
+  ``llamafactory-cli train``) for ``stage: sft``, with odb enabled on the trainer it builds.
+
+What is read from LLaMA-Factory rather than asked of you:
+
+- the collator's ``pad_to_multiple_of`` (8 when training) becomes odb's, so a batch's real
+  padded shape stays within the budget;
+- sample lengths come from the processed dataset's ``input_ids`` column (chat template,
+  image tokens and ``cutoff_len`` truncation already applied), for the step estimate and
+  an early check that every sample fits the budget;
+- ``finetuning_args.disable_shuffling`` must agree with ``train_sampling_strategy``, and
+  labels must be padded with ``IGNORE_INDEX`` (``ignore_pad_token_for_loss: true``) for the
+  exact loss; ``neat_packing`` with FlashAttention-2 (one row per batch) is refused.
+
+Example:
+    >>> from odb.integrations.llamafactory import enable_odb          # doctest: +SKIP
+    >>> trainer = CustomSeq2SeqTrainer(model=model, args=training_args, finetuning_args=finetuning_args,
+    ...                                data_collator=collator, **dataset_module, **tokenizer_module)  # doctest: +SKIP
+    >>> enable_odb(trainer=trainer, token_budget=16384).train()       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from ..apply import ODBHandle, apply
+from ..config import ODBConfig
+from ..cost import CostModel
+from ..loader import make_config
+
+__all__ = ["enable_odb", "run_exp"]
+
+IGNORE_INDEX = -100  # llamafactory.extras.constants.IGNORE_INDEX
+_NOT_SFT = ("use_mca", "use_hyper_parallel")  # SFT workflows of LLaMA-Factory that build another trainer
+
+
+def enable_odb(trainer: Any = None, train_dataloader: Optional[DataLoader] = None, training_args: Any = None,
+               token_budget: Any = None, *, config: Optional[ODBConfig] = None,
+               lengths: Optional[Sequence[int]] = None, **odb_options: Any) -> Any:
+    """Train a LLaMA-Factory SFT trainer, or iterate a loader, with odb batches.
+
+    Pass ``trainer`` (returns the trainer, switched in place) or ``train_dataloader``
+    (returns the ``ODBHandle``; ``training_args`` then supplies
+    ``gradient_accumulation_steps`` and the seed). ``token_budget`` and the other keyword
+    options are ``odb.ODBConfig`` fields; ``lengths`` overrides the lengths read from the
+    dataset's ``input_ids`` column.
+
+    Example:
+        >>> enable_odb(training_args=None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: enable_odb got neither trainer nor train_dataloader. Rule: ... Fix: pass trainer=...
+    """
+    if trainer is None and train_dataloader is None:
+        raise TypeError("enable_odb got neither trainer nor train_dataloader. Rule: odb changes one of them. Fix: "
+                        "pass trainer=<CustomSeq2SeqTrainer> (before trainer.train()) or "
+                        "train_dataloader=<DataLoader(batch_size=1)>.")
+    if trainer is not None and train_dataloader is not None:
+        raise ValueError("enable_odb got both trainer and train_dataloader. Rule: the trainer builds its own odb "
+                         "loader from trainer.train_dataset. Fix: pass trainer alone, or train_dataloader alone for "
+                         "a loop of your own.")
+    options = dict(odb_options)
+    if trainer is not None:
+        return _enable_trainer(trainer, training_args, token_budget, config, lengths, options)
+    return _enable_loader(train_dataloader, training_args, token_budget, config, lengths, options)
+
+
+def run_exp(args: Any = None, callbacks: Optional[List[Any]] = None, *, token_budget: Any = None,
+            config: Optional[ODBConfig] = None, **odb_options: Any) -> None:
+    """``llamafactory.train.tuner.run_exp`` for ``stage: sft`` with odb batching.
+
+    ``args`` is what LLaMA-Factory's ``run_exp`` takes: a dict, an argv-style list, or None
+    (then ``sys.argv[1]`` names a YAML/JSON config). While it runs, the SFT workflow builds
+    ``CustomSeq2SeqTrainer`` through a subclass that calls ``enable_odb(trainer=...)``
+    right after construction; the name is restored afterwards. Under ``torchrun`` call
+    this from your script on every rank (``llamafactory-cli`` starts its own processes,
+    which do not see it).
+
+    Example:
+        >>> from odb.integrations.llamafactory import run_exp                        # doctest: +SKIP
+        >>> run_exp({"stage": "sft", "do_train": True, "model_name_or_path": "...",
+        ...          "dataset": "alpaca_en_demo", "template": "llama3", ...}, token_budget=16384)  # doctest: +SKIP
+    """
+    from llamafactory.extras.misc import is_env_enabled
+    from llamafactory.hparams import read_args
+    from llamafactory.train import tuner
+    from llamafactory.train.sft import workflow
+
+    parsed = read_args(args)
+    _check_stage(parsed, is_env_enabled)
+    make_config(config, token_budget, dict(odb_options))  # bad options fail before the model loads
+    base = workflow.CustomSeq2SeqTrainer
+    built: List[Any] = []
+
+    def init(self: Any, *a: Any, **kw: Any) -> None:
+        base.__init__(self, *a, **kw)
+        enable_odb(trainer=self, token_budget=token_budget, config=config, **odb_options)
+        built.append(self)
+
+    trainer_cls = type(base.__name__, (base,), {"__init__": init, "__module__": __name__})
+    with _swapped(workflow, "CustomSeq2SeqTrainer", trainer_cls):
+        tuner.run_exp(parsed, callbacks)
+    if not built:
+        raise RuntimeError("odb.integrations.llamafactory.run_exp finished without building a CustomSeq2SeqTrainer, "
+                           "so odb was not used. Rule: it supports LLaMA-Factory's plain SFT workflow (stage: sft, "
+                           "no Ray, no mcore_adapter). Fix: call enable_odb(trainer=...) in your own workflow.")
+
+
+# ---- the trainer ------------------------------------------------------------------------
+def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config: Optional[ODBConfig],
+                    lengths: Optional[Sequence[int]], options: Dict[str, Any]) -> Any:
+    from . import hf
+
+    args = getattr(trainer, "args", None)
+    if training_args is not None and training_args is not args:
+        raise ValueError("enable_odb got training_args that are not trainer.args. Rule: odb follows the arguments "
+                         "the trainer runs with. Fix: pass trainer alone (or build the trainer with those args).")
+    finetuning = getattr(trainer, "finetuning_args", None)
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if getattr(finetuning, "disable_shuffling", False) and strategy != "sequential":
+        raise ValueError(f"finetuning_args.disable_shuffling=True but training_args.train_sampling_strategy="
+                         f"{strategy!r}. Rule: odb's loader orders samples by train_sampling_strategy (LLaMA-Factory's "
+                         f"sequential sampler is not used). Fix: add `train_sampling_strategy: sequential` to the "
+                         f"config, or drop disable_shuffling.")
+    collator = getattr(trainer, "data_collator", None)
+    options = _collator_options(collator, config, options)
+    cfg = make_config(config, token_budget, dict(options))
+    if lengths is None and cfg.length_fn is None:
+        lengths = _dataset_lengths(getattr(trainer, "train_dataset", None))
+    _check_fits(lengths, cfg)
+    return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, **options)
+
+
+# ---- a loader of your own ------------------------------------------------------------------
+def _enable_loader(loader: DataLoader, training_args: Any, token_budget: Any, config: Optional[ODBConfig],
+                   lengths: Optional[Sequence[int]], options: Dict[str, Any]) -> ODBHandle:
+    collator = getattr(loader, "collate_fn", None)
+    options = _collator_options(collator, config, options)
+    if training_args is not None:
+        if "gradient_accumulation_steps" not in options and config is None:
+            options["gradient_accumulation_steps"] = int(training_args.gradient_accumulation_steps)
+        if "seed" not in options and (config is None or config.seed is None):
+            data_seed = getattr(training_args, "data_seed", None)
+            options["seed"] = int(data_seed if data_seed is not None else training_args.seed)
+    if "shift_labels" not in options and config is None:
+        options["shift_labels"] = _shifts_labels(collator)
+    cfg = make_config(config, token_budget, dict(options))
+    if lengths is None and cfg.length_fn is None:
+        lengths = _dataset_lengths(getattr(loader, "dataset", None))
+    _check_fits(lengths, cfg)
+    return apply(loader, token_budget, config=config, lengths=lengths, **options)
+
+
+# ---- what LLaMA-Factory's objects say ------------------------------------------------------------
+def _collator_options(collator: Any, config: Optional[ODBConfig], options: Dict[str, Any]) -> Dict[str, Any]:
+    """odb options implied by a LLaMA-Factory (or transformers Seq2Seq) collator, checked against the user's."""
+    out = dict(options)
+    if collator is None:
+        return out
+    name = type(collator).__name__
+    if getattr(collator, "neat_packing", False) and getattr(collator, "attn_implementation", None) == \
+            "flash_attention_2":
+        raise ValueError(f"{name} has neat_packing=True with attn_implementation='flash_attention_2'. Rule: "
+                         f"LLaMA-Factory's collator then takes one packed row per batch, and odb batches several "
+                         f"rows. Fix: set `neat_packing: false` (odb replaces packing), or train without odb.")
+    pad = getattr(collator, "pad_to_multiple_of", None) or 1
+    # A config's pad_to_multiple_of=1 is its default, not a choice: the collator's value replaces it.
+    given = out.get("pad_to_multiple_of", config.pad_to_multiple_of if config is not None else 1)
+    if "pad_to_multiple_of" not in out and given == 1:
+        if pad > 1:
+            out["pad_to_multiple_of"] = int(pad)
+    elif given % pad:
+        raise ValueError(f"odb got pad_to_multiple_of={given} but {name} pads to a multiple of {pad}. Rule: odb's "
+                         f"padded length must not be shorter than the collator's, or batches exceed token_budget. "
+                         f"Fix: pass pad_to_multiple_of={pad} (or a multiple of it), or leave it out.")
+    label_pad = getattr(collator, "label_pad_token_id", IGNORE_INDEX)
+    scaling = out.get("loss_scaling", config.loss_scaling if config is not None else "exact")
+    ignore = out.get("ignore_index", config.ignore_index if config is not None else IGNORE_INDEX)
+    if label_pad != ignore and scaling in ("exact", "approx"):
+        raise ValueError(f"{name} pads labels with label_pad_token_id={label_pad}, not {ignore}, so padding counts "
+                         f"as supervised tokens and each batch's loss depends on its padding. Rule: "
+                         f"loss_scaling={scaling!r} needs padding left out of the loss. Fix: set "
+                         f"`ignore_pad_token_for_loss: true` (LLaMA-Factory's default), or pass loss_scaling='none'.")
+    return out
+
+
+def _shifts_labels(collator: Any) -> bool:
+    # LLaMA-Factory's SFT models are causal LMs, whose loss drops each row's first label.
+    model = getattr(collator, "model", None)
+    return not bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def _dataset_lengths(dataset: Any) -> Optional[np.ndarray]:
+    """Token counts from a processed HF dataset's ``input_ids`` column (None for anything else)."""
+    datasets = sys.modules.get("datasets")  # a datasets.Dataset means the package is imported already
+    if datasets is None or not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names:
+        return None
+    import pyarrow.compute as pc
+
+    column = dataset.with_format("arrow")["input_ids"]
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _check_fits(lengths: Optional[Sequence[int]], cfg: ODBConfig) -> None:
+    """Refuse, before training starts, a sample that alone exceeds the budget (oversize='error')."""
+    if lengths is None or cfg.oversize != "error" or len(lengths) == 0 or len(cfg.token_budgets) != 1:
+        return
+    values = np.asarray(lengths, dtype=np.int64).reshape(-1, 1)
+    cost = CostModel.from_config(cfg)
+    fit = cost.copies_that_fit_unrounded(cost.pad(values))
+    if fit.min() >= 1:
+        return
+    index = int(np.argmin(fit))
+    padded = cost.pad(values)
+    needed = int(np.ceil(cost.token_weight(padded).max()))  # the padded length, or more with quadratic_length
+    raise ValueError(f"sample {index} has {int(values[index, 0])} tokens ({int(padded[index, 0])} once padded to a "
+                     f"multiple of {cfg.pad_to_multiple_of}), more than token_budget={cfg.token_budget} allows for "
+                     f"one sample. Rule: every batch, even of one sample, stays within the budget (oversize='error'). "
+                     f"Fix: raise token_budget to at least {needed} (the longest sample, cutoff_len at most, padded), "
+                     f"lower cutoff_len, or pass oversize='alone'.")
+
+
+def _check_stage(parsed: Any, is_env_enabled: Any) -> None:
+    if isinstance(parsed, dict):
+        stage = parsed.get("stage", "sft")
+        extra = [flag for flag in _NOT_SFT if parsed.get(flag)]
+    else:
+        argv = [str(a) for a in parsed]
+        stage = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--stage"),
+                     next((a.split("=", 1)[1] for a in argv if a.startswith("--stage=")), "sft"))
+        extra = [flag for flag in _NOT_SFT if f"--{flag}" in argv]
+    if is_env_enabled("USE_MCA"):
+        extra.append("USE_MCA=1")
+    if is_env_enabled("USE_RAY"):
+        extra.append("USE_RAY=1")
+    if stage != "sft" or extra:
+        raise ValueError(f"odb.integrations.llamafactory.run_exp got stage={stage!r}{' with ' if extra else ''}"
+                         f"{', '.join(extra)}. Rule: it runs LLaMA-Factory's plain SFT workflow, whose "
+                         f"CustomSeq2SeqTrainer it switches to odb. Fix: use stage: sft without Ray/mcore_adapter/"
+                         f"hyper_parallel, or call enable_odb(trainer=...) on the trainer of your own workflow.")
+
+
+@contextlib.contextmanager
+def _swapped(module: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
