@@ -1,0 +1,287 @@
+"""PyTorch Lightning: ``Trainer.fit`` on odb batches, DDP included, without Join.
+
+Three pieces, each one line in user code:
+
+- ``ODBLightningLoader(loader)``: what ``train_dataloader()`` returns. It is not a torch
+  DataLoader, so Lightning neither injects its DistributedSampler into it nor rebuilds
+  it (whatever ``use_distributed_sampler``), and it has no ``len()``, so Lightning runs
+  each epoch until odb's last batch (odb's length is an estimate that Lightning would
+  otherwise cut the epoch at). It takes the ``ODBStepInfo`` off every batch before
+  Lightning moves the batch to the device.
+- ``ODBCallback()``: in ``Trainer(callbacks=[...])``. It checks the setup (one odb
+  loader, sharded across ranks, planning the Trainer's ``accumulate_grad_batches``),
+  sets odb's epoch, puts the current batch's step info on ``pl_module.odb_step_info``
+  before ``training_step`` and logs ``odb/*`` metrics through ``pl_module.log``.
+- ``scale_loss(self, loss)``: in ``training_step``, the exact loss scaling.
+
+Ghost steps (a rank with no data left while others still train) arrive as ordinary
+batches with ``loss_scale == 0``: ``training_step`` runs forward and backward on them as
+usual (never return None for them), so DDP's collectives stay aligned without Join.
+
+Example::
+
+    import lightning as L
+    import odb
+    from odb.integrations.lightning import ODBCallback, ODBLightningLoader, scale_loss
+
+    class LitLM(L.LightningModule):
+        def train_dataloader(self):                   # here torch.distributed is initialised
+            return ODBLightningLoader(odb.ODBDataLoader(
+                self.dataset, token_budget=16384, sampler=odb.ShardSampler(self.dataset),
+                collate_fn=collate_fn))
+
+        def training_step(self, batch, batch_idx):
+            return scale_loss(self, self.model(**batch).loss)
+
+    L.Trainer(strategy="ddp", callbacks=[ODBCallback()]).fit(LitLM())
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+try:  # the unified package first; the standalone pytorch_lightning package otherwise
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - depends on what is installed
+    import pytorch_lightning as pl
+
+from ..loader import ODBLoaderMixin
+from ..step_info import ODBStepInfo, pop_step_info
+from .checks import check_accumulation, check_odb_loader, check_sharding
+from .states import gather_states, restore_rank_state
+
+__all__ = ["ODBCallback", "ODBLightningLoader", "scale_loss"]
+_END = object()
+
+
+class ODBLightningLoader:
+    """An odb loader as Lightning's train dataloader (see the module docstring for why a wrapper).
+
+    Batches are the odb loader's, without their step info, which waits in order until
+    ``ODBCallback`` hands it to the module for the batch being trained (Lightning fetches
+    one batch ahead). ``state_dict``/``load_state_dict`` make Lightning checkpoints resume
+    mid-epoch exactly, at the first batch not yet trained, and hold every rank's odb
+    state (only rank 0 writes the checkpoint). Because of the batch fetched ahead, the
+    wrapper keeps an odb state taken every ``snapshot_every`` batches and the number of
+    batches trained since; a resume restores it and replays (loads and drops) those
+    batches. ``snapshot_every=1`` replays nothing but takes ``loader.state_dict()`` (a
+    few ms for a large ``buffer_size``) before every batch.
+
+    Example::
+
+        def train_dataloader(self):
+            return ODBLightningLoader(odb.ODBDataLoader(ds, token_budget=8192,
+                                                        sampler=odb.ShardSampler(ds)))
+    """
+
+    def __init__(self, loader: ODBLoaderMixin, snapshot_every: int = 16) -> None:
+        self.loader = check_odb_loader(loader, "ODBLightningLoader")
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"ODBLightningLoader got snapshot_every={snapshot_every!r}: it must be an int >= 1. "
+                             f"Fix: pass e.g. 16 (a resume replays fewer batches than this), or 1.")
+        self.snapshot_every = snapshot_every
+        self._pending: Deque[ODBStepInfo] = collections.deque()
+        self._snapshots: Deque[Tuple[int, Dict[str, Any]]] = collections.deque(maxlen=2)
+        self._fetched = 0
+        self._replay = 0
+        self._iterating = False  # between the first batch and the end of an epoch
+
+    @property
+    def odb_stats(self) -> Dict[str, Any]:
+        """The odb loader's counters of the current (or last) epoch on this rank."""
+        return self.loader.odb_stats
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration (ODBCallback calls it at every epoch start)."""
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: Lightning calls iter() once just to check iterability; nothing runs until next().
+        self._pending.clear()  # step infos of an abandoned iteration
+        self._snapshots.clear()
+        self._fetched = 0
+        replay, self._replay = self._replay, 0
+        key = self.loader.odb_config.step_info_key
+        batches = iter(self.loader)
+        self._iterating = True
+        for _ in range(replay):  # trained before the checkpoint, after its odb state was taken
+            if next(batches, _END) is _END:
+                break
+        while True:
+            if self._fetched % self.snapshot_every == 0:
+                self._snapshots.append((self._fetched, self.loader.state_dict()))
+            try:
+                batch = next(batches)
+            except StopIteration:
+                self._iterating = False
+                return
+            self._fetched += 1
+            self._pending.append(pop_step_info(batch, key))
+            yield batch
+
+    def next_step_info(self) -> ODBStepInfo:
+        """The step info of the oldest batch handed out and not yet trained (ODBCallback calls it)."""
+        if not self._pending:
+            raise RuntimeError("ODBLightningLoader has no step info waiting: a batch is being trained that this "
+                               "loader has not yielded yet (training_step(self, dataloader_iter) fetches after "
+                               "on_train_batch_start), or next_step_info was called twice for one batch. Fix: "
+                               "take the batch as training_step(self, batch, batch_idx) and let only ODBCallback "
+                               "call next_step_info.")
+        return self._pending.popleft()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every rank's odb state and the batches to replay after it (call on all ranks, as Lightning does)."""
+        trained = self._fetched - len(self._pending)
+        if not self._iterating:  # at an epoch's end (or before any batch): the loader's own position
+            local, replay = self.loader.state_dict(), 0
+        else:
+            usable = [(at, state) for at, state in self._snapshots if at <= trained]
+            if not usable:  # the trainer fetched more than snapshot_every batches ahead of training
+                raise RuntimeError(f"ODBLightningLoader cannot save a position {len(self._pending)} batches behind "
+                                   f"the last one fetched with snapshot_every={self.snapshot_every}. Fix: pass "
+                                   f"snapshot_every >= {len(self._pending)} (Lightning fetches 1 ahead).")
+            at, local = usable[-1]
+            replay = trained - at
+        return {"odb_rank_states": gather_states(local, self.loader), "replay": replay}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Give the odb loader this rank's entry of ``state_dict()``; the next iteration replays the rest."""
+        self._pending.clear()
+        restore_rank_state(self.loader, state.get("odb_rank_states") if isinstance(state, dict) else None,
+                           "ODBLightningLoader.load_state_dict")
+        self._replay = int(state.get("replay", 0))
+
+
+def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
+    """The loss ``training_step`` returns: ``loss * odb_step_info.loss_scale * accumulate_grad_batches``.
+
+    ``loss`` is the mean over this batch's supervised tokens. Lightning's automatic
+    optimisation divides the returned loss by ``accumulate_grad_batches``; odb's
+    ``loss_scale`` already spreads the optimizer step's token mean over its
+    micro-batches, so the factor cancels that division (it is 1 under manual
+    optimisation). A ghost batch gets 0 and still runs backward.
+
+    Example::
+
+        def training_step(self, batch, batch_idx):
+            return scale_loss(self, self.model(**batch).loss)
+    """
+    info = getattr(pl_module, "odb_step_info", None)
+    if not isinstance(info, ODBStepInfo):
+        raise RuntimeError(f"scale_loss found no ODBStepInfo on {type(pl_module).__name__}.odb_step_info: "
+                           f"ODBCallback puts it there before each training_step. Fix: "
+                           f"Trainer(callbacks=[ODBCallback()]) and return an ODBLightningLoader from "
+                           f"train_dataloader().")
+    factor = pl_module.trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+    return loss * (info.loss_scale * factor)
+
+
+class ODBCallback(pl.Callback):
+    """Connects an ``ODBLightningLoader`` to the Trainer; logs odb's metrics.
+
+    Every step, through ``pl_module.log`` (this rank's values, no collective unless
+    ``sync_dist=True``): ``odb/padding_ratio``, ``odb/batch_size`` (samples in this rank's
+    batch), ``odb/real_tokens_per_s`` (this rank), ``odb/samples_per_s`` (all ranks),
+    ``odb/loader_wait_s`` (time in ``next(loader)``) and ``odb/rank_imbalance`` (max / mean
+    step cost over ranks). At each epoch's end, over all ranks (one small all-reduce per
+    value): the means ``odb/padding_ratio_epoch``, ``odb/batch_size_epoch`` (mean batch
+    size), ``odb/samples_per_s_epoch``, ``odb/loader_wait_s_epoch``,
+    ``odb/rank_imbalance_epoch``, and the sums ``odb/real_tokens_per_s_epoch`` and
+    ``odb/ghost_steps`` (ghost steps of all ranks). Rates use the wall time between
+    consecutive training batches.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[ODBCallback()])
+    """
+
+    _EPOCH_SUMS = ("odb/real_tokens_per_s_epoch", "odb/ghost_steps")
+
+    def __init__(self, log_metrics: bool = True, sync_dist: bool = False) -> None:
+        self.log_metrics = log_metrics
+        self.sync_dist = sync_dist
+        self.loader: Optional[ODBLightningLoader] = None
+        self.step_info: Optional[ODBStepInfo] = None
+        self._last_end: Optional[float] = None
+        self._epoch: Dict[str, float] = collections.defaultdict(float)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.loader = _find_loader(trainer.train_dataloader)
+        check_accumulation(self.loader.loader, trainer.accumulate_grad_batches, "the Trainer")
+        check_sharding(self.loader.loader, trainer.world_size,
+                       "build the loader inside train_dataloader() (torch.distributed is up there) with "
+                       "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "
+                       "and rank=trainer.global_rank.")
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.loader is not None:
+            self.loader.set_epoch(trainer.current_epoch)  # Lightning only tells the samplers
+        self._last_end = time.perf_counter()
+        self._epoch.clear()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.loader is None:
+            raise RuntimeError("ODBCallback saw a training batch before on_train_start. Fix: use it with "
+                               "Trainer.fit.")
+        self.step_info = self.loader.next_step_info()
+        pl_module.odb_step_info = self.step_info
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        info, now = self.step_info, time.perf_counter()
+        elapsed = now - self._last_end if self._last_end is not None else 0.0
+        self._last_end = now
+        if not self.log_metrics or info is None:
+            return
+        values = {"odb/padding_ratio": info.padding_ratio, "odb/batch_size": float(info.local_samples),
+                  "odb/loader_wait_s": info.loader_wait_s, "odb/rank_imbalance": info.rank_imbalance}
+        if elapsed > 0:
+            values["odb/real_tokens_per_s"] = info.real_tokens / elapsed
+            values["odb/samples_per_s"] = info.all_samples_this_step / elapsed
+        for name, value in values.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1, sync_dist=self.sync_dist)
+        totals = self._epoch
+        for name in ("odb/padding_ratio", "odb/batch_size", "odb/loader_wait_s", "odb/rank_imbalance"):
+            totals[name] += values[name]
+        totals["steps"] += 1
+        totals["ghosts"] += info.is_ghost
+        totals["real_tokens"] += info.real_tokens
+        totals["all_samples"] += info.all_samples_this_step
+        totals["seconds"] += elapsed
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        totals = self._epoch
+        if not self.log_metrics or not totals["steps"]:
+            return
+        steps, seconds = totals["steps"], totals["seconds"]
+        values = {f"{name}_epoch": totals[name] / steps
+                  for name in ("odb/padding_ratio", "odb/batch_size", "odb/loader_wait_s", "odb/rank_imbalance")}
+        values["odb/ghost_steps"] = totals["ghosts"]
+        values["odb/real_tokens_per_s_epoch"] = totals["real_tokens"] / seconds if seconds > 0 else 0.0
+        values["odb/samples_per_s_epoch"] = totals["all_samples"] / seconds if seconds > 0 else 0.0
+        for name, value in values.items():  # every rank logs the same names: the all-reduces line up
+            pl_module.log(name, float(value), on_step=False, on_epoch=True, batch_size=1, sync_dist=True,
+                          reduce_fx="sum" if name in self._EPOCH_SUMS else "mean")
+
+
+def _find_loader(train_dataloader: Any) -> ODBLightningLoader:
+    found = [dl for dl in _flatten(train_dataloader) if isinstance(dl, (ODBLightningLoader, ODBLoaderMixin))]
+    if len(found) != 1 or not isinstance(found[0], ODBLightningLoader):
+        what = (f"{len(found)} odb loaders" if len(found) > 1 else
+                "an odb loader without ODBLightningLoader" if found else
+                f"{type(train_dataloader).__name__}, no odb loader")
+        raise ValueError(f"ODBCallback needs the Trainer's train dataloader to be one ODBLightningLoader; it found "
+                         f"{what}. Fix: return ODBLightningLoader(odb_loader) from train_dataloader() (or pass "
+                         f"it as train_dataloaders=).")
+    return found[0]
+
+
+def _flatten(obj: Any) -> List[Any]:
+    if isinstance(obj, (list, tuple)):
+        return [x for item in obj for x in _flatten(item)]
+    if isinstance(obj, dict):
+        return [x for item in obj.values() for x in _flatten(item)]
+    return [obj]

@@ -1,0 +1,51 @@
+"""Every rank's odb resume state in one list, for trainers whose checkpoints rank 0 alone writes.
+
+Accelerate (``register_for_checkpointing``) and Lightning (loader states in the fit
+loop) save an object's state from the main process only, while each rank's odb loader
+has its own. ``gather_states`` collects them through odb's metadata exchange (the states
+are plain data and travel as JSON: nothing is unpickled); ``restore_rank_state`` gives a
+rank its own entry.
+
+Example:
+    >>> import torch, odb
+    >>> loader = odb.ODBDataLoader([{"input_ids": torch.ones(3)}] * 4, token_budget=8, buffer_size=4)
+    >>> states = gather_states(loader.state_dict(), loader)   # one process: a list of one
+    >>> restore_rank_state(loader, states, "example")
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import numpy as np
+
+from ..dist import RankExchange, world
+from ..loader import ODBLoaderMixin
+
+
+def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[str, Any]]:
+    """Every rank's ``state`` in rank order (call on all ranks at once: two small all_gathers)."""
+    if world()[1] == 1:
+        return [state]
+    raw = json.dumps(state).encode()
+    exchange = RankExchange(loader.odb_config.exchange_timeout_s)
+    sizes = exchange.all_gather(np.array([len(raw)]), "checkpoint (state sizes)")[:, 0]
+    local = np.zeros(-(-int(sizes.max()) // 8), dtype=np.int64)
+    local.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    rows = exchange.all_gather(local, "checkpoint (states)")
+    return [json.loads(rows[r].tobytes()[:int(sizes[r])]) for r in range(len(rows))]
+
+
+def restore_rank_state(loader: ODBLoaderMixin, states: Any, who: str) -> None:
+    """Load this rank's entry of ``gather_states`` into ``loader``, and set its sampler's epoch."""
+    rank, size = world()
+    if not isinstance(states, list) or len(states) != size:
+        found = len(states) if isinstance(states, list) else "no"
+        raise ValueError(f"{who} got {found} rank states for {size} processes: odb resumes with the world size it "
+                         f"saved. Fix: resume with {found} processes, or restart the epoch without the "
+                         f"checkpoint's loader state.")
+    loader.load_state_dict(states[rank])
+    # odb restores its own epoch; a sampler of the user's (ShardSampler, DistributedSampler) learns it here, or a
+    # fresh loader would skip the consumed prefix of epoch 0's order instead of the saved epoch's
+    loader.set_epoch(int(states[rank]["epoch"]))

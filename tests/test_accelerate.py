@@ -1,0 +1,93 @@
+"""odb under Hugging Face Accelerate: 2 real gloo processes (dist_harness), Accelerator(cpu=True).
+
+The gradient check: with gradient accumulation 1 and 2, every optimizer step of the
+2-process run (accelerator.prepare, accumulate, backward) leaves the float64 parameters
+equal to a single process that steps over the union of that step's samples (ids from
+info.sample_ids) with the token-mean loss.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import integration_workers as iw
+from dist_harness import run_ranks
+from helpers import known_lengths
+
+pytest.importorskip("accelerate")
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
+
+LENGTHS = known_lengths(45, 3, 30, seed=7)
+
+
+def test_prepare_keeps_odb_batches_and_the_gradient_is_exact_with_accumulation(tmp_path):
+    p = dict(lengths=LENGTHS, budget=96, buffer=12, seed=4, lr=0.5, epochs=2, accumulation=[1, 2])
+    results = run_ranks("integration_workers:accelerate_train", 2, p, tmp_path, deadline_s=120)
+    assert [r["num_processes"] for r in results] == [2, 2]
+    partial_windows = 0
+    for k in p["accumulation"]:
+        runs = [r["runs"][k] for r in results]
+        assert all(run["passed_through"] for run in runs), "accelerator.prepare replaced the odb loader"
+        reference_steps, odb_params = [], []
+        for epoch in range(p["epochs"]):
+            per_rank = [run["epochs"][epoch] for run in runs]
+            micro = [e["micro"] for e in per_rank]
+            assert len(micro[0]) == len(micro[1]) > 0, "ranks ran different numbers of micro-batches"
+            for rank_micro in micro:
+                # accelerate.accumulate steps the optimizer exactly where odb's optimizer step ends
+                assert [m["sync"] for m in rank_micro] == [m["last"] for m in rank_micro]
+                for m in rank_micro:
+                    assert m["ghost"] or m["idx"] == m["ids"]  # batches are odb's, moved to the device as-is
+            partial_windows += sum(m["micro_steps"] < k for m in micro[0])
+            emitted = sorted(i for e in per_rank for m in e["micro"] for i in m["ids"])
+            assert emitted == list(range(len(LENGTHS))), "not every sample exactly once across the ranks"
+            for e in per_rank:  # set_epoch reached the sampler, and the rank iterated its own shard
+                assert e["sampler_epoch"] == epoch
+                assert sorted(e["sampler_order"]) == sorted(i for m in e["micro"] for i in m["ids"])
+            steps = [e["steps"] for e in per_rank]
+            assert len(steps[0]) == len(steps[1])
+            for s0, s1 in zip(*steps):
+                for a, b in zip(s0["params"], s1["params"]):
+                    assert torch.equal(a, b), "DDP replicas diverged"
+                reference_steps.append(sorted(s0["ids"] + s1["ids"]))
+                odb_params.append(s0["params"])
+        assert runs[0]["epochs"][0]["sampler_order"] != runs[0]["epochs"][1]["sampler_order"]
+        reference = iw.reference_run(LENGTHS, reference_steps, p["seed"], p["lr"])
+        before = [q.detach() for q in iw.lm_model(p["seed"]).parameters()]
+        error = 0.0
+        for got, ref in zip(odb_params, reference):
+            update = max(float((r - b).abs().max()) for r, b in zip(ref, before))
+            error = max(error, max(float((g - r).abs().max()) for g, r in zip(got, ref)) / update)
+            before = ref
+        print(f"accelerate, 2 processes, gradient_accumulation_steps={k}: {len(reference)} optimizer steps, "
+              f"max relative parameter-update error {error:.2e}")
+        assert error < 1e-6
+    assert partial_windows > 0, "no epoch ended in a shorter accumulation window: the data does not test it"
+
+
+def test_resume_skip_first_batches_and_clear_errors(tmp_path):
+    # windows of 4-8 samples: the 22 samples of a rank arrive in several windows, so resuming must also skip
+    # the consumed part of the sampler's epoch-1 order
+    p = dict(lengths=LENGTHS, budget=96, buffer=8, first_window=4, skip=3, checkpoint=str(tmp_path / "ckpt"))
+    results = run_ranks("integration_workers:accelerate_resume", 2, p, tmp_path / "run", deadline_s=120)
+    for rank, r in enumerate(results):
+        assert len(r["reference"]) > p["skip"] + 1
+        assert r["skipped"] == r["reference"][p["skip"]:], f"rank {rank}: skipping re-planned other batches"
+        assert r["resumed"] == r["reference"][p["skip"]:], f"rank {rank}: save_state/load_state lost its place"
+        errors = r["errors"]
+        assert "gradient_accumulation_steps=2" in errors["accumulation"] and "Fix:" in errors["accumulation"]
+        assert errors["unsharded"].startswith("ValueError") and "ShardSampler" in errors["unsharded"]
+        assert errors["not_odb"].startswith("TypeError") and "odb.apply" in errors["not_odb"]
+        assert errors["accelerate_skip"].startswith("AttributeError") and "skip_first_batches" in \
+            errors["accelerate_skip"]
+
+
+def test_import_odb_does_not_import_the_frameworks():
+    code = ("import sys, odb, odb.integrations; "
+            "print(sorted(m for m in ('accelerate', 'lightning', 'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
