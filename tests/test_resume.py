@@ -128,3 +128,22 @@ def test_state_after_the_last_batch_but_before_exhaustion_is_the_next_epoch():
         odb.pop_step_info(next(it))
     state = loader.state_dict()
     assert state["run"] is None and state["epoch"] == 1
+
+
+def test_resume_in_a_later_epoch_sets_the_user_samplers_epoch():
+    ds = LengthDataset(known_lengths(N, 1, 60, seed=4))
+
+    def make():
+        return odb.ODBDataLoader(ds, token_budget=180, buffer_size=48, sampler=odb.ShardSampler(ds, 1, 0, seed=3),
+                                 collate_fn=pad_collate)
+
+    reference = make()
+    reference.set_epoch(1)
+    expected = summary(reference)
+    first = make()
+    first.set_epoch(1)
+    head = summary(first, limit=4)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = make()  # its sampler is at epoch 0 until the state says otherwise
+    resumed.load_state_dict(state)
+    assert head + summary(resumed) == expected

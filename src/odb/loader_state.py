@@ -51,6 +51,8 @@ class ResumableLoader(DataLoader):
             self._odb_own_sampler.seed = self._odb_seed
         self._odb_resume = state if state["run"] is not None else None
         self._odb_next_epoch = int(state["epoch"])
+        if self._odb_own_sampler is None and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(int(state["epoch"]))  # the saved epoch's order (DistributedSampler, ShardSampler)
         self._odb_run = None
 
     def _odb_plan_options(self) -> Dict[str, Any]:
