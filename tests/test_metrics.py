@@ -38,3 +38,27 @@ def test_rank_imbalance_per_step_matches_the_step_costs():
         costs = np.array([0 if i.is_ghost else i.padded_tokens for i in column], dtype=float)
         expected = costs.max() / costs.mean() if costs.mean() else 1.0
         assert {round(i.rank_imbalance, 9) for i in column} == {round(expected, 9)}
+
+
+def test_oom_counts_reach_odb_stats():
+    import torch
+
+    from odb.oom import train_step_with_oom_fallback
+    from oom_workers import OOMLM, token_mean_loss
+
+    lengths = known_lengths(40, 2, 12, seed=2)
+    loader = odb.ODBDataLoader(LengthDataset(lengths), token_budget=120, buffer_size=40, collate_fn=pad_collate)
+    model = OOMLM(0, 2, "forward")  # more than 2 rows: a (fake) out-of-memory error
+    before = loader.odb_stats
+    assert not any(k.startswith("oom") for k in before)
+    wide = 0
+    for batch in loader:
+        info = odb.pop_step_info(batch)
+        wide += info.local_samples > 2
+        batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+        train_step_with_oom_fallback(lambda b: token_mean_loss(model, b), batch, info, model=model,
+                                     counters=loader.odb_oom_counters)
+    stats = loader.odb_stats
+    assert wide >= 1 and stats["oom_split_micro_batches"] == wide  # exactly the batches over 2 rows were split
+    assert stats["oom_errors"] >= wide
+    assert torch.isfinite(next(model.parameters()).grad).all()

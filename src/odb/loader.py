@@ -76,6 +76,7 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_chunk_sampler: Optional[ChunkSampler] = None
         self._odb_group = process_group
         self._odb_exchange: Optional[RankExchange] = None
+        self._odb_oom: Optional[Any] = None
 
     # ---- public ----------------------------------------------------------------------
     @property
@@ -85,9 +86,22 @@ class ODBLoaderMixin(ResumableLoader):
 
     @property
     def odb_stats(self) -> Dict[str, Any]:
-        """Counters of the current (or last) epoch on this rank."""
+        """Counters of the current (or last) epoch on this rank (plus OOM counters, since the loader was built)."""
         run = self._odb_run
-        return (run.stats if run is not None else EpochStats()).as_dict()
+        out = (run.stats if run is not None else EpochStats()).as_dict()
+        if self._odb_oom is not None:
+            out.update({k if k.startswith("oom") else f"oom_{k}": v for k, v in self._odb_oom.as_dict().items()})
+        return out
+
+    @property
+    def odb_oom_counters(self) -> Any:
+        """Pass as ``odb.oom.train_step_with_oom_fallback(..., counters=loader.odb_oom_counters)``: the
+        OOM counts then appear in ``odb_stats``."""
+        if self._odb_oom is None:
+            from .oom import OOMCounters
+
+            self._odb_oom = OOMCounters()
+        return self._odb_oom
 
     def set_token_budget(self, token_budget: Any) -> None:
         """Use ``token_budget`` from the next planning window on (replaces any budget_schedule).
