@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import odb.simulate
-from odb.align import (StepPlan, WindowSummary, align_single, decide_steps, global_steps, shared_step_order,
+from odb.align import (StepPlan, decide_steps, global_steps, local_steps, shared_step_order,
                        step_imbalance)
 from odb.bench.workloads import LOGNORMAL, lognormal_lengths
 from odb.config import ODBConfig
@@ -89,12 +89,11 @@ def test_step_imbalance_is_max_over_mean_of_costs_and_one_for_an_empty_step():
     assert out.tolist() == pytest.approx([1.0, 2.0, 1.0])
 
 
-def test_align_single_passes_groups_through():
-    a = align_single(WindowSummary([10, 8, 3], [5, 4, 1], [2, 2, 1], exhausted=False))
-    assert [s.group for s in a.steps] == [0, 1, 2]
-    assert [(s.global_samples, s.local_samples, s.global_loss_tokens, s.local_loss_tokens) for s in a.steps] == [
+def test_local_steps_pass_groups_through():
+    steps = local_steps([5, 4, 1], [2, 2, 1])
+    assert [s.group for s in steps] == [0, 1, 2]
+    assert [(s.global_samples, s.local_samples, s.global_loss_tokens, s.local_loss_tokens) for s in steps] == [
         (2, 2, 5, 5), (2, 2, 4, 4), (1, 1, 1, 1)]
-    assert not a.all_exhausted
 
 
 # ---- simulation ---------------------------------------------------------------------------

@@ -14,16 +14,6 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
-class WindowSummary:
-    """What one rank tells the others about one window (a few integers per group)."""
-
-    costs: Sequence[int]  # padded tokens per planned group, in the rank's emit order
-    loss_tokens: Sequence[int]
-    samples: Sequence[int]
-    exhausted: bool  # the rank's data has ended (this is its final window or later)
-
-
-@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """One step of this rank: which of its groups it runs (None: a ghost step)."""
 
@@ -35,28 +25,14 @@ class StepPlan:
     imbalance: float = 1.0  # max over ranks of this step's cost / their mean
 
 
-@dataclasses.dataclass(frozen=True)
-class Alignment:
-    steps: List[StepPlan]
-    deferred: List[int]  # groups of this rank not run this window (planned again later)
-    all_exhausted: bool
-
-
-def align_single(summary: WindowSummary) -> Alignment:
-    """One rank: every group is a step.
+def local_steps(loss_tokens: Sequence[int], samples: Sequence[int]) -> List[StepPlan]:
+    """One rank on its own: every planned group is a step, with local numbers as global ones.
 
     Example:
-        >>> a = align_single(WindowSummary([10, 8], [5, 4], [2, 2], exhausted=True))
-        >>> [s.group for s in a.steps], a.all_exhausted
-        ([0, 1], True)
+        >>> [(s.group, s.global_samples) for s in local_steps([5, 4], [2, 2])]
+        [(0, 2), (1, 2)]
     """
-    steps = [StepPlan(g, int(summary.samples[g]), int(summary.loss_tokens[g]), int(summary.loss_tokens[g]),
-                      int(summary.samples[g])) for g in range(len(summary.costs))]
-    return Alignment(steps, [], summary.exhausted)
-
-
-def loss_tokens_total(steps: Sequence[StepPlan]) -> int:
-    return int(np.sum([s.global_loss_tokens for s in steps])) if steps else 0
+    return [StepPlan(g, int(n), int(t), int(t), int(n)) for g, (t, n) in enumerate(zip(loss_tokens, samples))]
 
 
 def decide_steps(n_groups: Sequence[int], must_emit: Sequence[int], exhausted: Sequence[bool]) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 import numpy as np
 
-from .align import StepPlan, WindowSummary, align_single
+from .align import StepPlan, local_steps
 from .config import ODBConfig
 from .dist import RankExchange
 from .lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
@@ -143,11 +143,12 @@ class EpochRun(RankFitting, ResumableRun):
             groups = self._plan([], True)
         self._window_index += 1
         if self._local_only:
-            alignment = align_single(WindowSummary([self._cost(g) for g in groups], self._loss(groups),
-                                                   [len(g) for g in groups], exhausted=self._planned_final))
-            self._all_done = alignment.all_exhausted
-            return [(s, groups[s.group]) for s in alignment.steps]
+            self._all_done = self._planned_final
+            return self._local_steps(groups)
         return self._align_ranks(groups)
+
+    def _local_steps(self, groups: List[np.ndarray]) -> List[Tuple[StepPlan, Optional[np.ndarray]]]:
+        return [(s, groups[s.group]) for s in local_steps(self._loss(groups), [len(g) for g in groups])]
 
     def _loss(self, groups: List[np.ndarray]) -> List[int]:
         return [sum(self._meta[int(i)].loss_tokens for i in g) for g in groups]

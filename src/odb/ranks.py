@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .align import StepPlan, WindowSummary, align_single, decide_steps, global_steps, shared_step_order
+from .align import StepPlan, decide_steps, global_steps, shared_step_order
 from .planner import balanced_partition
 
 
@@ -30,9 +30,7 @@ class RankFitting:
             # emits its own groups and stops when they end (the user wraps the model in Join).
             self._local_only = True
             self._all_done = self._planned_final
-            single = align_single(WindowSummary([self._cost(g) for g in groups], self._loss(groups),
-                                                [len(g) for g in groups], exhausted=self._planned_final))
-            return [(s, groups[s.group]) for s in single.steps]
+            return self._local_steps(groups)
         n_steps = decide_steps(header[:, 0], header[:, 1], exhausted)
         fitted = self._fit(groups, n_steps)
         probe = self.cfg.probe_worst_case and self._window_index == 1
