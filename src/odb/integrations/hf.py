@@ -156,8 +156,8 @@ class ODBTrainerMixin:
                              f"saved by an odb Trainer, or load the weights with from_pretrained and start afresh.")
         progress = run.progress
         progress.load_state_dict(saved["progress"])
-        if progress.in_epoch and (saved["loader"]["run"] is None or progress.seen_in_epoch >= progress.epoch_size):
-            progress.end_epoch()  # saved after the epoch's last step: the next epoch starts afresh
+        if progress.in_epoch and saved["loader"]["run"] is None:
+            progress.end_epoch()  # the loader had emitted the whole epoch: the next one starts afresh
         if progress.reached():
             return math.ceil(progress.target_epochs), 0
         epoch = progress.next_epoch()
