@@ -22,6 +22,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m odb.bench --out out/bench
+	$(PY) scripts/update_readme.py out/bench/results.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q

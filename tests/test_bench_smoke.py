@@ -1,16 +1,24 @@
-"""Smoke test of the benchmark of `make demo`: `python -m odb.bench --quick` end to end."""
+"""Smoke test of the benchmark of `make demo`: `python -m odb.bench --quick` end to end, and its pieces."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-SYNTHETIC = ["lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00", "encdec-synthetic"]
-ODB = ["odb-256", "odb-512", "odb-1024", "odb-2048"]
+import odb  # noqa: E402
+from odb.bench.planning import odb_configs, odb_loader_run, time_planner  # noqa: E402
+from odb.bench.workloads import encoder_decoder_lengths, lognormal_lengths, pareto_lengths  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYNTHETIC = ["lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00", "pareto-a1.2", "encdec-synthetic"]
+ODB = ["odb-256", "odb-512", "odb-1024", "odb-2048", "odb-default"]
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +33,15 @@ def bench(tmp_path_factory):
 
 def test_outputs_written(bench):
     out, results, stdout = bench
-    assert set(results) >= {"meta", "planning", "loader", "training", "wall_s"}
+    assert set(results) >= {"meta", "planning", "ranks", "loader", "training", "e2e", "wall_s"}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Planner quality" in (out / "summary.md").read_text()
-    assert "useful fill" in stdout and "training speedup" in stdout
+    summary = (out / "summary.md").read_text()
+    for heading in ("Goals", "Planner quality", "odb buffers", "Loader cost", "Training", "End to end"):
+        assert heading in summary and heading in stdout, heading
+    assert "useful fill" in stdout and "training speedup" in stdout and "overlap" in stdout
+    assert " met" in stdout
     assert results["meta"]["quick"] is True
+    assert "DESIGN.md" not in summary
 
 
 def test_planning_invariants(bench):
@@ -38,6 +50,7 @@ def test_planning_invariants(bench):
     workloads = planning["workloads"]
     assert set(SYNTHETIC) <= set(workloads)
     rebalance = planning["transformers_samplers"]["BatchRebalanceSampler"]
+    assert planning["odb_default_window"]["buffer_size"] == odb.ODBConfig(token_budget=16384).buffer_size
     for name, w in workloads.items():
         methods = w["methods"]
         assert {"fixed", "length_grouped", "oracle", *ODB} <= set(methods), name
@@ -56,26 +69,85 @@ def test_planning_invariants(bench):
             assert m["useful_fill"] == pytest.approx(m["token_efficiency"] * m["budget_fill"]), where
         for method in ODB:
             m = methods[method]
-            assert methods["fixed"]["useful_fill"] < m["useful_fill"], (name, method)
-            assert 0.3 < m["ratio_to_oracle"] <= 1.02, (name, method)
+            where = f"{name}/{method}"
+            assert m["source"] == "ODBDataLoader", where
+            assert m["plan_stream_same_batches"], where
+            assert methods["fixed"]["useful_fill"] < m["useful_fill"], where
+            assert 0.2 < m["ratio_to_oracle"] <= 1.02, where
             assert -1.0 <= m["order_spearman"] <= 1.0
             assert m["mean_abs_displacement"] >= 0.0
-            assert m["window_plan_ms_mean"] > 0.0
+            assert m["window_plan_ms_mean"] > 0.0 and m["plan_us_per_sample"] > 0.0
+            assert 0 < m["peak_held_samples"] <= w["samples"] and m["peak_held_tokens"] > 0
         if name.startswith("lognormal"):
             assert methods["odb-2048"]["ratio_to_oracle"] >= 0.9, name
             assert all(methods[k]["single_sample_fraction"] < 0.05 for k in ODB), name
 
 
-def test_loader_and_training_figures(bench):
+@pytest.mark.parametrize("lengths", [lognormal_lengths(900.0, 1.0, 3000), pareto_lengths(1.2, 3000),
+                                     encoder_decoder_lengths(3000)], ids=["lognormal", "pareto", "encdec"])
+@pytest.mark.parametrize("config", ["odb-512", "odb-default"])
+def test_planning_path_emits_the_loaders_batches(lengths, config):
+    """odb.window.plan_stream (the benchmark's planner timing) plans exactly the batches ODBDataLoader emits."""
+    cfg = odb_configs(16384, (512,))[config]
+    lengths = np.asarray(lengths).reshape(len(lengths), -1)
+    run = odb_loader_run(lengths, cfg, seed=0, sequential=True)
+    assert run["read_order"].tolist() == list(range(len(lengths)))
+    groups, _ = time_planner(lengths, cfg)
+    assert sorted(map(sorted, (b.tolist() for b in run["batches"]))) == sorted(map(sorted, (g.tolist() for g in groups)))
+    shuffled = odb_loader_run(lengths, cfg, seed=0)  # the run the tables report: the loader's own shuffle
+    assert sorted(np.concatenate(shuffled["batches"]).tolist()) == list(range(len(lengths)))
+    again = odb_loader_run(lengths, cfg, seed=0)
+    assert [b.tolist() for b in again["batches"]] == [b.tolist() for b in shuffled["batches"]]
+
+
+def test_loader_training_and_e2e_figures(bench):
     _, results, _ = bench
     loader = results["loader"]
-    assert set(loader["median"]) == {"plain_bs16", "odb", "plain_bs1"}
-    assert loader["median"]["odb"]["samples"] == loader["samples"]
-    for key in ("samples_per_s_ratio", "cpu_s_ratio", "loader_throughput_ratio"):
-        assert loader["ratios"][key] > 0.0
+    assert set(loader["regimes"]) == {"free", "tensor"}
+    for reg in loader["regimes"].values():
+        assert set(reg["median"]) == {"plain_bs16", "odb", "plain_bs1"}
+        assert reg["median"]["odb"]["samples"] == reg["samples"]
+        for arm in reg["median"].values():
+            assert arm["thread_cpu_us_per_sample"] > 0.0
+        for key in ("samples_per_s_ratio", "cpu_s_ratio", "loader_throughput_ratio", "thread_cpu_ratio"):
+            assert reg["ratios"][key] > 0.0
     training = results["training"]
-    fixed, odb = training["fixed"], training["odb"]
-    assert fixed["samples"] == odb["samples"] == training["samples"]
-    assert fixed["real_tokens"] == odb["real_tokens"]  # same samples, seen once by each arm
-    assert odb["mean_batch_size"] >= fixed["mean_batch_size"]
-    assert training["speedup"] > 0.0
+    assert {"fixed", "length_grouped", "odb"} <= set(training["arms"])
+    fixed, o = training["fixed"], training["odb"]
+    for arm in ("fixed", "length_grouped"):
+        assert training[arm]["samples"] == o["samples"] == training["samples"]
+        assert training[arm]["real_tokens"] == o["real_tokens"]  # same samples, seen once by each arm
+    assert o["mean_batch_size"] >= fixed["mean_batch_size"]
+    assert all(v > 0.0 for v in training["speedups"].values())
+    e2e = results["e2e"]
+    assert set(e2e["settings"]) == {"compute-bound", "data-bound"}
+    assert e2e["data_s"] > 0.0 and e2e["plain_fit_batch_size"] >= 1
+    for st in e2e["settings"].values():
+        assert set(st["median"]) == {"odb", "plain-fit", "plain-mean"}
+        for m in st["median"].values():
+            assert m["samples"] == e2e["samples"]
+            assert m["epoch_s"] >= m["compute_s"] > 0.0 and m["overlap"] > 0.0
+        assert st["median"]["odb"]["over_budget_batches"] == 0
+        assert st["median"]["plain-fit"]["over_budget_batches"] == 0
+    assert (e2e["settings"]["compute-bound"]["median"]["odb"]["compute_s"]
+            > e2e["settings"]["data-bound"]["median"]["odb"]["compute_s"])
+
+
+def test_readme_section_is_generated_from_results(bench, tmp_path):
+    out, results, _ = bench
+    readme = tmp_path / "README.md"
+    shutil.copy(os.path.join(ROOT, "README.md"), readme)
+    script = os.path.join(ROOT, "scripts", "update_readme.py")
+    refused = subprocess.run([sys.executable, script, str(out / "results.json"), "--readme", str(readme)],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2  # quick results are not for the README
+    done = subprocess.run([sys.executable, script, str(out / "results.json"), "--readme", str(readme),
+                           "--allow-quick"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    text = readme.read_text()
+    for name in results["planning"]["workloads"]:
+        assert f"| {name} |" in text, name
+    assert "Worst workload" in text
+    check = subprocess.run([sys.executable, script, str(out / "results.json"), "--readme", str(readme),
+                            "--allow-quick", "--check"], capture_output=True, text=True)
+    assert check.returncode == 0

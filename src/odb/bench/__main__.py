@@ -1,10 +1,12 @@
-"""The benchmark of ``make demo``: planner quality, ranks, loader speed and training speed.
+"""The benchmark of ``make demo``: planner quality, ranks, loader cost, training speed, end to end.
 
-    python -m odb.bench --out out/bench            # the full run (about 3 minutes on 2 cores)
+    python -m odb.bench --out out/bench            # the full run (about 5 minutes on 2 cores)
     python -m odb.bench --out /tmp/b --quick       # tiny sizes, for the smoke test
 
-Writes ``results.json``, ``bench.png`` and ``summary.md`` under ``--out`` and prints the
-tables. Offline: the model is built from a config, nothing is downloaded.
+Writes ``results.json``, ``bench.png``, ``step_metrics.png`` and ``summary.md`` under
+``--out`` and prints the tables and every goal, met or not. Offline: the model is built
+from a config, nothing is downloaded. ``scripts/update_readme.py`` turns results.json
+into the README's benchmark table.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .. import __version__
+from odb import __version__
 from .planning import BUFFER_SIZES, load_workloads, run_planning
 from .report import plot, plot_step_metrics, render
 from .workloads import lognormal_lengths
@@ -27,10 +29,12 @@ from .workloads import lognormal_lengths
 # name -> (full, quick)
 SIZES: Dict[str, tuple] = {
     "planning_samples": (20000, 1500),
-    "loader_samples": (20000, 600),
+    "loader_samples": (12000, 400),
     "loader_repeats": (3, 1),
-    "loader_bs1_samples": (4000, 200),
+    "loader_bs1_samples": (1500, 100),
     "train_samples": (800, 24),
+    "e2e_samples": (1500, 120),
+    "e2e_repeats": (3, 1),
 }
 
 
@@ -69,7 +73,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for smoke tests")
     p.add_argument("--device", default="cpu", help="device of the training benchmark, e.g. cpu or cuda")
     p.add_argument("--skip-train", action="store_true", help="skip the training benchmark")
-    p.add_argument("--skip-loader", action="store_true", help="skip the loader-speed benchmark")
+    p.add_argument("--skip-loader", action="store_true", help="skip the loader-cost benchmark")
+    p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end benchmark")
     p.add_argument("--no-real", action="store_true", help="leave out the committed real-data workloads")
     return p.parse_args(argv)
 
@@ -93,12 +98,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     results["planning"] = run_planning(workloads, budget=16384, buffer_sizes=BUFFER_SIZES, progress=progress)
     results["wall_s"]["planning"] = time.perf_counter() - t0
 
-    from .ranks_bench import run_ranks
-
     t0 = time.perf_counter()
-    results["ranks"] = run_ranks({k: v for k, v in workloads.items() if k.startswith("lognormal")},
-                                 world=8, budget=16384, buffer_size=512,
-                                 align_windows=20 if args.quick else 100, progress=progress)
+    try:  # the rank simulation drives odb's internals, which may change under it: report, do not stop
+        from .ranks_bench import run_ranks
+
+        results["ranks"] = run_ranks({k: v for k, v in workloads.items() if k.startswith("lognormal")},
+                                     world=8, budget=16384, buffer_size=512,
+                                     align_windows=20 if args.quick else 100, progress=progress)
+    except Exception as err:  # noqa: BLE001
+        print(f"ranks skipped: {err!r}", file=sys.stderr)
+        results["ranks"] = {"error": repr(err), "world": 8, "buffer_size": 512}
     results["wall_s"]["ranks"] = time.perf_counter() - t0
 
     if not args.skip_loader:
@@ -118,6 +127,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["training"] = run_training(size["train_samples"], device=args.device, budget=4096, max_len=1024,
                                            progress=progress)
         results["wall_s"]["training"] = time.perf_counter() - t0
+
+    if not args.skip_e2e:
+        from .e2e import run_e2e
+
+        t0 = time.perf_counter()
+        results["e2e"] = run_e2e(size["e2e_samples"], num_workers=2, budget=8192, repeats=size["e2e_repeats"],
+                                 warm_up_samples=min(128, size["e2e_samples"]), progress=progress)
+        results["wall_s"]["e2e"] = time.perf_counter() - t0
 
     results["wall_s"]["total"] = time.perf_counter() - t_all
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -1,10 +1,21 @@
-"""Loader speed: a plain DataLoader against ODBDataLoader over the same cheap dataset, in one run.
+"""Loader cost: a plain DataLoader against ODBDataLoader over the same cheap dataset, in one run.
 
-The dataset only creates tensors (``torch.randint`` of each sample's length), so the
-figures show what the loaders themselves cost: inter-process transfer, planning and
-collation. CPU time counts every process: the main one (``RUSAGE_SELF``) plus the
-workers, which ``RUSAGE_CHILDREN`` counts once they have exited and been reaped
-(the loaders here do not keep persistent workers, so they exit at the end of the epoch).
+Two regimes, each measured on its own:
+
+- ``free``: a nearly free dataset (item i is a tensor built once, before the epoch:
+  reading it is an index) and a collate written in Python (a loop over the samples
+  that fills padded tensors row by row). What is measured is then the loaders' own
+  work: transfer between processes, planning and collation.
+- ``tensor``: the dataset creates each sample's tensor (``torch.randint`` of its
+  length) in the worker, and the collate is ``pad_collate`` (``pad_sequence``).
+
+Figures per loader: samples/s, CPU seconds of all processes, time to the first batch,
+and the training thread's CPU per sample: ``time.thread_time()`` of the thread that
+iterates the loader, summed over its ``next()`` calls (the CPU the loader takes from
+the thread that drives the model). CPU seconds of all processes count the main one
+(``RUSAGE_SELF``, every thread) plus the workers, which ``RUSAGE_CHILDREN`` counts once
+they have exited and been reaped (no persistent workers here, so they exit at the end
+of the epoch).
 """
 
 from __future__ import annotations
@@ -19,10 +30,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..loader import ODBDataLoader
+import odb
 
 PAD_ID = 0
-GOALS = {"samples_per_s_ratio_min": 0.8, "cpu_s_ratio_max": 1.25, "first_batch_extra_s_max": 0.3}
+GOALS = {"samples_per_s_ratio_min": 0.9, "cpu_s_ratio_max": 1.25, "first_batch_extra_s_max": 0.3}
+REGIMES = {
+    "free": "nearly free dataset (items built before the epoch), Python collate (row-by-row loop)",
+    "tensor": "dataset creates each sample tensor (torch.randint), pad_sequence collate",
+}
 
 
 class LengthDataset(Dataset):
@@ -39,6 +54,27 @@ class LengthDataset(Dataset):
         return {"input_ids": torch.randint(1, self.vocab, (int(self.lengths[index]),))}
 
 
+class FreeDataset(Dataset):
+    """Sample i is ``{"input_ids": <a tensor of lengths[i] tokens built in __init__>}``: reading is an index.
+
+    Each tensor has its own storage (a view into one big tensor would ship the whole
+    storage to the main process).
+    """
+
+    def __init__(self, lengths: Sequence[int], vocab: int = 1000, seed: int = 0) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        g = torch.Generator().manual_seed(seed)
+        pool = torch.randint(1, vocab, (int(self.lengths.max()) + 4096,), generator=g)
+        offsets = np.random.default_rng(seed).integers(0, 4096, size=len(self.lengths))
+        self.items = [pool[o:o + n].clone() for o, n in zip(offsets.tolist(), self.lengths.tolist())]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        return {"input_ids": self.items[index]}
+
+
 def pad_collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """Right-pad input_ids; attention_mask marks real tokens; labels are -100 on padding."""
     ids = torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True,
@@ -46,6 +82,23 @@ def pad_collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
     lengths = torch.tensor([len(s["input_ids"]) for s in samples])
     mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def python_collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """The same batch as ``pad_collate``, filled by a Python loop over the samples."""
+    width = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((len(samples), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(samples), width), dtype=torch.long)
+    labels = torch.full((len(samples), width), -100, dtype=torch.long)
+    for row, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[row, :n] = s["input_ids"]
+        mask[row, :n] = 1
+        labels[row, :n] = s["input_ids"]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+COLLATES = {"free": python_collate, "tensor": pad_collate}
 
 
 def _cpu_s(self0: Any, child0: Any) -> float:
@@ -56,7 +109,7 @@ def _cpu_s(self0: Any, child0: Any) -> float:
 
 def measure_epoch(make_loader: Callable[[], DataLoader], series: Optional[Dict[str, List[float]]] = None
                   ) -> Dict[str, float]:
-    """One epoch: samples/s, CPU seconds of all processes, seconds to the first batch.
+    """One epoch: samples/s, CPU seconds of all processes, training-thread CPU, seconds to the first batch.
 
     With ``series``, an odb loader's per-step metrics (ODBStepInfo) are appended to it.
     """
@@ -66,13 +119,19 @@ def measure_epoch(make_loader: Callable[[], DataLoader], series: Optional[Dict[s
     t0 = time.perf_counter()
     first = None
     samples = 0
+    thread_cpu = 0.0
     it = iter(loader)
-    for batch in it:
+    while True:
+        c0 = time.thread_time()
+        batch = next(it, None)
+        thread_cpu += time.thread_time() - c0
+        if batch is None:
+            break
         if first is None:
             first = time.perf_counter() - t0
         samples += int(batch["input_ids"].shape[0])
         if series is not None and "odb_step_info" in batch:
-            info = batch["odb_step_info"]
+            info = odb.pop_step_info(batch)
             for key, value in (("batch_size", info.local_samples), ("padding_ratio", info.padding_ratio),
                                ("buffered_samples", info.buffered_samples), ("loader_wait_ms", info.loader_wait_s * 1e3),
                                ("padded_tokens", info.padded_tokens)):
@@ -81,24 +140,25 @@ def measure_epoch(make_loader: Callable[[], DataLoader], series: Optional[Dict[s
     del it, loader  # workers are joined (and reaped) when the epoch ends; make sure before reading rusage
     gc.collect()
     return {"samples": samples, "wall_s": wall, "samples_per_s": samples / wall, "cpu_s": _cpu_s(self0, child0),
+            "thread_cpu_s": thread_cpu, "thread_cpu_us_per_sample": 1e6 * thread_cpu / max(samples, 1),
             "first_batch_s": float(first or 0.0)}
 
 
-def loaders(dataset: Dataset, num_workers: int, budget: int, batch_size: int,
-            bs1_dataset: Dataset) -> Dict[str, Callable[[], DataLoader]]:
+def loaders(dataset: Dataset, num_workers: int, budget: int, batch_size: int, bs1_dataset: Dataset,
+            collate: Callable[[List[Any]], Any]) -> Dict[str, Callable[[], DataLoader]]:
     return {
         f"plain_bs{batch_size}": lambda: DataLoader(dataset, batch_size=batch_size, shuffle=True,
-                                                    collate_fn=pad_collate, num_workers=num_workers),
-        "odb": lambda: ODBDataLoader(dataset, token_budget=budget, shuffle=True, seed=0, collate_fn=pad_collate,
-                                     num_workers=num_workers),
-        "plain_bs1": lambda: DataLoader(bs1_dataset, batch_size=1, shuffle=True, collate_fn=pad_collate,
+                                                    collate_fn=collate, num_workers=num_workers),
+        "odb": lambda: odb.ODBDataLoader(dataset, token_budget=budget, shuffle=True, seed=0, collate_fn=collate,
+                                         num_workers=num_workers),
+        "plain_bs1": lambda: DataLoader(bs1_dataset, batch_size=1, shuffle=True, collate_fn=collate,
                                         num_workers=num_workers),
     }
 
 
-def run_loader_speed(lengths: Sequence[int], *, num_workers: int = 2, budget: int = 16384, batch_size: int = 16,
-                     repeats: int = 3, bs1_samples: int = 4000, warm_up_samples: int = 512,
-                     progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
+def run_regime(regime: str, lengths: Sequence[int], *, num_workers: int = 2, budget: int = 16384,
+               batch_size: int = 16, repeats: int = 3, bs1_samples: int = 4000, warm_up_samples: int = 512,
+               progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
     """Each loader once per repeat, the order alternating between repeats; medians reported.
 
     ``DataLoader(batch_size=1)`` moves one message per sample and is slow, so it reads
@@ -106,32 +166,45 @@ def run_loader_speed(lengths: Sequence[int], *, num_workers: int = 2, budget: in
     Every loader first runs one untimed epoch over ``warm_up_samples`` samples.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    dataset = LengthDataset(lengths)
-    makers = loaders(dataset, num_workers, budget, batch_size, LengthDataset(lengths[:bs1_samples]))
+    make_ds = FreeDataset if regime == "free" else LengthDataset
+    collate = COLLATES[regime]
+    dataset = make_ds(lengths)
+    makers = loaders(dataset, num_workers, budget, batch_size, make_ds(lengths[:bs1_samples]), collate)
     names = list(makers)
-    small = LengthDataset(lengths[:warm_up_samples])
-    for make in loaders(small, num_workers, budget, batch_size, small).values():
+    small = make_ds(lengths[:warm_up_samples])
+    for make in loaders(small, num_workers, budget, batch_size, small, collate).values():
         measure_epoch(make)
     runs: Dict[str, List[Dict[str, float]]] = {name: [] for name in names}
     schedule = [(r, name) for r in range(repeats) for name in (names if r % 2 == 0 else names[::-1])]
     series: Dict[str, List[float]] = {}
-    for _, name in progress(schedule, desc="loader speed", unit="epoch"):
+    for _, name in progress(schedule, desc=f"loader speed, {regime}", unit="epoch"):
         if name == "odb":
             series = {}  # keep the last odb epoch's per-step metrics
         runs[name].append(measure_epoch(makers[name], series if name == "odb" else None))
     med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in names}
-    base, odb, one = med[f"plain_bs{batch_size}"], med["odb"], med["plain_bs1"]
+    base, o, one = med[f"plain_bs{batch_size}"], med["odb"], med["plain_bs1"]
     ratios = {
-        "samples_per_s_ratio": odb["samples_per_s"] / base["samples_per_s"],
-        "cpu_s_ratio": odb["cpu_s"] / base["cpu_s"],
-        "first_batch_extra_s": odb["first_batch_s"] - base["first_batch_s"],
-        "loader_throughput_ratio": odb["samples_per_s"] / one["samples_per_s"],
+        "samples_per_s_ratio": o["samples_per_s"] / base["samples_per_s"],
+        "cpu_s_ratio": o["cpu_s"] / base["cpu_s"],
+        "first_batch_extra_s": o["first_batch_s"] - base["first_batch_s"],
+        "thread_cpu_ratio": o["thread_cpu_us_per_sample"] / max(base["thread_cpu_us_per_sample"], 1e-9),
+        "loader_throughput_ratio": o["samples_per_s"] / one["samples_per_s"],
     }
     goals_met = {
         "samples_per_s_ratio": ratios["samples_per_s_ratio"] >= GOALS["samples_per_s_ratio_min"],
         "cpu_s_ratio": ratios["cpu_s_ratio"] <= GOALS["cpu_s_ratio_max"],
         "first_batch_extra_s": ratios["first_batch_extra_s"] <= GOALS["first_batch_extra_s_max"],
     }
-    return {"samples": len(dataset), "bs1_samples": min(bs1_samples, len(dataset)), "num_workers": num_workers, "token_budget": budget, "batch_size": batch_size,
-            "repeats": repeats, "median": med, "runs": runs, "ratios": ratios, "goals": GOALS,
-            "goals_met": goals_met, "odb_step_metrics": series}
+    return {"regime": regime, "description": REGIMES[regime], "collate": collate.__name__,
+            "samples": len(dataset), "bs1_samples": min(bs1_samples, len(dataset)), "num_workers": num_workers,
+            "token_budget": budget, "batch_size": batch_size, "repeats": repeats, "median": med, "runs": runs,
+            "ratios": ratios, "goals": GOALS, "goals_met": goals_met, "odb_step_metrics": series}
+
+
+def run_loader_speed(lengths: Sequence[int], *, regimes: Sequence[str] = tuple(REGIMES), **kwargs: Any
+                     ) -> Dict[str, Any]:
+    """Every regime over the same lengths; see ``run_regime`` for the arguments."""
+    out = {name: run_regime(name, lengths, **kwargs) for name in regimes}
+    first = next(iter(out.values()))
+    return {"regimes": out, "samples": first["samples"], "num_workers": first["num_workers"],
+            "token_budget": first["token_budget"], "batch_size": first["batch_size"], "repeats": first["repeats"]}

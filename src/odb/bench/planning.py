@@ -1,24 +1,34 @@
-"""Planner quality from lengths alone: fixed batching, transformers' samplers, ODB, oracle.
+"""Planner quality from lengths alone: fixed batching, transformers' samplers, odb, oracle.
 
 Every method turns one length array into a list of batches (arrays of sample indices,
-in emission order); ``batch_metrics`` scores them with the definitions of DESIGN.md
-("How to measure"). For two length dimensions (encoder-decoder) the budget bounds the
-sum over dimensions: a batch costs B x (max source + max target).
+in emission order); ``batch_metrics`` scores them (definitions in docs/benchmarks.md).
+For two length dimensions (encoder-decoder) the budget bounds the sum over dimensions:
+a batch costs B x (max source + max target).
+
+The odb rows come from ``odb.ODBDataLoader`` itself: it iterates a dataset whose items
+carry only their lengths (``num_workers=0``, a collate that returns nothing), and the
+batches are read from each batch's ``ODBStepInfo``. The planner alone
+(``odb.window.plan_stream`` over the same arrival order) is timed separately, and
+whether it plans the same batches as the loader is recorded beside the figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ..config import ODBConfig
-from ..window import oracle_groups, plan_stream
+import odb
+from odb import ODBConfig
+from odb.window import oracle_groups, plan_stream
+
 from .workloads import encoder_decoder_lengths, synthetic_workloads
 
-BUFFER_SIZES = (256, 512, 1024, 2048)
+BUFFER_SIZES = (256, 512, 1024, 2048)  # odb-N: windows of exactly N samples
+DEFAULT = "odb-default"  # odb at ODBConfig(token_budget=...) defaults
 REBALANCE_GRAD_ACCUM = 8  # micro-batches per optimizer step given to BatchRebalanceSampler
 
 try:  # transformers is a bench extra; the samplers are compared only where installed
@@ -78,7 +88,7 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 
 def batch_metrics(lengths: np.ndarray, batches: Sequence[np.ndarray], budget: int,
                   arrival: Optional[np.ndarray] = None) -> Dict[str, Any]:
-    """DESIGN.md's figures for one plan.
+    """The planning figures of one plan (see docs/benchmarks.md).
 
     lengths: (n, D); batches: sample indices per batch in emission order; arrival:
     (n,) arrival position of each sample (ODB), for the displacement figure.
@@ -140,39 +150,158 @@ def rebalance_batches(lengths: np.ndarray, b: int, seed: int) -> List[np.ndarray
     return [np.asarray(x, dtype=np.int64) for x in sampler]
 
 
-def odb_batches(lengths: np.ndarray, cfg: ODBConfig, seed: int) -> Tuple[List[np.ndarray], np.ndarray, List[float]]:
-    """ODB's plan over a shuffled arrival order, batches shuffled per window as EpochRun does.
+class LengthsDataset:
+    """Item i is ``{"lengths": ...}`` and nothing else; the order in which items are read is logged."""
 
-    Returns (batches, arrival position of each sample, planning seconds per window).
+    def __init__(self, lengths: np.ndarray) -> None:
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(len(lengths), -1)
+        self.rows: List[Any] = (lengths[:, 0].tolist() if lengths.shape[1] == 1
+                                else [tuple(r) for r in lengths.tolist()])
+        self.read: List[int] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        self.read.append(int(index))
+        return {"lengths": self.rows[index]}
+
+
+def sample_lengths(sample: Dict[str, Any]) -> Any:
+    return sample["lengths"]
+
+
+def empty_collate(samples: List[Any]) -> Dict[str, Any]:
+    return {}
+
+
+def odb_configs(budget: int, buffer_sizes: Sequence[int]) -> Dict[str, ODBConfig]:
+    """odb-N: windows of exactly N samples; odb-default: every window option at its default."""
+    fields = {f.name for f in dataclasses.fields(ODBConfig)}
+    out: Dict[str, ODBConfig] = {}
+    for size in buffer_sizes:
+        extra: Dict[str, Any] = {"window_budgets": None} if "window_budgets" in fields else {}
+        out[f"odb-{size}"] = ODBConfig(token_budget=budget, buffer_size=size, **extra)
+    out[DEFAULT] = ODBConfig(token_budget=budget)
+    return out
+
+
+WINDOW_FIELDS = ("buffer_size", "window_budgets", "first_window_size", "max_carry", "pack_efficiency")
+
+
+def window_settings(cfg: ODBConfig) -> Dict[str, Any]:
+    """The window options of a config, as its fields say (only those the installed odb has)."""
+    out = {k: getattr(cfg, k) for k in WINDOW_FIELDS if hasattr(cfg, k)}
+    tokens = getattr(cfg, "window_tokens", None)
+    if tokens is not None and not callable(tokens):
+        out["window_tokens"] = tokens
+    return out
+
+
+def full_window_tokens(cfg: ODBConfig, lengths: np.ndarray) -> float:
+    """Real tokens one full window holds on average: buffer_size samples, or fewer when token-sized."""
+    totals = lengths.sum(axis=1)
+    tokens = float(min(cfg.buffer_size, len(totals)) * totals.mean())
+    limit = getattr(cfg, "window_tokens", None)
+    if isinstance(limit, (int, float)):
+        tokens = min(tokens, float(limit))
+    return min(tokens, float(totals.sum()))
+
+
+def odb_loader_run(lengths: np.ndarray, cfg: ODBConfig, seed: int, sequential: bool = False) -> Dict[str, Any]:
+    """One epoch of ``odb.ODBDataLoader`` over a dataset of lengths; its batches and buffer figures.
+
+    Default: ``shuffle=True`` (the loader's own seeded sampler), as users run it. With
+    ``sequential``, the dataset is read in index order and batches are emitted in arrival
+    order (``shuffle=False``): a sample's id is then its arrival position, as in
+    ``plan_stream``, so the two can be compared batch for batch.
+
+    Returns batches (dataset indices, emission order), arrival (each sample's position in
+    the order the loader read the dataset), the loader's ``odb_stats`` and the peak
+    samples and tokens read but not yet emitted after a batch left.
     """
-    arrival_order = np.random.default_rng(seed).permutation(len(lengths))
-    arrival = np.empty(len(lengths), dtype=np.int64)
-    arrival[arrival_order] = np.arange(len(lengths))
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(len(lengths), -1)
+    ds = LengthsDataset(lengths)
+    loader = odb.ODBDataLoader(ds, config=cfg, shuffle=not sequential, seed=seed, collate_fn=empty_collate,
+                               num_workers=0, length_fn=sample_lengths)
     batches: List[np.ndarray] = []
+    read_at: List[int] = []
+    t0 = time.perf_counter()
+    for batch in loader:
+        info = odb.pop_step_info(batch)
+        batches.append(np.asarray(info.sample_ids, dtype=np.int64))
+        read_at.append(len(ds.read))
+    loader_s = time.perf_counter() - t0
+    stats = dict(loader.odb_stats)
+    read = np.asarray(ds.read, dtype=np.int64)
+    arrival = np.full(len(lengths), -1, dtype=np.int64)
+    arrival[read] = np.arange(len(read))
+    totals = lengths.sum(axis=1)
+    read_tokens = np.concatenate(([0], np.cumsum(totals[read])))
+    sizes = np.array([len(b) for b in batches], dtype=np.int64)
+    emitted_tokens = np.cumsum([int(totals[b].sum()) for b in batches]) if batches else np.zeros(0)
+    at = np.asarray(read_at, dtype=np.int64)
+    held_samples = at - np.cumsum(sizes) if batches else np.zeros(1)
+    held_tokens = read_tokens[at] - emitted_tokens if batches else np.zeros(1)
+    return {"batches": batches, "arrival": arrival, "read_order": read, "stats": stats, "loader_s": loader_s,
+            "peak_held_samples": int(held_samples.max()), "peak_held_tokens": int(held_tokens.max())}
+
+
+def time_planner(lengths: np.ndarray, cfg: ODBConfig) -> Tuple[List[np.ndarray], List[float]]:
+    """``odb.window.plan_stream`` over lengths in arrival order: its groups (arrival positions) and
+    the seconds spent planning each window."""
+    groups: List[np.ndarray] = []
     times: List[float] = []
-    windows = plan_stream(lengths[arrival_order], cfg)
-    w = 0
+    windows = plan_stream(lengths, cfg)
     while True:
         t0 = time.perf_counter()
         planned = next(windows, None)
         if planned is None:
             break
         times.append(time.perf_counter() - t0)
-        w += 1
-        groups = planned.groups
-        rng = np.random.default_rng([seed, 0, w])  # EpochRun._order: [seed, epoch, windows planned]
-        batches.extend(arrival_order[groups[k]] for k in rng.permutation(len(groups)))
-    return batches, arrival, times
+        groups.extend(planned.groups)
+    return groups, times
+
+
+def _as_sets(batches: Sequence[np.ndarray]) -> List[Tuple[int, ...]]:
+    return sorted(tuple(sorted(int(i) for i in b)) for b in batches)
+
+
+def odb_method(lengths: np.ndarray, cfg: ODBConfig, budget: int, seed: int) -> Dict[str, Any]:
+    """Figures of odb at ``cfg``: batches from the loader, planning time from plan_stream."""
+    run = odb_loader_run(lengths, cfg, seed)
+    m = batch_metrics(lengths, run["batches"], budget, run["arrival"])
+    arrived = lengths[run["read_order"]]
+    groups, times = time_planner(arrived, cfg)
+    # The planner breaks ties between equal lengths by sample id (dataset index in the
+    # loader, arrival position in plan_stream): compare on a loader run whose ids are
+    # arrival positions.
+    check = odb_loader_run(arrived, cfg, seed, sequential=True)
+    n = len(lengths)
+    stats = run["stats"]
+    m.update(
+        source="ODBDataLoader",
+        plan_stream_same_batches=_as_sets(check["batches"]) == _as_sets(groups),
+        window_plan_ms_mean=1e3 * float(np.mean(times)), window_plan_ms_max=1e3 * float(np.max(times)),
+        windows=len(times), plan_s=float(np.sum(times)), plan_us_per_sample=1e6 * float(np.sum(times)) / max(n, 1),
+        loader_us_per_sample=1e6 * run["loader_s"] / max(n, 1),
+        # how many full batches one window holds: small values force under-filled batches
+        window_in_budgets=full_window_tokens(cfg, lengths) / budget,
+        buffered_max=stats.get("buffered_max"), peak_held_samples=run["peak_held_samples"],
+        peak_held_tokens=run["peak_held_tokens"], window_settings=window_settings(cfg))
+    return m
 
 
 def run_planning(workloads: Dict[str, np.ndarray], budget: int = 16384, buffer_sizes: Sequence[int] = BUFFER_SIZES,
                  seed: int = 0, progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
     """Plan every workload with every method; figures per workload and method."""
+    configs = odb_configs(budget, buffer_sizes)
     result: Dict[str, Any] = {
         "token_budget": budget, "buffer_sizes": list(buffer_sizes), "seed": seed,
         "rebalance_grad_accum": REBALANCE_GRAD_ACCUM,
         "transformers_samplers": {"LengthGroupedSampler": LengthGroupedSampler is not None,
                                   "BatchRebalanceSampler": BatchRebalanceSampler is not None},
+        "odb_default_window": window_settings(configs[DEFAULT]),
         "workloads": {},
     }
     for name in progress(list(workloads), desc="planning", unit="workload"):
@@ -191,20 +320,16 @@ def run_planning(workloads: Dict[str, np.ndarray], budget: int = 16384, buffer_s
             t0 = time.perf_counter()
             methods["batch_rebalance"] = batch_metrics(lengths, rebalance_batches(lengths, b, seed), budget)
             methods["batch_rebalance"]["plan_s"] = time.perf_counter() - t0
-        for size in buffer_sizes:
-            batches, arrival, times = odb_batches(lengths, ODBConfig(token_budget=budget, buffer_size=size), seed)
-            m = batch_metrics(lengths, batches, budget, arrival)
-            m.update(window_plan_ms_mean=1e3 * float(np.mean(times)), window_plan_ms_max=1e3 * float(np.max(times)),
-                     plan_s=float(np.sum(times)),
-                     # how many full batches one window holds: small values force under-filled batches
-                     window_in_budgets=size * float(lengths.sum(axis=1).mean()) / budget)
-            methods[f"odb-{size}"] = m
+        for key, cfg in configs.items():
+            methods[key] = odb_method(lengths, cfg, budget, seed)
         for m in methods.values():
             m["ratio_to_oracle"] = m["useful_fill"] / methods["oracle"]["useful_fill"]
+        totals = lengths.sum(axis=1)
         result["workloads"][name] = {
             "samples": int(len(lengths)), "dims": int(lengths.shape[1]),
             "mean_length": [float(v) for v in lengths.mean(axis=0)],
             "max_length": [int(v) for v in lengths.max(axis=0)],
+            "median_length": float(np.median(totals)), "p99_length": float(np.percentile(totals, 99)),
             "fixed_batch_size": b, "methods": methods,
         }
     return result

@@ -1,7 +1,7 @@
 """Distributed figures: N ranks simulated in one process, and the alignment's cost.
 
 simulate_ranks runs the real engine of every rank (a thread each, one exchange per
-window) over lengths alone; the figures are the DESIGN.md ones: rank imbalance (mean
+window) over lengths alone. Figures: rank imbalance (mean
 over steps of max/mean step cost across ranks), ghost fraction, steps, useful fill.
 """
 

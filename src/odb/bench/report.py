@@ -1,4 +1,4 @@
-"""Tables (plain text and Markdown) and the plot of a benchmark ``results.json``.
+"""Tables (plain text and Markdown), the goal list and the plots of a benchmark ``results.json``.
 
 ``python -m odb.bench.report out/bench/results.json`` prints the Markdown tables that
 docs/benchmarks.md quotes.
@@ -8,23 +8,31 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 PLAN_COLUMNS = [
     ("method", None), ("steps", "{:d}"), ("useful fill", "{:.3f}"), ("/ oracle", "{:.3f}"),
     ("token eff.", "{:.3f}"), ("budget fill", "{:.3f}"), ("single", "{:.4f}"), ("over budget", "{:.3f}"),
     ("order rho", "{:+.3f}"), ("mean abs disp.", "{:.0f}"), ("window/budget", "{:.1f}"), ("plan ms/window", "{:.1f}"),
+    ("plan us/sample", "{:.1f}"), ("peak held", "{:d}"),
 ]
 _PLAN_KEYS = {"steps": "steps", "useful fill": "useful_fill", "/ oracle": "ratio_to_oracle",
               "token eff.": "token_efficiency", "budget fill": "budget_fill", "single": "single_sample_fraction",
               "over budget": "over_budget_batches", "order rho": "order_spearman",
               "mean abs disp.": "mean_abs_displacement", "window/budget": "window_in_budgets",
-              "plan ms/window": "window_plan_ms_mean"}
-METHOD_ORDER = ["fixed", "length_grouped", "batch_rebalance", "odb-256", "odb-512", "odb-1024", "odb-2048", "oracle"]
+              "plan ms/window": "window_plan_ms_mean", "plan us/sample": "plan_us_per_sample",
+              "peak held": "peak_held_samples"}
+METHOD_ORDER = ["fixed", "length_grouped", "batch_rebalance", "odb-256", "odb-512", "odb-1024", "odb-2048",
+                "odb-default", "oracle"]
+SUMMARY_ODB = ("odb-512", "odb-2048", "odb-default")
 
 
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else spec.format(value)
+
+
+def _met(ok: Optional[bool]) -> str:
+    return "-" if ok is None else ("met" if ok else "NOT MET")
 
 
 def _methods(methods: Dict[str, Any]) -> List[str]:
@@ -41,14 +49,21 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool)
     return "\n".join([fmt.format(*header)] + [fmt.format(*r) for r in rows])
 
 
+def _window_text(settings: Dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
+# ---- planning ------------------------------------------------------------------------------
 def planning_tables(planning: Dict[str, Any], markdown: bool = False) -> str:
     out = []
     for name, w in planning["workloads"].items():
         means = " / ".join(f"{m:.0f}" for m in w["mean_length"])
         out.append(f"{'### ' if markdown else ''}{name}: {w['samples']} samples, mean length {means}, "
                    f"fixed B={w['fixed_batch_size']}, budget {planning['token_budget']}")
-        rows = [[m] + [_fmt(w["methods"][m].get(_PLAN_KEYS[c]), spec) for c, spec in PLAN_COLUMNS[1:]]
-                for m in _methods(w["methods"])]
+        rows = []
+        for m in _methods(w["methods"]):
+            figures = w["methods"][m]
+            rows.append([m] + [_fmt(figures.get(_PLAN_KEYS[c]), spec) for c, spec in PLAN_COLUMNS[1:]])
         out.append(_table([c for c, _ in PLAN_COLUMNS], rows, markdown))
         out.append("")
     missing = [k for k, v in planning["transformers_samplers"].items() if not v]
@@ -57,83 +72,227 @@ def planning_tables(planning: Dict[str, Any], markdown: bool = False) -> str:
     return "\n".join(out)
 
 
-def summary_table(planning: Dict[str, Any], buffers: Sequence[int] = (512, 2048), markdown: bool = False) -> str:
-    """ODB / oracle useful fill per workload at a few buffer sizes, beside the baselines."""
+def summary_table(planning: Dict[str, Any], buffers: Sequence[str] = SUMMARY_ODB, markdown: bool = False) -> str:
+    """odb / oracle useful fill per workload, beside the baselines; planning cost and buffer of odb-default."""
     base = [m for m in ("fixed", "length_grouped", "batch_rebalance")
             if any(m in w["methods"] for w in planning["workloads"].values())]
-    header = ["workload"] + base + [f"odb-{b}" for b in buffers] + ["odb single (max)"]
+    header = (["workload", "mean len", "fixed B"] + base + list(buffers)
+              + ["odb single (max)", "plan us/sample", "peak held samples", "peak held tokens / budget"])
     rows = []
+    budget = planning["token_budget"]
     for name, w in planning["workloads"].items():
         ms = w["methods"]
         odb = [k for k in ms if k.startswith("odb-")]
         single = max(ms[k]["single_sample_fraction"] for k in odb) if odb else None
-        rows.append([name] + [_fmt(ms.get(m, {}).get("ratio_to_oracle"), "{:.3f}") for m in base]
-                    + [_fmt(ms.get(f"odb-{b}", {}).get("ratio_to_oracle"), "{:.3f}") for b in buffers]
-                    + [_fmt(single, "{:.4f}")])
+        d = ms.get("odb-default", {})
+        held = d.get("peak_held_tokens")
+        rows.append([name, " / ".join(f"{m:.0f}" for m in w["mean_length"]), str(w["fixed_batch_size"])]
+                    + [_fmt(ms.get(m, {}).get("ratio_to_oracle"), "{:.3f}") for m in base]
+                    + [_fmt(ms.get(b, {}).get("ratio_to_oracle"), "{:.3f}") for b in buffers]
+                    + [_fmt(single, "{:.4f}"), _fmt(d.get("plan_us_per_sample"), "{:.1f}"),
+                       _fmt(d.get("peak_held_samples"), "{:d}"),
+                       _fmt(None if held is None else held / budget, "{:.1f}")])
+    text = _table(header, rows, markdown)
+    settings = planning.get("odb_default_window")
+    if settings:
+        text += f"\n\nodb-default window settings (ODBConfig fields): {_window_text(settings)}"
+    same = {name: all(m.get("plan_stream_same_batches", True) for k, m in w["methods"].items()
+                      if k.startswith("odb-")) for name, w in planning["workloads"].items()}
+    differ = [n for n, ok in same.items() if not ok]
+    text += ("\nodb rows: batches of ODBDataLoader itself; odb.window.plan_stream planned the same batches "
+             + ("on every workload" if not differ else f"EXCEPT on {', '.join(differ)}"))
+    return text
+
+
+def buffer_table(planning: Dict[str, Any], markdown: bool = False) -> str:
+    """Per workload and odb setting: the loader's buffered_max, peak samples/tokens held, planning cost."""
+    header = ["workload", "odb", "buffered_max (odb_stats)", "peak held samples", "peak held tokens",
+              "windows", "plan us/sample", "plan ms/window (max)", "plan_stream = loader"]
+    rows = []
+    for name, w in planning["workloads"].items():
+        for k in _methods(w["methods"]):
+            if not k.startswith("odb-"):
+                continue
+            m = w["methods"][k]
+            rows.append([name, k, _fmt(m.get("buffered_max"), "{:d}"), _fmt(m.get("peak_held_samples"), "{:d}"),
+                         _fmt(m.get("peak_held_tokens"), "{:d}"), _fmt(m.get("windows"), "{:d}"),
+                         _fmt(m.get("plan_us_per_sample"), "{:.1f}"), _fmt(m.get("window_plan_ms_max"), "{:.1f}"),
+                         "yes" if m.get("plan_stream_same_batches") else "NO"])
     return _table(header, rows, markdown)
 
 
+# ---- loader ------------------------------------------------------------------------------------
+def _loader_regimes(loader: Dict[str, Any]) -> Dict[str, Any]:
+    return loader.get("regimes") or {"tensor": loader}  # older results: one regime
+
+
 def loader_table(loader: Dict[str, Any], markdown: bool = False) -> str:
-    header = ["loader", "samples", "samples/s", "CPU s (all procs)", "CPU ms/sample", "first batch s"]
-    rows = []
-    for name, m in loader["median"].items():
-        rows.append([name, f"{m['samples']:.0f}", f"{m['samples_per_s']:.0f}", f"{m['cpu_s']:.2f}",
-                     f"{1e3 * m['cpu_s'] / m['samples']:.3f}", f"{m['first_batch_s']:.3f}"])
-    r, g, met = loader["ratios"], loader["goals"], loader["goals_met"]
-    lines = [_table(header, rows, markdown), "",
-             f"ODB / plain bs{loader['batch_size']}: samples/s x{r['samples_per_s_ratio']:.2f} "
-             f"(goal >= {g['samples_per_s_ratio_min']}: {'met' if met['samples_per_s_ratio'] else 'MISSED'}), "
-             f"CPU s x{r['cpu_s_ratio']:.2f} (goal <= {g['cpu_s_ratio_max']}: "
-             f"{'met' if met['cpu_s_ratio'] else 'MISSED'}), first batch {r['first_batch_extra_s']:+.3f} s "
-             f"(goal <= +{g['first_batch_extra_s_max']}: {'met' if met['first_batch_extra_s'] else 'MISSED'}); "
-             f"loader throughput ratio (ODB / plain bs1) x{r['loader_throughput_ratio']:.2f}"]
-    return "\n".join(lines)
+    parts = []
+    for name, reg in _loader_regimes(loader).items():
+        header = ["loader", "samples", "samples/s", "CPU s (all procs)", "CPU ms/sample",
+                  "training-thread CPU us/sample", "first batch s"]
+        rows = []
+        for arm, m in reg["median"].items():
+            rows.append([arm, f"{m['samples']:.0f}", f"{m['samples_per_s']:.0f}", f"{m['cpu_s']:.2f}",
+                         f"{1e3 * m['cpu_s'] / m['samples']:.3f}", _fmt(m.get("thread_cpu_us_per_sample"), "{:.1f}"),
+                         f"{m['first_batch_s']:.3f}"])
+        r, g, met = reg["ratios"], reg["goals"], reg["goals_met"]
+        base = f"plain bs{reg['batch_size']}"
+        lines = [f"{'### ' if markdown else '-- '}regime {name}: {reg.get('description', '')}",
+                 _table(header, rows, markdown), "",
+                 f"odb / {base}: samples/s x{r['samples_per_s_ratio']:.2f} (goal >= {g['samples_per_s_ratio_min']}: "
+                 f"{_met(met['samples_per_s_ratio'])}), CPU s x{r['cpu_s_ratio']:.2f} (goal <= {g['cpu_s_ratio_max']}: "
+                 f"{_met(met['cpu_s_ratio'])}), first batch {r['first_batch_extra_s']:+.3f} s "
+                 f"(goal <= +{g['first_batch_extra_s_max']}: {_met(met['first_batch_extra_s'])}); "
+                 f"training-thread CPU per sample x{r.get('thread_cpu_ratio', float('nan')):.2f}; "
+                 f"loader throughput ratio (odb / plain bs1) x{r['loader_throughput_ratio']:.2f}", ""]
+        parts.append("\n".join(lines))
+    return "\n".join(parts)
+
+
+# ---- training -----------------------------------------------------------------------------------
+def _arm_label(training: Dict[str, Any], arm: str) -> str:
+    b = training["fixed_batch_size"]
+    return {"fixed": f"fixed B={b}", "length_grouped": f"LengthGroupedSampler B={b}",
+            "batch_rebalance": f"BatchRebalanceSampler ({training.get('rebalance_grad_accum', 8)} x B={b})"
+            }.get(arm, arm)
 
 
 def training_table(training: Dict[str, Any], markdown: bool = False) -> str:
-    header = ["arm", "steps", "mean B", "token eff.", "wall s", "real tokens/s", "final loss"]
+    header = ["arm", "steps", "mean B", "token eff.", "wall s", "real tokens/s", "odb speedup", "final loss"]
+    arms = training.get("arms") or ["fixed", "odb"]
     cuda = "peak_memory_mib" in training["odb"]
     if cuda:
         header.append("peak MiB")
+    speedups = training.get("speedups") or {"fixed": training["speedup"]}
     rows = []
-    for arm in ("fixed", "odb"):
+    for arm in arms:
         m = training[arm]
-        row = [arm if arm == "odb" else f"fixed B={training['fixed_batch_size']}", str(m["steps"]),
-               f"{m['mean_batch_size']:.1f}", f"{m['token_efficiency']:.3f}", f"{m['wall_s']:.1f}",
-               f"{m['real_tokens_per_s']:.0f}", f"{m['final_loss']:.3f}"]
+        row = [_arm_label(training, arm), str(m["steps"]), f"{m['mean_batch_size']:.1f}",
+               f"{m['token_efficiency']:.3f}", f"{m['wall_s']:.1f}", f"{m['real_tokens_per_s']:.0f}",
+               "-" if arm == "odb" else f"x{speedups[arm]:.2f}", f"{m['final_loss']:.3f}"]
         if cuda:
             row.append(f"{m['peak_memory_mib']:.0f}")
         rows.append(row)
+    goal = training["goal_speedup_min"]
     return _table(header, rows, markdown) + (
-        f"\n\ntraining speedup (real tokens/s, ODB / fixed): x{training['speedup']:.2f} "
-        f"(goal >= {training['goal_speedup_min']})")
+        f"\n\ntraining speedup (real tokens/s, odb / fixed B={training['fixed_batch_size']}): x{training['speedup']:.2f} "
+        f"(goal >= {goal}: {_met(training['speedup'] >= goal)}); "
+        + ", ".join(f"odb / {a}: x{v:.2f}" for a, v in speedups.items() if a != "fixed"))
 
 
+# ---- end to end ---------------------------------------------------------------------------------
+def e2e_table(e2e: Dict[str, Any], markdown: bool = False) -> str:
+    g = e2e["goals"]
+    parts = [f"{e2e['samples']} samples (lengths mean {e2e['lengths']['mean']:.0f}, CV {e2e['lengths']['cv']:.2f}, "
+             f"max {e2e['lengths']['max']}), sample cost {e2e['sample_cost']['mean_ms']:.2f} ms CPU on average, "
+             f"{e2e['num_workers']} workers, budget {e2e['token_budget']}; data time {e2e['data_s']:.2f} s "
+             f"(= {e2e['data_cpu_s']:.2f} CPU s measured in one process / {e2e['num_workers']} workers); "
+             f"plain-fit B={e2e['plain_fit_batch_size']}, plain-mean B={e2e['plain_mean_batch_size']}; "
+             f"medians of {e2e['repeats']}", ""]
+    header = ["arm", "epoch s", "loader wait s", "loader CPU s (thread)", "compute s", "data s",
+              "overlap", "steps", "mean B", "token eff.", "over budget", "first batch s"]
+    for name, st in e2e["settings"].items():
+        rows = []
+        for arm, m in st["median"].items():
+            rows.append([arm, f"{m['epoch_s']:.2f}", f"{m['loader_wait_s']:.2f}", f"{m['loader_cpu_s']:.2f}",
+                         f"{m['compute_s']:.2f}", f"{m['data_s']:.2f}", f"{m['overlap']:.2f}", f"{m['steps']:.0f}",
+                         f"{m['mean_batch_size']:.1f}", f"{m['token_efficiency']:.3f}",
+                         f"{m['over_budget_batches']:.0f}", f"{m['first_batch_s']:.3f}"])
+        met = st["goals_met"]
+        o = st["median"]["odb"]
+        line = (f"odb overlap {o['overlap']:.2f} (goal <= {g['overlap_max']}: {_met(met['overlap'])}); "
+                f"odb epoch / plain-fit x{st['odb_vs_plain_fit']:.3f}, / plain-mean x{st['odb_vs_plain_mean']:.3f}")
+        if name == "compute-bound":
+            line += (f" (goal < 1 vs plain-fit: {_met(met['faster_than_plain_fit'])}; "
+                     f"vs plain-mean: {_met(met['faster_than_plain_mean'])})")
+        else:
+            line += (f" (goal <= {g['data_bound_slowdown_max']} vs plain-fit: {_met(met['vs_plain_fit'])}; "
+                     f"vs plain-mean: {_met(met['vs_plain_mean'])})")
+        parts += [f"{'### ' if markdown else '-- '}{name} (compute of a padding-free plan = {st['ratio']} x data time)",
+                  _table(header, rows, markdown), "", line, ""]
+    return "\n".join(parts)
+
+
+# ---- ranks --------------------------------------------------------------------------------------
 def ranks_table(ranks: Dict[str, Any], markdown: bool) -> str:
+    if "error" in ranks:
+        return f"skipped: {ranks['error']}"
     rows = [[name, w["steps"], f"{w['imbalance_mean']:.3f}", f"{w['imbalance_p95']:.3f}",
              f"{w['ghost_fraction_max']:.4f}", f"{w['useful_fill']:.3f}", w["split_groups"]]
             for name, w in ranks["workloads"].items()]
     head = ["workload", "steps/rank", "imbalance mean", "imbalance p95", "ghost fraction", "useful fill", "splits"]
-    return _table(head, [[str(c) for c in row] for row in rows], markdown) + (f"\nalignment: {ranks['align_ms_per_window']:.3f} ms per window at "
-                                          f"{ranks['align_world']} simulated ranks (pure planning, one rank)")
+    return _table(head, [[str(c) for c in row] for row in rows], markdown) + (
+        f"\nalignment: {ranks['align_ms_per_window']:.3f} ms per window at "
+        f"{ranks['align_world']} simulated ranks (pure planning, one rank)")
+
+
+# ---- goals --------------------------------------------------------------------------------------
+def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]:
+    """(goal, measured, target, met) for every goal the results hold."""
+    out: List[Tuple[str, str, str, Optional[bool]]] = []
+    e2e = results.get("e2e")
+    if e2e:
+        g = e2e["goals"]
+        for name, st in e2e["settings"].items():
+            o, met = st["median"]["odb"], st["goals_met"]
+            out.append((f"end to end, {name}: odb epoch / max(data, compute)", f"{o['overlap']:.2f}",
+                        f"<= {g['overlap_max']}", met["overlap"]))
+            if name == "compute-bound":
+                out.append((f"end to end, {name}: odb epoch / plain-fit epoch", f"{st['odb_vs_plain_fit']:.3f}",
+                            "< 1", met["faster_than_plain_fit"]))
+            else:
+                out.append((f"end to end, {name}: odb epoch / plain-fit epoch", f"{st['odb_vs_plain_fit']:.3f}",
+                            f"<= {g['data_bound_slowdown_max']}", met["vs_plain_fit"]))
+                out.append((f"end to end, {name}: odb epoch / plain-mean epoch", f"{st['odb_vs_plain_mean']:.3f}",
+                            f"<= {g['data_bound_slowdown_max']}", met["vs_plain_mean"]))
+    loader = results.get("loader")
+    if loader:
+        for name, reg in _loader_regimes(loader).items():
+            r, g, met = reg["ratios"], reg["goals"], reg["goals_met"]
+            out.append((f"loader ({name}): samples/s, odb / plain bs{reg['batch_size']}",
+                        f"{r['samples_per_s_ratio']:.2f}", f">= {g['samples_per_s_ratio_min']}",
+                        met["samples_per_s_ratio"]))
+            out.append((f"loader ({name}): CPU s of all processes, odb / plain", f"{r['cpu_s_ratio']:.2f}",
+                        f"<= {g['cpu_s_ratio_max']}", met["cpu_s_ratio"]))
+            out.append((f"loader ({name}): time to first batch, odb - plain", f"{r['first_batch_extra_s']:+.3f} s",
+                        f"<= +{g['first_batch_extra_s_max']} s", met["first_batch_extra_s"]))
+    tr = results.get("training")
+    if tr:
+        out.append((f"training: real tokens/s, odb / fixed B={tr['fixed_batch_size']}", f"{tr['speedup']:.2f}",
+                    f">= {tr['goal_speedup_min']}", tr["speedup"] >= tr["goal_speedup_min"]))
+    return out
+
+
+def goals_table(results: Dict[str, Any], markdown: bool = False) -> str:
+    rows = [[name, value, target, _met(ok)] for name, value, target, ok in goals(results)]
+    return _table(["goal", "measured", "target", ""], rows, markdown)
 
 
 def render(results: Dict[str, Any], markdown: bool = False) -> str:
     h = "## " if markdown else "== "
-    parts = [f"{h}Planner quality (useful fill / oracle)", summary_table(results["planning"], markdown=markdown), "",
-             f"{h}Planner details", planning_tables(results["planning"], markdown)]
+    parts = []
+    if goals(results):
+        parts += [f"{h}Goals", goals_table(results, markdown), ""]
+    parts += [f"{h}Planner quality (useful fill / oracle)", summary_table(results["planning"], markdown=markdown), "",
+              f"{h}odb buffers and planning cost", buffer_table(results["planning"], markdown), "",
+              f"{h}Planner details", planning_tables(results["planning"], markdown)]
     if "ranks" in results:
-        parts += [f"{h}Ranks ({results['ranks']['world']} simulated, buffer {results['ranks']['buffer_size']})",
-                  ranks_table(results["ranks"], markdown), ""]
+        r = results["ranks"]
+        parts += [f"{h}Ranks ({r.get('world', '?')} simulated, buffer {r.get('buffer_size', '?')})",
+                  ranks_table(r, markdown), ""]
     if "loader" in results:
-        parts += [f"{h}Loader speed (medians of {results['loader']['repeats']})",
-                  loader_table(results["loader"], markdown), ""]
+        parts += [f"{h}Loader cost (medians of {results['loader']['repeats']})",
+                  loader_table(results["loader"], markdown)]
     if "training" in results:
         parts += [f"{h}Training ({results['training']['device']})", training_table(results["training"], markdown),
                   ""]
+    if "e2e" in results:
+        parts += [f"{h}End to end", e2e_table(results["e2e"], markdown)]
     return "\n".join(parts)
 
 
+# ---- plots --------------------------------------------------------------------------------------
 def plot_step_metrics(loader: Dict[str, Any], path: str) -> None:
     """Per-step metrics of one odb epoch (batch size, padding, buffer occupancy, loader wait)."""
     import matplotlib
@@ -141,7 +300,10 @@ def plot_step_metrics(loader: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = loader.get("odb_step_metrics") or {}
+    regimes = _loader_regimes(loader)
+    name = "tensor" if "tensor" in regimes else next(iter(regimes))
+    reg = regimes[name]
+    series = reg.get("odb_step_metrics") or {}
     keys = [k for k in ("batch_size", "padding_ratio", "buffered_samples", "loader_wait_ms") if k in series]
     if not keys:
         return
@@ -149,7 +311,8 @@ def plot_step_metrics(loader: Dict[str, Any], path: str) -> None:
     for ax, key in zip(axes[:, 0], keys):
         ax.plot(series[key], lw=0.8)
         ax.set_ylabel(key.replace("_", " "))
-    axes[-1, 0].set_xlabel(f"step of one odb epoch ({loader['samples']} samples, budget {loader['token_budget']})")
+    axes[-1, 0].set_xlabel(f"step of one odb epoch (regime {name}, {reg['samples']} samples, "
+                           f"budget {reg['token_budget']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -162,8 +325,9 @@ def plot(results: Dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     planning = results["planning"]
-    panels = 1 + ("loader" in results) + ("training" in results)
-    fig, axes = plt.subplots(1, panels, figsize=(6 + 3.5 * panels, 4.8),
+    extra = [k for k in ("loader", "training", "e2e") if k in results]
+    panels = 1 + len(extra)
+    fig, axes = plt.subplots(1, panels, figsize=(7 + 3.5 * panels, 4.8),
                              gridspec_kw={"width_ratios": [3] + [1] * (panels - 1)}, squeeze=False)
     ax = axes[0][0]
     names = list(planning["workloads"])
@@ -180,21 +344,43 @@ def plot(results: Dict[str, Any], path: str) -> None:
     ax.set_title(f"Planner quality (budget {planning['token_budget']})")
     ax.set_ylim(0, 1.2)
     ax.legend(fontsize=7, ncol=4, loc="upper center")
-    col = 1
-    if "loader" in results:
+    for col, key in enumerate(extra, start=1):
         ax = axes[0][col]
-        med = results["loader"]["median"]
-        ax.bar(list(med), [m["samples_per_s"] for m in med.values()], color=["C0", "C3", "C7"][:len(med)])
-        ax.set_ylabel("samples/s")
-        ax.set_title(f"Loader ({results['loader']['num_workers']} workers)")
-        col += 1
-    if "training" in results:
-        ax = axes[0][col]
-        tr = results["training"]
-        ax.bar([f"fixed B={tr['fixed_batch_size']}", "odb"],
-               [tr["fixed"]["real_tokens_per_s"], tr["odb"]["real_tokens_per_s"]], color=["C0", "C3"])
-        ax.set_ylabel("real tokens/s")
-        ax.set_title(f"Training ({tr['device']}, x{tr['speedup']:.2f})")
+        if key == "loader":
+            regimes = _loader_regimes(results["loader"])
+            labels, values = [], []
+            for name, reg in regimes.items():
+                for arm, m in reg["median"].items():
+                    labels.append(f"{name}\n{arm}")
+                    values.append(m["samples_per_s"])
+            ax.bar(range(len(values)), values, color=["C0", "C3", "C7"] * len(regimes))
+            ax.set_xticks(range(len(values)))
+            ax.set_xticklabels(labels, fontsize=6)
+            ax.set_ylabel("samples/s")
+            ax.set_title(f"Loader ({results['loader']['num_workers']} workers)")
+        elif key == "training":
+            tr = results["training"]
+            arms = tr.get("arms") or ["fixed", "odb"]
+            ax.bar(range(len(arms)), [tr[a]["real_tokens_per_s"] for a in arms],
+                   color=["C0", "C1", "C2", "C3"][:len(arms)])
+            ax.set_xticks(range(len(arms)))
+            ax.set_xticklabels([a.replace("_", "\n") for a in arms], fontsize=7)
+            ax.set_ylabel("real tokens/s")
+            ax.set_title(f"Training ({tr['device']}, odb x{tr['speedup']:.2f} over fixed)", fontsize=9)
+        else:
+            e2e = results["e2e"]
+            settings = list(e2e["settings"])
+            arms = list(e2e["settings"][settings[0]]["median"])
+            width = 0.8 / len(arms)
+            for k, arm in enumerate(arms):
+                ys = [e2e["settings"][s]["median"][arm]["overlap"] for s in settings]
+                ax.bar([i + (k - (len(arms) - 1) / 2) * width for i in range(len(settings))], ys, width, label=arm)
+            ax.axhline(e2e["goals"]["overlap_max"], color="k", lw=0.8, ls="--")
+            ax.set_xticks(range(len(settings)))
+            ax.set_xticklabels(settings, fontsize=8)
+            ax.set_ylabel("epoch / max(data, compute)")
+            ax.set_title("End to end (overlap)")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,10 +1,19 @@
-"""Training speed: a tiny causal LM trained with fixed batches and with ODB under one budget.
+"""Training speed: a tiny causal LM trained under one budget with odb and with what users pick instead.
 
-The model is built from a ``LlamaConfig`` (random init, nothing downloaded). Both arms
-see the same samples once (one epoch over the same dataset) with the same initial
+The model is built from a ``LlamaConfig`` (random init, nothing downloaded). Every arm
+sees the same samples once (one epoch over the same dataset) with the same initial
 weights; the figure is real (non-pad) tokens per second of wall time, data loading
-included, each step timed on its own. The fixed arm uses the largest batch size whose worst case (B x the longest
-sample) fits the budget, as a trainer without dynamic batching must.
+included, each step timed on its own. Arms:
+
+- ``fixed``: random batches of the largest batch size B whose worst case (B x the
+  longest sample) fits the budget, as a trainer without dynamic batching must;
+- ``length_grouped``: transformers' ``LengthGroupedSampler`` at that B (what
+  ``TrainingArguments(group_by_length=True)`` builds);
+- ``batch_rebalance``: transformers' ``BatchRebalanceSampler`` (when the installed
+  transformers has it) as ``Trainer`` builds it on one rank, 8 micro-batches per
+  optimizer step of 8 x B samples; here every micro-batch is trained as one step, as in
+  the other arms;
+- ``odb``: ``odb.ODBDataLoader(token_budget=...)``, the loss scaled by the step info.
 """
 
 from __future__ import annotations
@@ -16,9 +25,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from ..loader import ODBDataLoader
-from ..step_info import pop_step_info
+from odb import ODBDataLoader, pop_step_info
+
 from .loader_speed import LengthDataset, pad_collate
+from .planning import REBALANCE_GRAD_ACCUM, BatchRebalanceSampler, LengthGroupedSampler
 from .workloads import lognormal_lengths
 
 VOCAB = 1000
@@ -138,10 +148,13 @@ def _warm_up(device: torch.device, max_len: int) -> None:
         _step(model, opt, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, device, 1.0)
 
 
+ARM_ORDER = ("fixed", "length_grouped", "batch_rebalance", "odb")
+
+
 def run_training(samples: int, *, device: str = "cpu", budget: int = 4096, max_len: int = 1024,
                  buffer_size: int = 256, threads: Optional[int] = None,
                  progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
-    """Fixed batching vs ODB on the same samples, model and budget; tokens/s and the speedup."""
+    """Every arm on the same samples, model and budget; tokens/s and odb's speedup over each."""
     dev = torch.device(device)
     if threads is not None and dev.type == "cpu":
         torch.set_num_threads(threads)
@@ -149,19 +162,29 @@ def run_training(samples: int, *, device: str = "cpu", budget: int = 4096, max_l
     dataset = LengthDataset(lengths, vocab=VOCAB)
     fixed_b = max(1, budget // int(lengths.max()))
     _warm_up(dev, max_len)
-    fixed_loader = DataLoader(dataset, batch_size=fixed_b, shuffle=True, collate_fn=pad_collate,
-                              generator=torch.Generator().manual_seed(0))
-    odb_loader = ODBDataLoader(dataset, token_budget=budget, buffer_size=min(buffer_size, samples), shuffle=True,
-                               seed=0, collate_fn=pad_collate)
-    arms = [Arm("fixed", fixed_loader, dev, max_len, False), Arm("odb", odb_loader, dev, max_len, True)]
+    loaders: Dict[str, DataLoader] = {
+        "fixed": DataLoader(dataset, batch_size=fixed_b, shuffle=True, collate_fn=pad_collate,
+                            generator=torch.Generator().manual_seed(0))}
+    if LengthGroupedSampler is not None:
+        sampler = LengthGroupedSampler(fixed_b, lengths=lengths.tolist(), generator=torch.Generator().manual_seed(0))
+        loaders["length_grouped"] = DataLoader(dataset, batch_size=fixed_b, sampler=sampler, collate_fn=pad_collate)
+    if BatchRebalanceSampler is not None:
+        batches = BatchRebalanceSampler(lengths=lengths.tolist(), effective_batch_size=fixed_b * REBALANCE_GRAD_ACCUM,
+                                        dp_size=1, grad_accum=REBALANCE_GRAD_ACCUM, seed=0, drop_last=False)
+        loaders["batch_rebalance"] = DataLoader(dataset, batch_sampler=batches, collate_fn=pad_collate)
+    loaders["odb"] = ODBDataLoader(dataset, token_budget=budget, buffer_size=min(buffer_size, samples),
+                                   shuffle=True, seed=0, collate_fn=pad_collate)
+    arms = [Arm(name, loader, dev, max_len, name == "odb") for name, loader in loaders.items()]
     interleave = dev.type == "cpu"
     run_arms(arms, interleave, progress)
-    fixed, odb = arms[0].result(), arms[1].result()
+    res = {arm.name: arm.result() for arm in arms}
+    odb_rate = res["odb"]["real_tokens_per_s"]
+    speedups = {name: odb_rate / r["real_tokens_per_s"] for name, r in res.items() if name != "odb"}
     return {
         "device": str(dev), "samples": samples, "token_budget": budget, "max_len": max_len,
         "mean_length": float(lengths.mean()), "fixed_batch_size": fixed_b, "odb_buffer_size": min(buffer_size, samples),
-        "model": dict(MODEL),
+        "rebalance_grad_accum": REBALANCE_GRAD_ACCUM, "model": dict(MODEL),
         "threads": torch.get_num_threads() if dev.type == "cpu" else None,
-        "arms_interleaved": interleave, "fixed": fixed, "odb": odb, "speedup": odb["real_tokens_per_s"] / fixed["real_tokens_per_s"],
-        "goal_speedup_min": 1.5,
+        "arms_interleaved": interleave, "arms": list(res), **res,
+        "speedup": speedups["fixed"], "speedups": speedups, "goal_speedup_min": 1.5,
     }
