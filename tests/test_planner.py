@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from odb.bench.workloads import LOGNORMAL, lognormal_lengths
 from odb.config import ODBConfig
 from odb.cost import CostModel
-from odb.planner import greedy_segments, plan_window
+from odb.planner import _dp_segments, _max_counts_sorted, greedy_segments, plan_window, sort_order
 from odb.window import WindowPlanner, flatten, oracle_groups, plan_stream
 
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -349,6 +349,137 @@ def test_a_run_that_exactly_reaches_pack_efficiency_is_emitted() -> None:
     plan = plan_window(np.full(10, 10), np.arange(10), CostModel((100,)), final=False, pack_efficiency=1.0,
                        carry_limit=50)
     assert [len(g) for g in plan.groups] == [10]
+
+
+# --------------------------------------------------------------------------- the DP against its reference
+
+
+def reference_dp_segments(tokens: np.ndarray, counts: np.ndarray, ideal: np.ndarray, efficiency: float,
+                          multiple: int) -> List[tuple]:
+    """The planner's DP as first written: every allowed run length tried at every start, O(n x batch)."""
+    n = len(tokens)
+    cum = np.concatenate(([0.0], np.cumsum(tokens, dtype=np.float64)))
+    scale = 1.0 / efficiency
+    best = np.zeros(n + 1)
+    take = np.zeros(n, dtype=np.int64)
+    for i in range(n - 1, -1, -1):
+        best[i] = best[i + 1]
+        b_max = int(counts[i])
+        if b_max <= 0:
+            continue
+        if multiple == 1 or b_max < multiple:
+            sizes = np.arange(1, b_max + 1)
+            vals = scale * (cum[i + 1:i + b_max + 1] - cum[i]) - ideal[i] + best[i + 1:i + b_max + 1]
+        else:
+            sizes = np.arange(multiple, b_max + 1, multiple)
+            vals = scale * (cum[i + sizes] - cum[i]) - ideal[i] + best[i + sizes]
+        k = int(np.argmax(vals))
+        if vals[k] >= best[i] - 1e-6:
+            best[i] = vals[k]
+            take[i] = sizes[k]
+    segs, i = [], 0
+    while i < n:
+        if take[i]:
+            segs.append((i, i + int(take[i])))
+            i += int(take[i])
+        else:
+            i += 1
+    return segs
+
+
+def dp_value(segs: List[tuple], tokens: np.ndarray, ideal: np.ndarray, efficiency: float) -> float:
+    return sum(float(tokens[s:e].sum()) / efficiency - float(ideal[s]) for s, e in segs)
+
+
+def assert_allowed_runs(segs: List[tuple], counts: np.ndarray, multiple: int) -> None:
+    last = 0
+    for s, e in segs:
+        assert last <= s < e <= s + counts[s]
+        assert (e - s) % multiple == 0 or counts[s] < multiple
+        last = e
+
+
+@st.composite
+def dp_inputs(draw):
+    """(tokens, counts, ideal, efficiency, multiple) with the run ends i + counts[i] never
+    decreasing, as counts of a sorted pool are; integer token counts as the planner has."""
+    n = draw(st.integers(0, 120))
+    multiple = draw(st.sampled_from([1, 1, 2, 3, 4, 8]))
+    reach = np.array(draw(st.lists(st.integers(0, 40), min_size=n, max_size=n)), dtype=np.int64)
+    ends = np.maximum.accumulate(np.minimum(np.arange(n) + reach, n)) if n else reach
+    counts = ends - np.arange(n)
+    tokens = np.array(draw(st.lists(st.integers(0, 60), min_size=n, max_size=n)), dtype=np.float64)
+    ideal = np.array(draw(st.lists(st.integers(1, 2000), min_size=n, max_size=n)), dtype=np.float64)
+    efficiency = draw(st.sampled_from([0.95, 1.0, 0.5]) | st.floats(0.3, 1.0))
+    return tokens, counts, ideal, efficiency, multiple
+
+
+@PROPERTY
+@given(dp_inputs())
+def test_sliding_window_dp_matches_the_reference_objective(args) -> None:
+    tokens, counts, ideal, efficiency, multiple = args
+    fast = _dp_segments(tokens, counts, ideal, efficiency, multiple)
+    slow = reference_dp_segments(tokens, counts, ideal, efficiency, multiple)
+    assert_allowed_runs(fast, counts, multiple)
+    a, b = dp_value(fast, tokens, ideal, efficiency), dp_value(slow, tokens, ideal, efficiency)
+    assert a == pytest.approx(b, rel=1e-6, abs=1e-6)
+
+
+def pool_dp_inputs(cost: CostModel, rows: np.ndarray, patches: Optional[np.ndarray] = None):
+    """The DP's inputs for a pool of (n, D) lengths, as plan_window builds them."""
+    padded = cost.pad(rows)
+    fit = cost.copies_that_fit(padded, patches)
+    ok = np.flatnonzero(fit > 0)
+    order = ok[sort_order(padded[ok], ok)]
+    counts = cost.max_counts_sorted(padded[order], None if patches is None else patches[order])
+    tokens = rows[order].sum(axis=1).astype(np.float64)
+    ideal = fit[order] * padded[order].sum(axis=1).astype(np.float64)
+    return tokens, counts, ideal
+
+
+@PROPERTY
+@given(setups(max_n=120))
+def test_sliding_window_dp_matches_the_reference_on_planner_pools(s: Setup) -> None:
+    cost = CostModel.from_config(s.cfg)
+    tokens, counts, ideal = pool_dp_inputs(cost, s.rows, s.patches)
+    ends = np.arange(len(counts)) + counts
+    assert (np.diff(ends) >= 0).all()  # what the sliding window relies on
+    eff, m = s.cfg.pack_efficiency, cost.multiple
+    fast = _dp_segments(tokens, counts, ideal, eff, m)
+    slow = reference_dp_segments(tokens, counts, ideal, eff, m)
+    assert_allowed_runs(fast, counts, m)
+    assert dp_value(fast, tokens, ideal, eff) == pytest.approx(dp_value(slow, tokens, ideal, eff), rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(LOGNORMAL))
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_sliding_window_dp_plans_like_the_reference_on_benchmark_pools(name: str, multiple: int) -> None:
+    mean, cv = LOGNORMAL[name]
+    tokens, counts, ideal = pool_dp_inputs(CostModel((16384,), batch_size_multiple=multiple),
+                                           lognormal_lengths(mean, cv, 3000, seed=1)[:, None])
+    assert _dp_segments(tokens, counts, ideal, 0.95, multiple) == reference_dp_segments(tokens, counts, ideal, 0.95,
+                                                                                        multiple)
+
+
+@PROPERTY
+@given(setups(max_n=120))
+def test_fast_max_counts_equal_the_cost_models(s: Setup) -> None:
+    cost = CostModel.from_config(s.cfg)
+    padded = cost.pad(s.rows)
+    order = sort_order(padded, np.arange(len(padded)))
+    patches = None if s.patches is None else s.patches[order]
+    for model in (cost, cost.scaled(0.37)):  # balanced_partition asks with scaled budgets
+        assert (_max_counts_sorted(model, padded[order], patches).tolist()
+                == model.max_counts_sorted(padded[order], patches).tolist())
+
+
+def test_dp_ties_go_to_the_shortest_run_and_emit() -> None:
+    # Empty samples add nothing: from sample 0 every run is worth 10 - 10 = 0, as much as
+    # carrying. The shortest run is emitted; the empty samples alone are worth -10: carried.
+    tokens, ideal = np.array([10.0, 0, 0, 0, 0]), np.full(5, 10.0)
+    assert _dp_segments(tokens[:3], np.array([3, 2, 1]), ideal[:3], 1.0, 1) == [(0, 1)]
+    assert _dp_segments(tokens, np.array([5, 4, 3, 2, 1]), ideal, 1.0, 2) == [(0, 2)]
+    assert _dp_segments(tokens, np.array([1, 1, 1, 1, 1]), ideal, 1.0, 2) == [(0, 1)]  # below the multiple
 
 
 # --------------------------------------------------------------------------- streams

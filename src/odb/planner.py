@@ -13,6 +13,7 @@ greedily (fewest batches). Everything here is integers in, index arrays out.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import List, Optional
 
 import numpy as np
@@ -55,34 +56,122 @@ def greedy_segments(counts: np.ndarray, multiple: int) -> List[tuple]:
     return segs
 
 
+def _max_counts_sorted(cost: CostModel, padded: np.ndarray, patches: Optional[np.ndarray]) -> np.ndarray:
+    """The counts of ``cost.max_counts_sorted``, fast with several length dimensions too.
+
+    With one dimension CostModel's answer is vectorised already. With several it scans
+    the running maxima from every start in Python, O(n x batch size). A run that does
+    not fit stays unfit as it grows, so a binary search on the run length, for all
+    starts at once, asks CostModel's own feasibility test of range maxima read from a
+    sparse table: O(n log n) numpy work. tests/test_planner.py checks the two agree.
+
+    Example:
+        >>> _max_counts_sorted(CostModel((100,)), np.array([[40, 10], [10, 40], [20, 20], [5, 5]]), None).tolist()
+        [1, 1, 2, 1]
+    """
+    n, dims = padded.shape
+    if dims == 1 or n == 0:
+        return cost.max_counts_sorted(padded, patches)
+    w = cost.token_weight(padded)
+    lo = np.zeros(n, dtype=np.int64)  # a run this long fits
+    hi = np.minimum(cost.copies_that_fit_unrounded(padded), np.arange(n, 0, -1))  # none longer fits
+    if patches is not None and cost.max_patches is not None:
+        cum = np.concatenate(([0], np.cumsum(patches)))
+        by_patch = np.searchsorted(cum, cum[:-1] + cost.max_patches, side="right") - 1 - np.arange(n)
+        hi = np.minimum(hi, by_patch)
+    # levels[l, i] = max of w[i : i + 2**l] (cut at n): two overlapping levels cover any run.
+    levels = [w]
+    while (1 << len(levels)) <= hi.max():
+        half = 1 << (len(levels) - 1)
+        nxt = levels[-1].copy()
+        nxt[:n - half] = np.maximum(nxt[:n - half], nxt[half:])
+        levels.append(nxt)
+    table = np.stack(levels)
+    active = np.flatnonzero(lo < hi)
+    while len(active):
+        a_lo, a_hi = lo[active], hi[active]
+        mid = (a_lo + a_hi + 1) // 2
+        level = np.frexp(mid.astype(np.float64))[1] - 1  # floor(log2(mid)), exact for these sizes
+        w_max = np.maximum(table[level, active], table[level, active + mid - (1 << level)])
+        ok = cost._per_sample_cost_ok(w_max, mid)  # the test CostModel applies to each prefix
+        lo[active] = np.where(ok, mid, a_lo)
+        hi[active] = np.where(ok, a_hi, mid - 1)
+        active = active[lo[active] < hi[active]]
+    return lo
+
+
 def _dp_segments(tokens: np.ndarray, counts: np.ndarray, ideal: np.ndarray, efficiency: float,
                  multiple: int) -> List[tuple]:
-    """Choose disjoint runs maximising sum(tokens / efficiency - ideal); others are carried."""
+    """Choose disjoint runs maximising sum(tokens / efficiency - ideal); others are carried.
+
+    A run [i, j) may start at i when j - i <= counts[i], and j - i is a multiple of
+    ``multiple`` where counts[i] >= multiple. With best[i] the value of samples i.. and
+    g[j] = scale * cum[j] + best[j]:
+
+        best[i] = max(best[i + 1], max over allowed j of g[j] - scale * cum[i] - ideal[i]).
+
+    The allowed j lie in (i, i + counts[i]], whose end never grows as i falls when the
+    counts are those of CostModel.max_counts_sorted (a feasible run from i, less its
+    first sample, is feasible from i + 1). So the inner max is a sliding-window maximum,
+    O(n) in all with monotonic deques: one per residue of j mod ``multiple`` for runs of
+    a multiple, one over every j for starts whose counts are below the multiple.
+    Ties go to the shortest run; a run is emitted when it ties carrying (within _TIE).
+
+    Example:
+        >>> _dp_segments(np.array([10., 10., 10.]), np.array([2, 2, 1]), np.array([20., 20., 10.]), 1.0, 1)
+        [(0, 2), (2, 3)]
+    """
     n = len(tokens)
-    cum = np.concatenate(([0.0], np.cumsum(tokens, dtype=np.float64)))
+    counts = np.maximum(np.asarray(counts, dtype=np.int64), 0)
+    cum_a = np.concatenate(([0.0], np.cumsum(tokens, dtype=np.float64)))
     scale = 1.0 / efficiency
-    best = np.zeros(n + 1)
-    take = np.zeros(n, dtype=np.int64)
+    # Python floats and ints: the loop below is scalar work, where lists beat numpy.
+    cum, ends = cum_a.tolist(), (np.arange(n) + counts).tolist()
+    below_multiple = (counts < multiple).tolist()
+    ideal = np.asarray(ideal, dtype=np.float64).tolist()
+    scaled = (scale * cum_a).tolist()
+    g = scaled[:]  # best[n] = 0
+    best = [0.0] * (n + 1)
+    take = [0] * n
+    # Each deque holds candidate ends j, newest (smallest) on the right, with g strictly
+    # decreasing from left to right: a new j whose g is at least an older one's is as
+    # good for every later start and the shorter run, so the older one goes. After the
+    # ends beyond the window are popped, the leftmost entry is the best allowed end.
+    by_residue = [deque() for _ in range(multiple)]
+    every: deque = deque()
     for i in range(n - 1, -1, -1):
-        best[i] = best[i + 1]
-        b_max = int(counts[i])
-        if b_max <= 0:
-            continue
-        if multiple == 1 or b_max < multiple:
-            sizes = np.arange(1, b_max + 1)
-            vals = scale * (cum[i + 1:i + b_max + 1] - cum[i]) - ideal[i] + best[i + 1:i + b_max + 1]
-        else:
-            sizes = np.arange(multiple, b_max + 1, multiple)
-            vals = scale * (cum[i + sizes] - cum[i]) - ideal[i] + best[i + sizes]
-        k = int(np.argmax(vals))
-        if vals[k] >= best[i] - _TIE:  # a run that just reaches pack_efficiency is emitted
-            best[i] = vals[k]
-            take[i] = sizes[k]
+        if multiple > 1:
+            gj = g[i + 1]
+            while every and g[every[-1]] <= gj:
+                every.pop()
+            every.append(i + 1)
+        dq = by_residue[i % multiple]
+        j = i + multiple
+        if j <= n:
+            gj = g[j]
+            while dq and g[dq[-1]] <= gj:
+                dq.pop()
+            dq.append(j)
+        if below_multiple[i]:
+            dq = every
+        e = ends[i]
+        while dq and dq[0] > e:  # ends only shrink from here on: gone for good
+            dq.popleft()
+        b = best[i + 1]
+        if dq and e > i:
+            j = dq[0]
+            # Evaluated as the run itself, so best[] is the direct sum of its runs' values.
+            v = scale * (cum[j] - cum[i]) - ideal[i] + best[j]
+            if v >= b - _TIE:  # a run that just reaches pack_efficiency is emitted
+                b = v
+                take[i] = j - i
+        best[i] = b
+        g[i] = scaled[i] + b
     segs, i = [], 0
     while i < n:
         if take[i]:
-            segs.append((i, i + int(take[i])))
-            i += int(take[i])
+            segs.append((i, i + take[i]))
+            i += take[i]
         else:
             i += 1
     return segs
@@ -130,7 +219,7 @@ def plan_window(
     order = ok[sort_order(padded[ok], ids[ok])]
     pad_s = padded[order]
     patch_s = None if patches is None else np.asarray(patches)[order]
-    counts = cost.max_counts_sorted(pad_s, patch_s)
+    counts = _max_counts_sorted(cost, pad_s, patch_s)
     if final:
         runs = [np.arange(s, e) for s, e in greedy_segments(counts, cost.multiple)]
     else:
@@ -156,9 +245,10 @@ def _drain_carry(runs: List[np.ndarray], tokens: np.ndarray, ideal: np.ndarray, 
     if excess <= 0:
         return []
     sub_patches = None if patch_s is None else patch_s[carried]
-    sub_counts = cost.max_counts_sorted(pad_s[carried], sub_patches)
+    sub_counts = _max_counts_sorted(cost, pad_s[carried], sub_patches)
     cut = greedy_segments(sub_counts, cost.multiple)
-    quality = np.array([tokens[carried[s:e]].sum() / max(ideal[carried[s]], 1.0) for s, e in cut])
+    starts = np.array([s for s, _ in cut])
+    quality = np.add.reduceat(tokens[carried], starts) / np.maximum(ideal[carried[starts]], 1.0)
     extra = []
     for k in np.argsort(-quality, kind="stable"):
         if excess <= 0:
@@ -191,7 +281,7 @@ def balanced_partition(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, n_
     patch_s = None if patches is None else np.asarray(patches)[order]
 
     def cut(scale: float) -> List[tuple]:
-        return greedy_segments(cost.scaled(scale).max_counts_sorted(pad_s, patch_s), cost.multiple)
+        return greedy_segments(_max_counts_sorted(cost.scaled(scale), pad_s, patch_s), cost.multiple)
 
     best = cut(1.0)
     if len(best) <= n_groups:
