@@ -18,7 +18,7 @@ from odb.bench.workloads import encoder_decoder_lengths, lognormal_lengths, pare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNTHETIC = ["lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00", "pareto-a1.2", "encdec-synthetic"]
-ODB = ["odb-256", "odb-512", "odb-1024", "odb-2048", "odb-default"]
+ODB = ["odb-512", "odb-2048", "odb-default"]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from odb.window import oracle_groups, plan_stream
 
 from .workloads import encoder_decoder_lengths, synthetic_workloads
 
-BUFFER_SIZES = (256, 512, 1024, 2048)  # odb-N: windows of exactly N samples
+BUFFER_SIZES = (512, 2048)  # odb-N: windows of exactly N samples
 DEFAULT = "odb-default"  # odb at ODBConfig(token_budget=...) defaults
 REBALANCE_GRAD_ACCUM = 8  # micro-batches per optimizer step given to BatchRebalanceSampler
 
