@@ -133,21 +133,22 @@ def test_loader_training_and_e2e_figures(bench):
             > e2e["settings"]["data-bound"]["median"]["odb"]["compute_s"])
 
 
-def test_readme_section_is_generated_from_results(bench, tmp_path):
+def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
     out, results, _ = bench
-    readme = tmp_path / "README.md"
+    readme, docs = tmp_path / "README.md", tmp_path / "benchmarks.md"
     shutil.copy(os.path.join(ROOT, "README.md"), readme)
+    shutil.copy(os.path.join(ROOT, "docs", "benchmarks.md"), docs)
     script = os.path.join(ROOT, "scripts", "update_readme.py")
-    refused = subprocess.run([sys.executable, script, str(out / "results.json"), "--readme", str(readme)],
-                             capture_output=True, text=True)
+    args = [sys.executable, script, str(out / "results.json"), "--readme", str(readme), "--docs", str(docs)]
+    refused = subprocess.run(args, capture_output=True, text=True)
     assert refused.returncode == 2  # quick results are not for the README
-    done = subprocess.run([sys.executable, script, str(out / "results.json"), "--readme", str(readme),
-                           "--allow-quick"], capture_output=True, text=True)
+    done = subprocess.run(args + ["--allow-quick"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     text = readme.read_text()
     for name in results["planning"]["workloads"]:
         assert f"| {name} |" in text, name
+        assert f"#### {name}:" in docs.read_text(), name
     assert "Worst workload" in text
-    check = subprocess.run([sys.executable, script, str(out / "results.json"), "--readme", str(readme),
-                            "--allow-quick", "--check"], capture_output=True, text=True)
+    assert "### Goals" in docs.read_text() and "DESIGN.md" not in docs.read_text()
+    check = subprocess.run(args + ["--allow-quick", "--check"], capture_output=True, text=True)
     assert check.returncode == 0

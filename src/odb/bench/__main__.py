@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -66,6 +67,19 @@ def _machine() -> Dict[str, Any]:
     return info
 
 
+def _git() -> Dict[str, Any]:
+    """The commit the benchmarked odb comes from, and whether tracked files differ from it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit or None, "dirty": bool(dirty) if commit else None}
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m odb.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,7 +103,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     progress = _progress()
     t_all = time.perf_counter()
     results: Dict[str, Any] = {"meta": {"command": "python -m odb.bench " + " ".join(argv or sys.argv[1:]),
-                                        "quick": args.quick, "sizes": size, "machine": _machine()},
+                                        "quick": args.quick, "sizes": size, "machine": _machine(),
+                                        "git": _git(), "date": time.strftime("%Y-%m-%d %H:%M %Z")},
                                "wall_s": {}}
 
     t0 = time.perf_counter()
