@@ -16,12 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import odb.engine
 import odb.simulate
 from odb.align import (StepPlan, decide_steps, global_steps, local_steps, shared_step_order,
                        step_imbalance)
 from odb.bench.workloads import LOGNORMAL, lognormal_lengths
 from odb.config import ODBConfig
-from odb.engine import EpochRun
+from odb.ranks import RankAligner
 from odb.simulate import simulate_ranks
 from odb.step_info import ODBStepInfo
 
@@ -99,24 +100,28 @@ def test_local_steps_pass_groups_through():
 # ---- simulation ---------------------------------------------------------------------------
 
 
-class _CheckedRun(EpochRun):
-    """EpochRun that records any ghost a rank adds while it still had a group to split."""
+class _CheckedAligner(RankAligner):
+    """RankAligner that records any ghost a rank adds while it still had a group to split."""
 
     bad_ghosts: List[str] = []
+    fits = 0
 
-    def _fit(self, groups, n_steps):
-        out = super()._fit(groups, n_steps)
+    def _fit(self, groups, n_steps, planned_final):
+        out = super()._fit(groups, n_steps, planned_final)
+        _CheckedAligner.fits += 1
         if any(g is None for g in out) and any(len(g) > 1 for g in out if g is not None):
-            self.bad_ghosts.append(f"window {self._window_index}: {[None if g is None else len(g) for g in out]}")
+            self.bad_ghosts.append(f"{[None if g is None else len(g) for g in out]}")
         return out
 
 
 def run_checked(lengths_per_rank: Sequence[np.ndarray], cfg: ODBConfig, **kw: Any) -> Dict[str, Any]:
     """simulate_ranks, failing if a ghost step appears where its rank still had a splittable group."""
-    _CheckedRun.bad_ghosts = []
-    with mock.patch.object(odb.simulate, "EpochRun", _CheckedRun):
+    _CheckedAligner.bad_ghosts, _CheckedAligner.fits = [], 0
+    with mock.patch.object(odb.engine, "RankAligner", _CheckedAligner):
         out = simulate_ranks(lengths_per_rank, cfg, **kw)
-    assert _CheckedRun.bad_ghosts == [], "ghost step on a rank that still had a group of 2+ samples"
+    if len(lengths_per_rank) > 1 and cfg.join:
+        assert _CheckedAligner.fits > 0, "the checked aligner was not used"
+    assert _CheckedAligner.bad_ghosts == [], "ghost step on a rank that still had a group of 2+ samples"
     return out
 
 

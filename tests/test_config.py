@@ -22,6 +22,10 @@ INVALID = [
     ("token_budget", {"token_budget": ()}, ValueError, _BAD),
     ("token_budget", {"token_budget": (1024, 0)}, ValueError, 0),  # the offending entry
     ("token_budget", {"token_budget": (1024, 2.5)}, TypeError, 2.5),
+    ("window_budgets", {"window_budgets": 0}, ValueError, _BAD),
+    ("window_budgets", {"window_budgets": 1.5}, TypeError, _BAD),
+    ("ready_batches", {"ready_batches": -1}, ValueError, _BAD),
+    ("ready_batches", {"ready_batches": None}, TypeError, _BAD),
     ("buffer_size", {"buffer_size": 0}, ValueError, _BAD),
     ("buffer_size", {"buffer_size": -1}, ValueError, _BAD),
     ("buffer_size", {"buffer_size": 64.0}, TypeError, _BAD),
@@ -134,7 +138,11 @@ def test_valid_configs_keep_their_values(kwargs) -> None:
 
 def test_defaults() -> None:
     cfg = ODBConfig(token_budget=16384)
-    assert (cfg.buffer_size, cfg.max_carry, cfg.pad_to_multiple_of, cfg.batch_size_multiple) == (1024, None, 1, 1)
+    assert (cfg.window_budgets, cfg.buffer_size, cfg.max_carry, cfg.pad_to_multiple_of,
+            cfg.batch_size_multiple) == (64, 16384, None, 1, 1)
+    assert cfg.window_tokens == 64 * 16384 and cfg.ready_batches == 4
+    assert ODBConfig(token_budget=(100, 50), window_budgets=2).window_tokens == 300
+    assert ODBConfig(token_budget=100, window_budgets=None).window_tokens is None
     assert (cfg.oversize, cfg.loss_scaling, cfg.join, cfg.seed) == ("error", "exact", True, None)
 
 
@@ -161,7 +169,7 @@ def test_token_budgets(budget, expected) -> None:
     assert ODBConfig(token_budget=budget).token_budgets == expected
 
 
-@pytest.mark.parametrize("buffer_size, max_carry, expected", [
+@pytest.mark.parametrize("window_samples, max_carry, expected", [
     (1024, None, 512), (1, None, 0), (7, None, 3), (1024, 0, 0), (16, 100, 100), (1024, 33, 33)])
-def test_carry_limit(buffer_size, max_carry, expected) -> None:
-    assert ODBConfig(token_budget=100, buffer_size=buffer_size, max_carry=max_carry).carry_limit == expected
+def test_carry_limit(window_samples, max_carry, expected) -> None:
+    assert ODBConfig(token_budget=100, max_carry=max_carry).carry_limit(window_samples) == expected

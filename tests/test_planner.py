@@ -524,7 +524,7 @@ def test_window_planner_emits_every_sample_once_over_a_stream(stream: Stream) ->
         got = [int(i) for g in out.groups for i in g] + out.oversize.tolist() + wp.carried_ids.tolist()
         assert sorted(got) == sorted(before)  # per window: pool = groups + oversize + carry
         if not final:
-            assert len(wp.carried_ids) <= s.cfg.carry_limit
+            assert len(wp.carried_ids) <= s.cfg.carry_limit(s.cfg.buffer_size)
         for g in out.groups:
             assert_within_budget(s.cfg, s.rows, s.patches, [row_of[int(i)] for i in g])
         emitted += [int(i) for g in out.groups for i in g]

@@ -40,12 +40,17 @@ class ODBConfig:
             padded sample has length L costs B x L. An int budgets the sum over all
             length dimensions; a tuple gives one budget per dimension (e.g. source
             and target of an encoder-decoder pair).
-        buffer_size: processed samples per planning window.
-        first_window_size: the first window of an epoch holds this many samples and
-            each next one twice as many, up to buffer_size, so the first batch does not
-            wait for a full buffer (set it to buffer_size to disable the ramp).
+        window_budgets: a planning window closes once it holds this many budgets'
+            worth of real tokens (``window_budgets x sum(token_budget)``), so short and
+            long samples alike see many batches' worth per window. None: windows are
+            counted in samples only (``buffer_size``).
+        buffer_size: the most processed samples in one planning window (a cap on the
+            token-sized window; the window size itself when window_budgets is None).
+        first_window_size: the first window of an epoch holds at most this many samples
+            and each next one twice as many, up to the full window, so the first batch
+            does not wait for a full window (set it to buffer_size to disable the ramp).
         max_carry: the most samples carried from one window to the next (samples
-            that did not fit a well-packed batch yet). Default: buffer_size // 2.
+            that did not fit a well-packed batch yet). Default: half the window's samples.
         pack_efficiency: a batch is emitted from a window (rather than carried) when
             its real tokens reach this share of a full batch of copies of its longest
             sample. Lower values emit sooner and pad more.
@@ -81,10 +86,14 @@ class ODBConfig:
         probe_worst_case: the first window of an epoch is a full buffer and its batch with
             the longest samples is emitted first, so an out-of-memory error shows up
             in the first step rather than hours later.
+        ready_batches: batches a background thread plans, collates and pins ahead of the
+            training loop (while the workers read the next window). 0 runs everything on
+            the training thread, reading on demand (for debugging).
     """
 
     token_budget: Union[int, Tuple[int, ...]]
-    buffer_size: int = 1024
+    window_budgets: Optional[int] = 64
+    buffer_size: int = 16384
     first_window_size: int = 64
     max_carry: Optional[int] = None
     pack_efficiency: float = 0.95
@@ -109,6 +118,7 @@ class ODBConfig:
     step_info_key: str = "odb_step_info"
     budget_schedule: Optional[Tuple[Tuple[int, int], ...]] = None
     probe_worst_case: bool = False
+    ready_batches: int = 4
 
     def __post_init__(self) -> None:
         budgets = self.token_budget if isinstance(self.token_budget, tuple) else (self.token_budget,)
@@ -116,6 +126,8 @@ class ODBConfig:
             _fail("token_budget", self.token_budget, "must not be empty", "pass e.g. token_budget=16384")
         for b in budgets:
             _check_int("token_budget", b, 1, "pass a positive number of tokens, e.g. token_budget=16384")
+        _check_int("window_budgets", self.window_budgets, 1,
+                   "pass None (windows in samples) or a number of budgets, e.g. 64", optional=True)
         _check_int("buffer_size", self.buffer_size, 1, "use a window of a few hundred samples or more, e.g. 1024")
         _check_int("first_window_size", self.first_window_size, 1, "pass e.g. 64, or buffer_size for no ramp")
         _check_int("max_carry", self.max_carry, 0, "pass None (buffer_size // 2) or a count >= 0", optional=True)
@@ -170,6 +182,7 @@ class ODBConfig:
                 _fail("budget_schedule", self.budget_schedule, "needs an int token_budget, not per-dimension budgets",
                       "use one summed budget, or no schedule")
             object.__setattr__(self, "budget_schedule", check_schedule(self.budget_schedule))
+        _check_int("ready_batches", self.ready_batches, 0, "pass e.g. 4, or 0 to work on the training thread")
         if not isinstance(self.probe_worst_case, bool):
             _fail("probe_worst_case", self.probe_worst_case, "must be a bool", "pass True or False", TypeError)
         for name in ("label_key", "step_info_key"):
@@ -183,9 +196,15 @@ class ODBConfig:
         return tb if isinstance(tb, tuple) else (tb,)
 
     @property
-    def carry_limit(self) -> int:
-        """The most samples carried between windows."""
-        return self.buffer_size // 2 if self.max_carry is None else self.max_carry
+    def window_tokens(self) -> Optional[int]:
+        """Real tokens at which a window closes (None: windows are counted in samples)."""
+        if self.window_budgets is None:
+            return None
+        return self.window_budgets * sum(self.token_budgets)
+
+    def carry_limit(self, window_samples: int) -> int:
+        """The most samples carried out of a window that received ``window_samples`` new ones."""
+        return window_samples // 2 if self.max_carry is None else self.max_carry
 
     def replace(self, **changes: Any) -> "ODBConfig":
         """A copy with some options changed (validated again)."""

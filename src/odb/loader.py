@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import pickle
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -14,11 +16,13 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
 from .engine import EpochRun
-from .stats import EpochStats
 from .lengths import as_length_tuple, default_length
 from .loader_state import ResumableLoader
-from .sampling import (ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable, keep_list, pack_chunk,
-                       unpack_chunk)
+from .pipeline import BatchPipeline
+from .resume import Cursor
+from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable
+from .source import ChunkCollate, SampleMeter, SampleSource, unpack_records
+from .stats import EpochStats
 from .window import oracle_groups
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
@@ -71,12 +75,17 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_inner: Optional[DataLoader] = None
         self._odb_last_steps: Optional[int] = None
         self._odb_last_steps_epoch: Optional[int] = None
+        self._odb_estimate: Optional[int] = None
         self._odb_run: Optional[EpochRun] = None
+        self._odb_cursor: Optional[Cursor] = None
+        self._odb_pipeline: Optional[BatchPipeline] = None
         self._odb_resume: Optional[Dict[str, Any]] = None
         self._odb_chunk_sampler: Optional[ChunkSampler] = None
         self._odb_group = process_group
         self._odb_exchange: Optional[RankExchange] = None
         self._odb_oom: Optional[Any] = None
+        self._odb_warned_shard = False
+        self._odb_pipeline_done = True
 
     # ---- public ----------------------------------------------------------------------
     @property
@@ -86,9 +95,16 @@ class ODBLoaderMixin(ResumableLoader):
 
     @property
     def odb_stats(self) -> Dict[str, Any]:
-        """Counters of the current (or last) epoch on this rank (plus OOM counters, since the loader was built)."""
-        run = self._odb_run
-        out = (run.stats if run is not None else EpochStats()).as_dict()
+        """Counters of the current (or last) epoch on this rank, up to the last batch the training loop
+        received (plus OOM counters, since the loader was built)."""
+        cursor = self._odb_cursor
+        stats = dataclasses.replace(cursor.stats) if cursor is not None else EpochStats()
+        if self._odb_pipeline is not None:
+            stats.wait_s = self._odb_pipeline.wait_s
+        if self._odb_run is not None:
+            stats.read_ahead_max = self._odb_run.source.peak_samples
+            stats.read_ahead_tokens_max = self._odb_run.source.peak_tokens
+        out = stats.as_dict()
         if self._odb_oom is not None:
             out.update({k if k.startswith("oom") else f"oom_{k}": v for k, v in self._odb_oom.as_dict().items()})
         return out
@@ -106,10 +122,13 @@ class ODBLoaderMixin(ResumableLoader):
     def set_token_budget(self, token_budget: Any) -> None:
         """Use ``token_budget`` from the next planning window on (replaces any budget_schedule).
 
-        Under DDP call it on every rank at the same step. To resume after a change, call it
-        again on the fresh loader before ``load_state_dict``.
+        The loader plans up to a window ahead of the training loop, so the new budget reaches
+        batches once the windows already planned are used up. Under DDP call it on every rank
+        at the same step. To resume after a change, call it again on the fresh loader before
+        ``load_state_dict``.
         """
         self._odb_cfg = self._odb_cfg.replace(token_budget=token_budget, budget_schedule=None)
+        self._odb_estimate = None
         run = self._odb_run
         if run is not None:
             run.cfg = run.cfg.replace(budget_schedule=None)
@@ -123,68 +142,121 @@ class ODBLoaderMixin(ResumableLoader):
             sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._odb_stop()
         state, self._odb_resume = self._odb_resume, None
         epoch = state["epoch"] if state is not None else self._odb_next_epoch
         self._odb_next_epoch = epoch + 1
         if self._odb_own_sampler is not None:
             self._odb_own_sampler.set_epoch(epoch)
         run_state = state["run"] if state is not None else None
-        chunks = self._odb_chunks(skip=run_state["arrived"] if run_state else 0)
-        run = EpochRun(self._odb_cfg, chunks, self._odb_group_collate, epoch=epoch,
+        exchange = self._odb_new_exchange()
+        source = self._odb_source(skip=run_state["arrived"] if run_state and not self._odb_is_iterable() else 0)
+        run = EpochRun(self._odb_cfg, source, self._odb_group_collate, epoch=epoch,
                        seed=self._odb_seed, shuffle=self._odb_shuffle, drop_last=bool(self.drop_last),
-                       exchange=self._odb_rank_exchange(),
+                       exchange=exchange,
                        finalize=self._odb_pin if self.pin_memory and torch.cuda.is_available() else None)
         if run_state is not None:
-            run.restore(run_state, self._odb_retained(run, run_state))
+            run.restore(run_state, self._odb_retained(source, run_state))
+        else:
+            run.take_snapshot()
         self._odb_run = run
-        return self._odb_epoch(run)
+        self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
+        self._odb_pipeline = BatchPipeline(iter(run), depth=self._odb_cfg.ready_batches)
+        return self._odb_epoch(run, self._odb_pipeline)
 
     def __len__(self) -> int:
         """Batches per epoch: exact after a full epoch, else an estimate from sample lengths."""
         if self._odb_last_steps is not None:
             return self._odb_last_steps
-        return self._odb_estimate_steps()
+        if self._odb_estimate is None:
+            self._odb_estimate = self._odb_estimate_steps()
+        return self._odb_estimate
 
     # ---- internals -----------------------------------------------------------------------
-    def _odb_rank_exchange(self) -> Optional[RankExchange]:
-        if self._odb_exchange is None and (self._odb_group is not None or world()[1] > 1):
-            self._odb_exchange = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group)
-            if not self._odb_is_iterable() and not _is_sharded(self.sampler):
-                warnings.warn(
-                    f"odb rank {self._odb_exchange.rank}: torch.distributed has {self._odb_exchange.world_size} "
-                    f"ranks but the loader's sampler ({type(self.sampler).__name__}) does not shard the dataset, "
-                    f"so every rank iterates all of it. Fix: pass sampler=odb.ShardSampler(dataset) or a "
-                    f"DistributedSampler.", stacklevel=3)
-        return self._odb_exchange
+    def _odb_new_exchange(self) -> Optional[RankExchange]:
+        """This epoch's metadata exchange (a collective call: on the main thread, when iteration starts)."""
+        if self._odb_group is None and world()[1] <= 1:
+            return None
+        previous = self._odb_exchange
+        self._odb_exchange = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group)
+        if previous is not None and self._odb_pipeline_done:
+            previous.release()  # every rank has started this epoch: the last one's exchanges are over
+        ex = self._odb_exchange
+        if not self._odb_warned_shard and not self._odb_is_iterable() and not _is_sharded(self.sampler):
+            self._odb_warned_shard = True
+            warnings.warn(
+                f"odb rank {ex.rank}: torch.distributed has {ex.world_size} "
+                f"ranks but the loader's sampler ({type(self.sampler).__name__}) does not shard the dataset, "
+                f"so every rank iterates all of it. Fix: pass sampler=odb.ShardSampler(dataset) or a "
+                f"DistributedSampler.", stacklevel=3)
+        return ex
 
     def _odb_world(self) -> tuple:
-        ex = self._odb_rank_exchange()
-        return (ex.rank, ex.world_size) if ex is not None else (0, 1)
+        """(rank, world size) without creating anything (no collective)."""
+        if self._odb_group is not None:
+            import torch.distributed as dist
 
-    def _odb_epoch(self, run: EpochRun) -> Iterator[Any]:
+            return dist.get_rank(self._odb_group), dist.get_world_size(self._odb_group)
+        return world()
+
+    def _odb_stop(self) -> None:
+        """End the previous iteration's background work, if any."""
+        self._odb_pipeline_done = True
+        pipeline, run = self._odb_pipeline, self._odb_run
+        if pipeline is not None:
+            pipeline.stop()
+            if run is not None:
+                run.close()
+            self._odb_pipeline_done = pipeline.close()
+
+    def _odb_epoch(self, run: EpochRun, pipeline: BatchPipeline) -> Iterator[Any]:
+        key = self._odb_cfg.step_info_key
         try:
-            yield from run
+            for batch, cursor in pipeline:
+                self._odb_cursor = cursor
+                info = batch[key] if isinstance(batch, Mapping) else getattr(batch, key)
+                object.__setattr__(info, "loader_wait_s", pipeline.last_wait_s)  # not yet seen by anyone
+                yield batch
         finally:
-            run.close()  # odb_stats keeps the run: without this a `break` would keep its workers alive
-        self._odb_last_steps = run._step  # counts the steps before a resume too
+            if self._odb_pipeline is pipeline:
+                self._odb_stop()  # a `break` or an error: let go of the workers now
+        # The producer has finished: its counters are final (the last window may have planned no batch).
+        self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
+        self._odb_last_steps = run.step
         self._odb_last_steps_epoch = run.epoch
 
     def _odb_is_iterable(self) -> bool:
         return isinstance(self.dataset, IterableDataset)
 
+    def _odb_meter_for_workers(self, meter: SampleMeter) -> Optional[SampleMeter]:
+        """The meter, when workers can run it (it must pickle for spawn/forkserver workers)."""
+        if self.num_workers == 0:
+            return None
+        ctx = self.multiprocessing_context
+        method = ctx.get_start_method() if ctx is not None else torch.multiprocessing.get_start_method()
+        if method == "fork":
+            return meter
+        try:
+            pickle.dumps(meter)
+        except Exception:  # e.g. a lambda length_fn: measure in the main process instead
+            return None
+        return meter
+
     def _odb_inner_loader(self) -> DataLoader:
         if self._odb_inner is not None:
             return self._odb_inner
         cfg = self._odb_cfg
+        iterable = self._odb_is_iterable()
+        self._odb_worker_meter = self._odb_meter_for_workers(SampleMeter(cfg))
+        collate = ChunkCollate(self._odb_worker_meter, indexed=not iterable, pack=self.num_workers > 0)
         kwargs: Dict[str, Any] = dict(
-            num_workers=self.num_workers, collate_fn=pack_chunk if self.num_workers > 0 else keep_list,
-            pin_memory=False, timeout=self.timeout,
+            num_workers=self.num_workers, collate_fn=collate, pin_memory=False, timeout=self.timeout,
             worker_init_fn=self.worker_init_fn, multiprocessing_context=self.multiprocessing_context,
             generator=self.generator, persistent_workers=self.persistent_workers,
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None)
         if _HAS_IN_ORDER:
             kwargs["in_order"] = getattr(self, "in_order", True)
-        if self._odb_is_iterable():
+        if iterable:
             ds = self.dataset if self._odb_transform is None else TransformedIterable(self.dataset, self._odb_transform)
             inner = DataLoader(ds, batch_size=cfg.transfer_chunk_size, **kwargs)
         else:
@@ -195,14 +267,16 @@ class ODBLoaderMixin(ResumableLoader):
             self._odb_inner = inner
         return inner
 
-    def _odb_chunks(self, skip: int = 0) -> Iterator[Any]:
+    def _odb_source(self, skip: int = 0) -> SampleSource:
+        cfg = self._odb_cfg
         inner = self._odb_inner_loader()
         if self._odb_chunk_sampler is not None:
             self._odb_chunk_sampler.skip = skip
-        chunks = map(unpack_chunk, inner) if self.num_workers > 0 else iter(inner)
-        if not self._odb_is_iterable():
-            return chunks
-        return _number_stream(chunks)
+        packed = self.num_workers > 0
+        meter = SampleMeter(cfg)
+        chunks = (unpack_records(c, packed, meter) for c in iter(inner))  # workers start here, on this thread
+        return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=cfg.window_tokens,
+                            threaded=cfg.ready_batches > 0)
 
     @staticmethod
     def _odb_pin(batch: Any) -> Any:
@@ -232,15 +306,6 @@ class ODBLoaderMixin(ResumableLoader):
 
 def _is_sharded(sampler: Any) -> bool:
     return hasattr(sampler, "num_replicas") and getattr(sampler, "num_replicas", 1) > 1
-
-
-def _number_stream(inner: Iterable[List[Any]]) -> Iterator[Any]:
-    # Iterable datasets have no index: a sample's id is its arrival position, which is
-    # deterministic because the inner loader returns chunks in order.
-    position = 0
-    for chunk in inner:
-        yield [(position + k, s) for k, s in enumerate(chunk)]
-        position += len(chunk)
 
 
 def _pin(obj: Any) -> Any:

@@ -11,8 +11,9 @@ from typing import Any, Dict
 
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
-from .resume import PLAN_OPTIONS, STATE_VERSION, check_state, retained_ids, skip_stream
+from .resume import PLAN_OPTIONS, STATE_VERSION, check_state, cursor_state, retained_ids
 from .sampling import EpochShuffleSampler, ShardSampler
+from .source import SampleMeter
 
 
 class ResumableLoader(DataLoader):
@@ -24,16 +25,24 @@ class ResumableLoader(DataLoader):
 
         Call it between batches (e.g. when the trainer checkpoints). Each rank saves its own.
         """
-        run = self._odb_run
-        # After an epoch's last batch the epoch is over even if the iterator was not exhausted.
-        finished = run is not None and run._all_done and not run._pending and run._chunk_pos >= len(run._chunk)
-        mid_epoch = run is not None and self._odb_last_steps_epoch != run.epoch and not finished
+        run, cursor = self._odb_run, self._odb_cursor
+        run_state = None
+        if run is not None and self._odb_last_steps_epoch != run.epoch:
+            # The batches the training loop received, not what the background thread planned ahead.
+            run_state = cursor_state(cursor, self._odb_cfg.gradient_accumulation_steps)
+            if self._odb_pipeline is not None:
+                run_state["stats"]["wait_s"] = self._odb_pipeline.wait_s
+            # After an epoch's last batch the epoch is over even if the iterator was not exhausted.
+            if run_state["all_done"] and not run_state["pending"] and run_state["chunk_pos"] >= len(
+                    run_state["chunk"]):
+                run_state = None
         rank, world_size = self._odb_world()
-        return {"odb_state_version": STATE_VERSION, "epoch": run.epoch if mid_epoch else self._odb_next_epoch,
+        return {"odb_state_version": STATE_VERSION,
+                "epoch": run.epoch if run_state is not None else self._odb_next_epoch,
                 "seed": self._odb_seed, "world_size": world_size, "rank": rank,
                 "dataset_len": None if self._odb_is_iterable() else len(self.dataset),
                 "iterable": self._odb_is_iterable(), "options": self._odb_plan_options(),
-                "run": run.run_state() if mid_epoch else None}
+                "run": run_state}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from ``state_dict()`` at the next ``iter()`` (strict: refuses another world size,
@@ -53,21 +62,25 @@ class ResumableLoader(DataLoader):
         self._odb_next_epoch = int(state["epoch"])
         if self._odb_own_sampler is None and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(int(state["epoch"]))  # the saved epoch's order (DistributedSampler, ShardSampler)
+        self._odb_stop()
         self._odb_run = None
+        self._odb_cursor = None
 
     def _odb_plan_options(self) -> Dict[str, Any]:
         # As JSON would give them back (tuples become lists), so saved and current compare equal.
         return json.loads(json.dumps({k: getattr(self._odb_cfg, k) for k in PLAN_OPTIONS}))
 
-    def _odb_retained(self, run: Any, run_state: Dict[str, Any]) -> Dict[int, Any]:
-        """The samples a resumed epoch needs again (carried, planned, ghost)."""
+    def _odb_retained(self, source: Any, run_state: Dict[str, Any]) -> Dict[int, Any]:
+        """The samples a resumed epoch needs again (carried, planned, ghost), as id -> (sample, meta)."""
         ids = retained_ids(run_state)
         if self._odb_is_iterable():
-            found, rest = skip_stream(run._chunks, run_state["arrived"], set(ids))
-            run._chunks = rest
-            return found
-        transform = self._odb_transform
-        return {i: (self.dataset[i] if transform is None else transform(self.dataset[i])) for i in ids}
+            return source.skip(run_state["arrived"], ids)
+        transform, meter = self._odb_transform, SampleMeter(self._odb_cfg)
+        out = {}
+        for i in ids:
+            sample = self.dataset[i] if transform is None else transform(self.dataset[i])
+            out[i] = (sample, meter(i, sample))
+        return out
 
 
 def _replayable(sampler: Any) -> bool:

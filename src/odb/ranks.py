@@ -1,48 +1,73 @@
 """How one rank fits its planned groups to the steps all ranks agreed on.
 
-A mixin of EpochRun (it reads the run's sample metadata and planner): exchange the
-window header, decide the step count (pure, odb.align), then defer, draw from the
-carry, re-balance the last window, split, or add ghosts; exchange per-step summaries
-and order the steps identically on every rank.
+Exchange the window header, decide the step count (pure, odb.align), then defer, draw
+from the carry, re-balance the last window, split, or add ghosts; exchange per-step
+summaries and order the steps identically on every rank. Works on the window planner
+(carry) and the sample pool (lengths, loss tokens) it is given.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from .align import StepPlan, decide_steps, global_steps, shared_step_order
+from .align import StepPlan, decide_steps, global_steps, local_steps, shared_step_order
 from .planner import balanced_partition
+from .pool import SamplePool
+from .stats import EpochStats
+from .window import WindowPlanner
+
+Step = Tuple[StepPlan, Optional[np.ndarray]]
 
 
-class RankFitting:
-    """The distributed half of EpochRun (engine.py sets the attributes it uses)."""
+class RankAligner:
+    """One rank's side of the per-window alignment (``exchange`` is None on a single process)."""
 
-    def _align_ranks(self, groups: List[np.ndarray]) -> List[Tuple[StepPlan, Optional[np.ndarray]]]:
-        ex = self._exchange
-        where = f"epoch {self.epoch}, window {self._window_index}"
-        header = ex.all_gather(np.array([len(groups), self._must_emit(groups), int(self._planned_final),
-                                         self.seed]), where)
+    def __init__(self, exchange: Any, planner: WindowPlanner, pool: SamplePool, stats: EpochStats, *,
+                 epoch: int, seed: int, shuffle: bool) -> None:
+        self.exchange = exchange
+        self.planner, self.pool, self.stats = planner, pool, stats
+        self.epoch, self.seed, self.shuffle = epoch, seed, shuffle
+        self.local_only = exchange is None
+        self.all_done = False
+
+    def cost(self, group: np.ndarray) -> int:
+        return self.pool.cost(group, self.planner.cost)
+
+    def local(self, groups: List[np.ndarray]) -> List[Step]:
+        """Every group is a step of its own, with local figures as global ones."""
+        plans = local_steps([self.pool.loss_tokens(g) for g in groups], [len(g) for g in groups])
+        return [(s, groups[s.group]) for s in plans]
+
+    def align(self, groups: List[np.ndarray], planned_final: bool, window_index: int) -> List[Step]:
+        """This window's steps; sets ``all_done`` once no rank has anything left."""
+        if self.local_only:
+            self.all_done = planned_final
+            return self.local(groups)
+        ex, cfg = self.exchange, self.planner.cfg
+        where = f"epoch {self.epoch}, window {window_index}"
+        header = ex.all_gather(np.array([len(groups), self._must_emit(groups), int(planned_final), self.seed]),
+                               where)
         exhausted = header[:, 2].astype(bool)
-        if not self.cfg.join and exhausted.any():
+        if not cfg.join and exhausted.any():
             # join=False: from the first window where a rank's data ends, every rank
             # emits its own groups and stops when they end (the user wraps the model in Join).
-            self._local_only = True
-            self._all_done = self._planned_final
-            return self._local_steps(groups)
+            self.local_only = True
+            self.all_done = planned_final
+            return self.local(groups)
         n_steps = decide_steps(header[:, 0], header[:, 1], exhausted)
-        fitted = self._fit(groups, n_steps)
-        probe = self.cfg.probe_worst_case and self._window_index == 1
-        keys = [(self._longest(g) if probe else 0, self._cost(g)) if g is not None else (0, 0) for g in fitted]
+        fitted = self._fit(groups, n_steps, planned_final)
+        probe = cfg.probe_worst_case and window_index == 1
+        keys = [(self.pool.longest(g) if probe else 0, self.cost(g)) if g is not None else (0, 0) for g in fitted]
         ranked = [fitted[k] for k in sorted(range(len(fitted)), key=lambda k: (-keys[k][0], -keys[k][1]))]
-        stats = np.array([[self._cost(g), len(g), self._loss([g])[0]] if g is not None else [0, 0, 0]
+        stats = np.array([[self.cost(g), len(g), self.pool.loss_tokens(g)] if g is not None else [0, 0, 0]
                           for g in ranked], dtype=np.int64).reshape(n_steps, 3)
-        everyone = ex.all_gather(stats, where) if n_steps else np.zeros((self.world_size, 0, 3), dtype=np.int64)
-        order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, self._window_index, self.shuffle)
+        everyone = ex.all_gather(stats, where) if n_steps else np.zeros((ex.world_size, 0, 3), dtype=np.int64)
+        order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, window_index, self.shuffle)
         if probe and n_steps:  # every rank's batch with the longest samples runs first
             order = np.concatenate(([0], order[order != 0]))
-        self._all_done = bool(exhausted.all())
+        self.all_done = bool(exhausted.all())
         slots = [k if ranked[k] is not None else None for k in range(n_steps)]
         return [(s, None if s.group is None else ranked[s.group])
                 for s in global_steps(everyone, ex.rank, order, slots)]
@@ -50,34 +75,44 @@ class RankFitting:
     def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
         """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""
         ids = np.concatenate(groups)
-        metas = [self._meta[int(i)] for i in ids]
-        patches = np.array([m.patches for m in metas]) if self.cfg.image_patches_key else None
-        parts = balanced_partition(np.array([m.lengths for m in metas]), ids, self.planner.cost, n_steps, patches)
+        patches = self.pool.patches(ids) if self.planner.cfg.image_patches_key else None
+        parts = balanced_partition(self.pool.lengths(ids), ids, self.planner.cost, n_steps, patches)
         return [ids[p] for p in parts]
 
     def _must_emit(self, groups: List[np.ndarray]) -> int:
-        """Groups this rank cannot defer: deferring more would grow its pool past buffer_size."""
-        room = self.cfg.buffer_size - len(self.planner.carried_ids)
+        """Groups this rank cannot defer: deferring more would grow its carry past a full window."""
+        cfg = self.planner.cfg
+        carried = self.planner.carried_ids
+        room = cfg.buffer_size - len(carried)
+        window_tokens = cfg.window_tokens
+        room_tokens = None if window_tokens is None else window_tokens - self.pool.real_tokens(carried)
         must = len(groups)
-        for g in sorted(groups, key=self._cost):
-            if len(g) > room:
+        for g in sorted(groups, key=self.cost):
+            tokens = self.pool.real_tokens(g) if room_tokens is not None else 0
+            if len(g) > room or (room_tokens is not None and tokens > room_tokens):
                 break
             room -= len(g)
+            if room_tokens is not None:
+                room_tokens -= tokens
             must -= 1
         return must
 
-    def _fit(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
+    def _defer(self, group: np.ndarray) -> None:
+        patches = self.pool.patches(group) if self.planner.cfg.image_patches_key else None
+        self.planner.defer(group, self.pool.lengths(group), patches)
+
+    def _fit(self, groups: List[np.ndarray], n_steps: int, planned_final: bool) -> List[Optional[np.ndarray]]:
         """Exactly n_steps groups: defer the least costly; or take groups from the carry, then split
         the largest, then add ghosts (None)."""
         out: List[Optional[np.ndarray]] = list(groups)
         if len(out) > n_steps:
-            by_cost = sorted(range(len(out)), key=lambda k: self._cost(out[k]))
+            by_cost = sorted(range(len(out)), key=lambda k: self.cost(out[k]))
             drop = set(by_cost[:len(out) - n_steps])
             for k in drop:
                 self._defer(out[k])
             self.stats.deferred_groups += len(drop)
             out = [g for k, g in enumerate(out) if k not in drop]
-        if self._planned_final and n_steps > len(out) and out:
+        if planned_final and n_steps > len(out) and out:
             out = self._rebalance(out, n_steps)
         from_carry = self.planner.take_from_carry(n_steps - len(out))
         out.extend(from_carry)

@@ -7,28 +7,42 @@ planned steps' global summaries, and counters. Restoring re-reads only those sam
 (map-style: by index, O(window); iterable datasets: by replaying the stream up to the
 saved position) and skips the consumed prefix of the sampler order. Plain ints, lists
 and strings only: loading never unpickles anything.
+
+The loader plans ahead of the training loop, so the state of the batch the user has
+consumed is not the producer's live state: every batch carries a ``Cursor`` (the state
+taken after the last planned window and the steps emitted since), expanded on demand.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
 from .align import StepPlan
 from .stats import EpochStats
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 # Options that change which batches come out: a state saved under other values is refused.
-PLAN_OPTIONS = ("token_budget", "buffer_size", "first_window_size", "max_carry", "pack_efficiency",
-                "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "quadratic_length",
+PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_size", "max_carry",
+                "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "quadratic_length",
                 "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling",
                 "budget_schedule", "probe_worst_case")
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
             "run"}
-RUN_KEYS = {"arrived", "planned_final", "all_done", "local_only", "window_index", "step", "positions", "carry",
+RUN_KEYS = {"arrived", "planner", "planned_final", "all_done", "local_only", "window_index", "step", "positions", "carry",
             "pending", "chunk", "chunk_pos", "ghost", "stats"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """Where an epoch stands after one batch: the state after the last planned window, plus the
+    steps emitted since and the counters then. Taking one costs O(1); ``cursor_state`` expands it."""
+
+    snapshot: Dict[str, Any]
+    since: int
+    stats: EpochStats
 
 
 def _step(entry: Tuple[StepPlan, Optional[np.ndarray]]) -> List[Any]:
@@ -45,60 +59,78 @@ def _unstep(row: List[Any]) -> Tuple[StepPlan, Optional[np.ndarray]]:
             None if ids is None else np.asarray(ids, dtype=np.int64))
 
 
-class ResumableRun:
-    """The resume half of EpochRun (engine.py sets the attributes it uses)."""
+def _retained(carry: List[int], rows: Iterable[List[Any]], ghost: Optional[int]) -> Set[int]:
+    out = set(carry)
+    for row in rows:
+        if row[0] is not None:
+            out.update(row[0])
+    if ghost is not None:
+        out.add(ghost)
+    return out
 
-    def run_state(self) -> Dict[str, Any]:
-        """This epoch's position as plain data (call between batches)."""
-        # Micro-batches of the current optimizer step already emitted keep only their
-        # summaries (the loss-scale denominator needs them), not their samples.
-        chunk = [(plan, None) if k < self._chunk_pos else (plan, ids) for k, (plan, ids) in enumerate(self._chunk)]
-        steps = list(self._pending) + chunk
-        retained: Set[int] = {int(i) for i in self.planner.carried_ids}
-        for _, ids in steps:
-            if ids is not None:
-                retained.update(int(i) for i in ids)
-        ghost = None if self._ghost is None else int(self._ghost[0])
-        if ghost is not None:
-            retained.add(ghost)
-        positions = sorted([sid, self._ghost[2].position if sid == ghost and sid not in self._meta
-                            else self._meta[sid].position] for sid in retained)
-        return {"arrived": self._arrived, "planned_final": self._planned_final, "all_done": self._all_done,
-                "local_only": self._local_only, "window_index": self._window_index, "step": self._step,
-                "positions": positions, "carry": [int(i) for i in self.planner.carried_ids],
-                "pending": [_step(e) for e in self._pending], "chunk": [_step(e) for e in chunk],
-                "chunk_pos": self._chunk_pos, "ghost": ghost, "stats": dataclasses.asdict(self.stats)}
 
-    def restore(self, state: Dict[str, Any], samples: Dict[int, Any]) -> None:
-        """Continue from ``run_state()``; ``samples`` maps every retained id to its sample."""
-        for sid, position in state["positions"]:
-            self._arrived = position
-            self._register(sid, samples[sid])
-        carry = np.asarray(state["carry"], dtype=np.int64)
-        metas = [self._meta[int(i)] for i in carry]
-        if len(carry):
-            self.planner.restore_carry(carry, np.array([m.lengths for m in metas], dtype=np.int64),
-                                       np.array([m.patches for m in metas]) if self.cfg.image_patches_key else None)
-        if state["ghost"] is not None:
-            gid = int(state["ghost"])
-            self._ghost = (gid, samples[gid], self._meta[gid])
-        emitted = set(samples) - set(int(i) for i in carry)
-        for _, ids in (_unstep(r) for r in state["pending"] + state["chunk"]):
-            if ids is not None:
-                emitted -= set(int(i) for i in ids)
-        for sid in emitted:  # only the ghost's sample: it was emitted for real before
-            self._samples.pop(sid, None)
-            self._meta.pop(sid, None)
-        self._pending.extend(_unstep(r) for r in state["pending"])
-        self._chunk = [_unstep(r) for r in state["chunk"]]
-        self._chunk_pos = int(state["chunk_pos"])
-        self._arrived = int(state["arrived"])
-        self._planned_final = self._exhausted = bool(state["planned_final"])
-        self._all_done = bool(state["all_done"])
-        self._local_only = bool(state["local_only"]) or self._exchange is None
-        self._window_index = int(state["window_index"])
-        self._step = int(state["step"])
-        self.stats = EpochStats(**state["stats"])
+def epoch_state(run: Any) -> Dict[str, Any]:
+    """An EpochRun's position as plain data (between batches; O(samples held))."""
+    # Micro-batches of the current optimizer step already emitted keep only their
+    # summaries (the loss-scale denominator needs them), not their samples.
+    chunk = [_step((plan, None) if k < run.chunk_pos else (plan, ids)) for k, (plan, ids) in enumerate(run.chunk)]
+    pending = [_step(e) for e in run.pending]
+    carry = [int(i) for i in run.planner.carried_ids]
+    ghost = None if run.ghost is None else int(run.ghost[0])
+    retained = _retained(carry, pending + chunk, ghost)
+    positions = sorted([sid, run.pool.position(sid) if sid in run.pool else run.ghost[3]] for sid in retained)
+    return {"arrived": run.arrived, "planner": run.planner.counters(), "planned_final": run.planned_final, "all_done": run.aligner.all_done,
+            "local_only": run.aligner.local_only, "window_index": run.window_index, "step": run.step,
+            "positions": positions, "carry": carry, "pending": pending, "chunk": chunk,
+            "chunk_pos": run.chunk_pos, "ghost": ghost, "stats": dataclasses.asdict(run.stats)}
+
+
+def cursor_state(cursor: Cursor, accumulation: int) -> Dict[str, Any]:
+    """The epoch state once the cursor's batch was consumed: its snapshot advanced by the steps
+    emitted since, as EpochRun forms optimizer steps (no window was planned in between)."""
+    snap = cursor.snapshot
+    chunk, pos, pending = list(snap["chunk"]), int(snap["chunk_pos"]), list(snap["pending"])
+    for _ in range(cursor.since):
+        if pos >= len(chunk):
+            chunk, pending, pos = pending[:accumulation], pending[accumulation:], 0
+        pos += 1
+    chunk = [[None] + row[1:] if k < pos else row for k, row in enumerate(chunk)]
+    retained = _retained(snap["carry"], pending + chunk, snap["ghost"])
+    out = dict(snap)
+    out.update(step=int(snap["step"]) + cursor.since, chunk=chunk, chunk_pos=pos, pending=pending,
+               positions=[p for p in snap["positions"] if p[0] in retained], stats=dataclasses.asdict(cursor.stats))
+    return out
+
+
+def restore_epoch(run: Any, state: Dict[str, Any], samples: Dict[int, Tuple[Any, Any]]) -> None:
+    """Continue an EpochRun from ``epoch_state``; ``samples`` maps every retained id to (sample, meta)."""
+    for sid, position in state["positions"]:
+        run.register(int(sid), samples[sid][0], samples[sid][1], int(position))
+    carry = np.asarray(state["carry"], dtype=np.int64)
+    if len(carry):
+        run.planner.restore_carry(carry, run.pool.lengths(carry),
+                                  run.pool.patches(carry) if run.cfg.image_patches_key else None)
+    if state["ghost"] is not None:
+        gid = int(state["ghost"])
+        run.ghost = (gid, samples[gid][0], samples[gid][1], run.pool.position(gid))
+    emitted = set(samples) - set(int(i) for i in carry)
+    for row in state["pending"] + state["chunk"]:
+        if row[0] is not None:
+            emitted -= set(int(i) for i in row[0])
+    run.pool.forget(emitted)  # only the ghost's sample: it was emitted for real before
+    run.pending.extend(_unstep(r) for r in state["pending"])
+    run.chunk = [_unstep(r) for r in state["chunk"]]
+    run.chunk_pos = int(state["chunk_pos"])
+    run.arrived = int(state["arrived"])
+    run.planner.restore_counters(state["planner"])
+    run.planned_final = bool(state["planned_final"])
+    run.aligner.all_done = bool(state["all_done"])
+    run.aligner.local_only = bool(state["local_only"]) or run.aligner.exchange is None
+    run.window_index = int(state["window_index"])
+    run.step = int(state["step"])
+    stats = EpochStats(**state["stats"])
+    for field in dataclasses.fields(EpochStats):  # the aligner shares the run's counters object
+        setattr(run.stats, field.name, getattr(stats, field.name))
 
 
 def check_state(state: Any, *, world_size: int, rank: int, dataset_len: Optional[int], iterable: bool,
@@ -135,32 +167,3 @@ def check_state(state: Any, *, world_size: int, rank: int, dataset_len: Optional
 
 def retained_ids(run: Dict[str, Any]) -> List[int]:
     return [int(sid) for sid, _ in run["positions"]]
-
-
-def skip_stream(stream: Iterable[List[Tuple[int, Any]]], arrived: int, wanted: Set[int]
-                ) -> Tuple[Dict[int, Any], Iterator[List[Tuple[int, Any]]]]:
-    """Replay an (id, sample) chunk stream up to ``arrived``, keeping the wanted samples."""
-    it = iter(stream)
-    found: Dict[int, Any] = {}
-    first: List[Tuple[int, Any]] = []
-    for chunk in it:
-        for sid, sample in chunk:
-            if sid < arrived:
-                if sid in wanted:
-                    found[sid] = sample
-            else:
-                first.append((sid, sample))
-        if first:
-            break
-    missing = wanted - set(found)
-    if missing:
-        raise ValueError(f"odb resume: the dataset stream ended before samples {sorted(missing)[:5]} reappeared: "
-                         f"the IterableDataset does not replay the same stream. Fix: make its order deterministic "
-                         f"(seeded) so it can be resumed.")
-
-    def rest() -> Iterator[List[Tuple[int, Any]]]:
-        if first:
-            yield first
-        yield from it
-
-    return found, rest()

@@ -67,11 +67,6 @@ class ChunkSampler(Sampler[List[int]]):
         return -(-len(self.sampler) // self.size)
 
 
-def keep_list(samples: List[Any]) -> List[Any]:
-    """Collate of the inner loader: the chunk stays a list of single samples."""
-    return samples
-
-
 class EpochShuffleSampler(Sampler[int]):
     """A random permutation of ``range(len(data_source))`` fixed by (seed, epoch).
 

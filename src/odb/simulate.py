@@ -13,6 +13,7 @@ import numpy as np
 
 from .config import ODBConfig
 from .engine import EpochRun
+from .source import SampleMeter, SampleSource
 from .step_info import ODBStepInfo, pop_step_info
 
 
@@ -66,11 +67,17 @@ def simulate_ranks(lengths_per_rank: Sequence[np.ndarray], cfg: ODBConfig, *, ep
             lengths = np.asarray(lengths_per_rank[rank])
             loss = loss_tokens_per_rank[rank] if loss_tokens_per_rank else (lengths[:, 0] if lengths.ndim > 1
                                                                             else lengths)
-            samples = [(rank * 10**9 + i, (lengths[i].tolist(), int(loss[i]))) for i in range(len(lengths))]
-            chunks = [samples[i:i + 64] for i in range(0, len(samples), 64)]
-            er = EpochRun(sim_cfg, chunks, _keep, epoch=epoch, seed=seed, shuffle=shuffle,
+            meter = SampleMeter(sim_cfg)
+            records = []
+            for i in range(len(lengths)):
+                sid, sample = rank * 10**9 + i, (lengths[i].tolist(), int(loss[i]))
+                records.append((sid, sample, meter(sid, sample)))
+            chunks = [records[i:i + 64] for i in range(0, len(records), 64)]
+            source = SampleSource(chunks, cap_samples=sim_cfg.buffer_size, cap_tokens=sim_cfg.window_tokens,
+                                  threaded=False)
+            er = EpochRun(sim_cfg, source, _keep, epoch=epoch, seed=seed, shuffle=shuffle,
                           exchange=hub.for_rank(rank))
-            for batch in er:
+            for batch, _ in er:
                 infos[rank].append(pop_step_info(batch))
             stats[rank] = er.stats.as_dict()
         except BaseException as err:  # surface the failure instead of leaving the others at the barrier

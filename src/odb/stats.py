@@ -28,6 +28,9 @@ class EpochStats:
     wait_s: float = 0.0  # time the training loop waited inside next(loader)
     buffered_sum: int = 0
     buffered_max: int = 0  # samples held in memory (window, carry, planned steps)
+    buffered_tokens_max: int = 0  # their real tokens
+    read_ahead_max: int = 0  # samples read ahead of the window being planned
+    read_ahead_tokens_max: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)

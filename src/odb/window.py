@@ -41,6 +41,17 @@ class WindowPlanner:
         self._carry_ids = np.empty(0, dtype=np.int64)
         self._carry_len: Optional[np.ndarray] = None
         self._carry_patches: Optional[np.ndarray] = None
+        self._seen = 0
+        self._seen_tokens = 0
+
+    def full_window_samples(self) -> int:
+        """Samples in a full window, at the mean length seen so far (ramp windows are smaller).
+
+        The carry may hold half of it, so the ramp does not shrink the carry."""
+        tokens = self.cfg.window_tokens
+        if tokens is None or self._seen_tokens == 0:
+            return self.cfg.buffer_size
+        return int(min(self.cfg.buffer_size, -(-tokens * self._seen // self._seen_tokens)))
 
     @property
     def carried_ids(self) -> np.ndarray:
@@ -50,6 +61,8 @@ class WindowPlanner:
              final: bool = False) -> PlannedWindow:
         """Pool the new samples with the carry and plan; keeps the new carry."""
         ids = np.asarray(ids, dtype=np.int64)
+        self._seen += len(ids)
+        self._seen_tokens += int(np.asarray(lengths).sum())
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim == 1:
             lengths = lengths[:, None]
@@ -59,7 +72,7 @@ class WindowPlanner:
             if patches is not None:
                 patches = np.concatenate((self._carry_patches, patches))
         plan = plan_window(lengths, ids, self.cost, final=final, pack_efficiency=self.cfg.pack_efficiency,
-                           carry_limit=self.cfg.carry_limit, patches=patches)
+                           carry_limit=self.cfg.carry_limit(self.full_window_samples()), patches=patches)
         self._carry_ids = ids[plan.carry]
         self._carry_len = lengths[plan.carry]
         self._carry_patches = None if patches is None else np.asarray(patches)[plan.carry]
@@ -97,6 +110,13 @@ class WindowPlanner:
             self._carry_patches = self._carry_patches[keep]
         return out
 
+    def counters(self) -> List[int]:
+        """What the planner has seen (samples, real tokens): part of the resume state."""
+        return [self._seen, self._seen_tokens]
+
+    def restore_counters(self, counters: List[int]) -> None:
+        self._seen, self._seen_tokens = int(counters[0]), int(counters[1])
+
     def restore_carry(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Set the carried samples (used by resume)."""
         self._carry_ids = np.asarray(ids, dtype=np.int64)
@@ -105,19 +125,51 @@ class WindowPlanner:
         self._carry_patches = None if patches is None else np.asarray(patches)
 
 
+def window_limits(cfg: ODBConfig, index: int) -> Tuple[int, Optional[int]]:
+    """(most samples, real tokens at which it closes) of an epoch's window number ``index``.
+
+    Windows ramp up from ``first_window_size`` samples (doubling) so the first batch does
+    not wait for a full window; a full window holds ``window_budgets`` budgets' worth of
+    tokens, capped at ``buffer_size`` samples.
+
+    Example:
+        >>> cfg = ODBConfig(token_budget=100, window_budgets=4, buffer_size=1000, first_window_size=8)
+        >>> [window_limits(cfg, k) for k in (0, 1, 10)]
+        [(8, 400), (16, 400), (1000, 400)]
+    """
+    first = cfg.buffer_size if cfg.probe_worst_case else cfg.first_window_size
+    return min(cfg.buffer_size, first << min(index, 30)), cfg.window_tokens
+
+
+def window_cut(token_counts: np.ndarray, max_samples: int, max_tokens: Optional[int]) -> int:
+    """How many of the next samples (real tokens ``token_counts``, arrival order) the window takes.
+
+    The window closes at ``max_samples`` or with the sample that brings it to ``max_tokens``.
+
+    Example:
+        >>> window_cut(np.array([5, 5, 5, 5]), 10, 12)
+        3
+    """
+    n = min(len(token_counts), max_samples)
+    if max_tokens is None:
+        return n
+    reached = np.flatnonzero(np.cumsum(token_counts[:n]) >= max_tokens)
+    return int(reached[0]) + 1 if len(reached) else n
+
+
 def plan_stream(lengths: np.ndarray, cfg: ODBConfig,
                 patches: Optional[np.ndarray] = None) -> Iterator[PlannedWindow]:
-    """Plan a whole stream of lengths (in arrival order) window by window.
+    """Plan a whole stream of lengths (in arrival order) window by window, as the loader does.
 
-    Sample ids are arrival positions. Used by benchmarks and tests.
+    Sample ids are arrival positions. Used by benchmarks, tests and the step estimate.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     n = len(lengths)
+    tokens = lengths.reshape(n, -1).sum(axis=1) if n else np.zeros(0, dtype=np.int64)
     wp = WindowPlanner(cfg)
     start, k = 0, 0
     while start < n or (n == 0 and k == 0):
-        size = min(cfg.buffer_size, cfg.first_window_size << min(k, 30))
-        stop = min(start + size, n)
+        stop = start + window_cut(tokens[start:], *window_limits(cfg, k))
         sl = slice(start, stop)
         yield wp.plan(np.arange(start, stop), lengths[sl], None if patches is None else patches[sl],
                       final=stop >= n)

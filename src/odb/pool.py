@@ -1,0 +1,100 @@
+"""The samples an epoch holds between reading and emitting, with what odb measured of them."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from .cost import CostModel
+from .source import Meta
+
+
+class SamplePool:
+    """Samples by id (window, carry, planned steps) and their metas and arrival positions.
+
+    Example:
+        >>> pool = SamplePool()
+        >>> pool.add(7, "s", ((5,), 4, 0), position=0)
+        >>> pool.lengths([7]).tolist(), pool.loss_tokens([7])
+        ([[5]], 4)
+    """
+
+    def __init__(self) -> None:
+        self._samples: Dict[int, Any] = {}
+        self._meta: Dict[int, Meta] = {}
+        self._position: Dict[int, int] = {}
+        self.tokens = 0  # real tokens of the samples held
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __contains__(self, sid: int) -> bool:
+        return sid in self._meta
+
+    def add(self, sid: int, sample: Any, meta: Meta, position: int) -> None:
+        if sid in self._meta:
+            raise ValueError(f"sample id {sid} arrived twice in one epoch: odb emits every sample once. "
+                             f"Fix: make the sampler yield each index at most once per epoch.")
+        self._samples[sid] = sample
+        self._meta[sid] = meta
+        self._position[sid] = position
+        self.tokens += sum(meta[0])
+
+    def meta(self, sid: int) -> Meta:
+        return self._meta[sid]
+
+    def position(self, sid: int) -> int:
+        return self._position[sid]
+
+    def dims(self) -> int:
+        meta = next(iter(self._meta.values()), None)
+        return len(meta[0]) if meta else 1
+
+    def lengths(self, ids: Iterable[int]) -> np.ndarray:
+        rows = [self._meta[int(i)][0] for i in ids]
+        return np.array(rows, dtype=np.int64).reshape(len(rows), -1) if rows else \
+            np.empty((0, self.dims()), dtype=np.int64)
+
+    def patches(self, ids: Iterable[int]) -> np.ndarray:
+        return np.array([self._meta[int(i)][2] for i in ids], dtype=np.int64)
+
+    def loss_tokens(self, ids: Iterable[int]) -> int:
+        return sum(self._meta[int(i)][1] for i in ids)
+
+    def real_tokens(self, ids: Iterable[int]) -> int:
+        return sum(sum(self._meta[int(i)][0]) for i in ids)
+
+    def cost(self, ids: np.ndarray, cost: CostModel) -> int:
+        """B x L of a group (summed over length dimensions)."""
+        return int(len(ids) * cost.pad(self.lengths(ids)).max(axis=0).sum())
+
+    def longest(self, ids: np.ndarray) -> int:
+        return max(sum(self._meta[int(i)][0]) for i in ids)
+
+    def first_position(self, ids: np.ndarray) -> int:
+        return min(self._position[int(i)] for i in ids)
+
+    def pop(self, ids: Iterable[int]) -> Tuple[List[Any], List[Meta]]:
+        """Remove a group that is being emitted: its samples and metas."""
+        samples, metas = [], []
+        for i in ids:
+            i = int(i)
+            samples.append(self._samples.pop(i))
+            meta = self._meta.pop(i)
+            self._position.pop(i)
+            self.tokens -= sum(meta[0])
+            metas.append(meta)
+        return samples, metas
+
+    def forget(self, ids: Iterable[int]) -> None:
+        """Drop samples that will never be emitted (skipped or dropped)."""
+        for i in ids:
+            i = int(i)
+            if i in self._meta:
+                self.tokens -= sum(self._meta.pop(i)[0])
+                self._samples.pop(i)
+                self._position.pop(i)
+
+    def sample(self, sid: int) -> Optional[Any]:
+        return self._samples.get(sid)

@@ -1,0 +1,226 @@
+"""The read stage: processed single samples from the inner DataLoader, read a window ahead.
+
+Workers measure each sample (lengths, supervised tokens, image patches) next to the
+user's pipeline, so the main process never walks a sample to find its length. A reader
+thread pulls the workers' chunks into a buffer bounded by one full window (samples and
+tokens), so the workers keep working while the current window trains; the window stage
+takes samples from it in arrival order.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
+
+from .config import ODBConfig
+from .lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
+from .sampling import pack_chunk, unpack_chunk
+
+# (lengths, supervised tokens, image patches) of one sample.
+Meta = Tuple[Tuple[int, ...], int, int]
+# (sample id or None, sample, meta)
+Record = Tuple[Optional[int], Any, Meta]
+
+
+class SourceClosed(RuntimeError):
+    """The epoch was abandoned while its producer waited for samples."""
+
+
+class SampleMeter:
+    """What odb needs to know of one processed sample; picklable, so it runs in the workers.
+
+    Example:
+        >>> SampleMeter(ODBConfig(token_budget=8))(0, {"input_ids": [1, 2, 3], "labels": [1, -100, 3]})
+        ((3,), 2, 0)
+    """
+
+    def __init__(self, cfg: ODBConfig) -> None:
+        self.length_fn = cfg.length_fn or default_length
+        self.loss_tokens_fn = cfg.loss_tokens_fn
+        self.label_key, self.ignore_index, self.shift_labels = cfg.label_key, cfg.ignore_index, cfg.shift_labels
+        self.patches_key = cfg.image_patches_key
+
+    def __call__(self, sid: Optional[int], sample: Any) -> Meta:
+        lengths = as_length_tuple(self.length_fn(sample), -1 if sid is None else sid)
+        if self.loss_tokens_fn is not None:
+            loss = int(self.loss_tokens_fn(sample))
+        else:
+            loss = int(count_loss_tokens(sample, self.label_key, self.ignore_index, self.shift_labels,
+                                         fallback=lengths[0]))
+        patches = image_patches(sample, self.patches_key) if self.patches_key else 0
+        return lengths, loss, patches
+
+
+class ChunkCollate:
+    """Collate of the inner loader: a chunk of ``(id, sample)`` items (or bare samples of an
+    IterableDataset) becomes ``(ids, metas, samples)``, the samples packed into one buffer
+    per dtype when ``pack`` (they cross a process boundary)."""
+
+    def __init__(self, meter: Optional[SampleMeter], indexed: bool, pack: bool) -> None:
+        self.meter, self.indexed, self.pack = meter, indexed, pack
+
+    def __call__(self, items: List[Any]) -> Any:
+        if self.indexed:
+            ids: List[Optional[int]] = [int(i) for i, _ in items]
+            samples = [s for _, s in items]
+        else:
+            ids, samples = [None] * len(items), list(items)
+        metas = None if self.meter is None else [self.meter(i, s) for i, s in zip(ids, samples)]
+        return ids, metas, (pack_chunk(samples) if self.pack else samples)
+
+
+def unpack_records(chunk: Any, packed: bool, meter: Optional[SampleMeter]) -> List[Record]:
+    """The records of one chunk that came out of ``ChunkCollate`` (metering here if workers did not)."""
+    ids, metas, samples = chunk
+    if packed:
+        samples = unpack_chunk(samples)
+    if metas is None:
+        metas = [meter(i, s) for i, s in zip(ids, samples)]
+    return list(zip(ids, samples, metas))
+
+
+class SampleSource:
+    """Records in arrival order, read ahead by a thread into a buffer bounded by one window.
+
+    ``take(max_samples, max_tokens)`` returns the next window's records: up to
+    ``max_samples``, closing with the record that brings it to ``max_tokens`` real tokens.
+    Iterable datasets get their ids here, as arrival positions counted from ``first_id``.
+    """
+
+    def __init__(self, chunks: Iterable[List[Record]], *, cap_samples: int, cap_tokens: Optional[int],
+                 threaded: bool, first_id: int = 0, on_close: Optional[Callable[[], None]] = None) -> None:
+        self._chunks: Iterator[List[Record]] = iter(chunks)
+        self._cap_samples, self._cap_tokens = cap_samples, cap_tokens
+        self._buf: Deque[Record] = collections.deque()
+        self._buf_tokens = 0
+        self._ended = False
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._next_id = first_id
+        self._on_close = on_close
+        self.peak_samples = 0
+        self.peak_tokens = 0
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        if threaded:
+            self._thread = threading.Thread(target=self._read_all, name="odb-reader", daemon=True)
+            self._thread.start()
+
+    # ---- the reader ------------------------------------------------------------------
+    def _full(self) -> bool:
+        return len(self._buf) >= self._cap_samples or (self._cap_tokens is not None
+                                                      and self._buf_tokens >= self._cap_tokens)
+
+    def _read_all(self) -> None:
+        try:
+            for chunk in self._chunks:
+                with self._cond:
+                    while self._full() and not self._closed:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    self._add(chunk)
+                    self._cond.notify_all()
+        except BaseException as err:  # handed to the consumer, raised on the training thread
+            with self._cond:
+                self._error = err
+        finally:
+            with self._cond:
+                self._ended = True
+                self._cond.notify_all()
+
+    def _add(self, chunk: List[Record]) -> None:
+        for sid, sample, meta in chunk:
+            if sid is None:
+                sid, self._next_id = self._next_id, self._next_id + 1
+            self._buf.append((sid, sample, meta))
+            self._buf_tokens += sum(meta[0])
+        self.peak_samples = max(self.peak_samples, len(self._buf))
+        self.peak_tokens = max(self.peak_tokens, self._buf_tokens)
+
+    def _read_one_chunk(self) -> None:
+        # Unthreaded: the caller reads on demand.
+        try:
+            self._add(next(self._chunks))
+        except StopIteration:
+            self._ended = True
+
+    # ---- the consumer ----------------------------------------------------------------
+    def _enough(self, max_samples: int, max_tokens: Optional[int]) -> bool:
+        if self._ended or self._closed or len(self._buf) >= max_samples or self._full():
+            return True
+        return max_tokens is not None and self._buf_tokens >= max_tokens
+
+    def take(self, max_samples: int, max_tokens: Optional[int]) -> Tuple[List[Record], bool]:
+        """The next window's records, and whether the data ends with them."""
+        with self._cond:
+            self._check_open()
+            while not self._enough(max_samples, max_tokens):
+                if self._thread is None:
+                    self._read_one_chunk()
+                else:
+                    self._cond.wait()
+            self._raise()
+            out: List[Record] = []
+            tokens = 0
+            while self._buf and len(out) < max_samples and (max_tokens is None or tokens < max_tokens):
+                rec = self._buf.popleft()
+                n = sum(rec[2][0])
+                tokens += n
+                self._buf_tokens -= n
+                out.append(rec)
+            self._cond.notify_all()
+            # Knowing that this window is the last lets the planner flush it instead of
+            # carrying samples into a window that never comes.
+            while not self._buf and not self._ended and not self._closed:
+                if self._thread is None:
+                    self._read_one_chunk()
+                else:
+                    self._cond.wait()
+            self._check_open()
+            self._raise()
+            return out, self._ended and not self._buf
+
+    def skip(self, count: int, wanted: Iterable[int]) -> dict:
+        """Drop the first ``count`` records (a resumed iterable epoch), keeping the wanted ones by id."""
+        want = set(wanted)
+        found = {}
+        while count > 0:
+            recs, _ = self.take(count, None)
+            if not recs:
+                break
+            for sid, sample, meta in recs:
+                if sid in want:
+                    found[sid] = (sample, meta)
+            count -= len(recs)
+        missing = want - set(found)
+        if missing:
+            raise ValueError(f"odb resume: the dataset stream ended before samples {sorted(missing)[:5]} "
+                             f"reappeared: the IterableDataset does not replay the same stream. Fix: make its "
+                             f"order deterministic (seeded) so it can be resumed.")
+        return found
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SourceClosed("odb's sample source was closed (the epoch's iteration ended)")
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            self._ended = True
+            raise err
+
+    def close(self) -> None:
+        """Stop reading and let go of the inner loader (and so of its worker processes)."""
+        with self._cond:
+            self._closed = True
+            self._buf.clear()
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # The reader may be inside the inner loader's next(); it returns within one chunk.
+            thread.join(timeout=5.0)
+        self._chunks = iter(())
+        if self._on_close is not None:
+            self._on_close()
