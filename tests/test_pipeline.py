@@ -1,0 +1,145 @@
+"""The pipelined loader: what runs where, read-ahead, state of consumed batches, shutdown, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import odb
+from dist_harness import run_ranks
+from helpers import LengthDataset, known_lengths, pad_collate
+from odb.pipeline import BatchPipeline
+
+
+def _ids(batches):
+    return [list(odb.pop_step_info(b).sample_ids) for b in batches]
+
+
+def _odb_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("odb-")]
+
+
+@pytest.mark.parametrize("ready, off_thread", [(4, True), (0, False)])
+def test_collate_runs_off_the_training_thread_unless_ready_batches_is_0(ready, off_thread):
+    seen = set()
+
+    def collate(samples):
+        seen.add(threading.current_thread() is threading.main_thread())
+        return pad_collate(samples)
+
+    ds = LengthDataset(known_lengths(200, 1, 40, seed=1))
+    loader = odb.ODBDataLoader(ds, token_budget=200, collate_fn=collate, ready_batches=ready, buffer_size=64)
+    assert sum(len(i) for i in _ids(loader)) == 200
+    assert seen == {not off_thread}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_do_not_depend_on_threads_or_timing(num_workers):
+    ds = LengthDataset(known_lengths(400, 1, 60, seed=2))
+    runs = []
+    for ready in (0, 1, 8):
+        loader = odb.ODBDataLoader(ds, token_budget=300, shuffle=True, seed=5, collate_fn=pad_collate,
+                                   num_workers=num_workers, ready_batches=ready, window_budgets=4)
+        runs.append(_ids(loader))
+    assert runs[0] == runs[1] == runs[2]
+    assert sorted(i for b in runs[0] for i in b) == list(range(400))
+
+
+def test_workers_read_a_full_window_ahead_of_a_slow_loop():
+    # Inner prefetch alone holds num_workers x prefetch_factor x transfer_chunk_size = 2 x 2 x 4 = 16
+    # samples; the reader thread keeps reading until a whole next window (64 samples) is buffered.
+    ds = LengthDataset([10] * 400)
+    loader = odb.ODBDataLoader(ds, token_budget=100, collate_fn=pad_collate, num_workers=2, prefetch_factor=2,
+                               transfer_chunk_size=4, buffer_size=64, window_budgets=None, first_window_size=64)
+    it = iter(loader)
+    next(it)
+    deadline = time.monotonic() + 20
+    while loader.odb_stats["read_ahead_max"] < 64 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loader.odb_stats["read_ahead_max"] >= 64
+    assert sum(len(odb.pop_step_info(b).sample_ids) for b in it) == 400 - 10
+
+
+def test_window_closes_at_its_token_size():
+    # window_budgets=2, budget 100: a window closes at 200 real tokens, i.e. 20 samples of 10.
+    ds = LengthDataset([10] * 100)
+    loader = odb.ODBDataLoader(ds, token_budget=100, collate_fn=pad_collate, window_budgets=2,
+                               first_window_size=1000, max_carry=0)
+    batches = _ids(loader)
+    assert loader.odb_stats["windows"] == 5 and all(len(b) == 10 for b in batches)
+
+
+def test_state_is_that_of_the_consumed_batches_while_the_thread_runs_ahead():
+    ds = LengthDataset(known_lengths(600, 1, 60, seed=3))
+    kw = dict(token_budget=300, shuffle=True, seed=7, collate_fn=pad_collate, num_workers=2, ready_batches=8,
+              window_budgets=3, gradient_accumulation_steps=2)
+    full = _ids(odb.ODBDataLoader(ds, **kw))
+    loader = odb.ODBDataLoader(ds, **kw)
+    it = iter(loader)
+    head = [list(odb.pop_step_info(next(it)).sample_ids) for _ in range(5)]
+    time.sleep(0.5)  # the batch thread fills its queue and plans ahead
+    state = loader.state_dict()
+    assert state["run"]["step"] == 5
+    fresh = odb.ODBDataLoader(ds, **kw)
+    fresh.load_state_dict(state)
+    assert head + _ids(fresh) == full
+
+
+def test_break_ends_the_threads():
+    ds = LengthDataset(known_lengths(2000, 1, 60, seed=4))
+    loader = odb.ODBDataLoader(ds, token_budget=300, collate_fn=pad_collate, num_workers=2, window_budgets=4)
+    for k, _ in enumerate(loader):
+        if k == 3:
+            break
+    deadline = time.monotonic() + 10
+    while _odb_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _odb_threads() == []
+    assert sum(len(i) for i in _ids(loader)) == 2000  # and the next epoch is whole
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def test_an_error_in_collate_reaches_the_training_thread():
+    def collate(samples):
+        raise _Boom("bad batch")
+
+    loader = odb.ODBDataLoader(LengthDataset([5] * 50), token_budget=50, collate_fn=collate)
+    with pytest.raises(_Boom, match="bad batch"):
+        next(iter(loader))
+
+
+def test_an_error_in_a_worker_reaches_the_training_thread():
+    loader = odb.ODBDataLoader([{"input_ids": torch.ones(3)}, {"no_ids": 1}], token_budget=50, num_workers=1,
+                               collate_fn=list)
+    with pytest.raises(TypeError, match="length_fn"):
+        list(loader)
+
+
+def test_batch_pipeline_stops_a_producer_blocked_on_a_full_queue():
+    produced = []
+
+    def produce():
+        for k in range(1000):
+            produced.append(k)
+            yield k
+
+    p = BatchPipeline(produce(), depth=2)
+    assert next(p) == 0
+    assert p.close(timeout_s=5.0)
+    assert len(produced) < 10
+
+
+@pytest.mark.dist
+def test_rank0_state_before_training_then_break_then_full_epoch_under_ddp(tmp_path):
+    params = {"n": 300, "budget": 300, "buffer": 32, "num_workers": 1, "break_after": 2}
+    out = run_ranks("pipeline_workers:save_before_first_epoch_then_break_then_full_epoch", world=2,
+                    params=params, tmp=tmp_path)
+    assert [o["probe"] for o in out] == [2.0, 2.0]
+    ids = sorted(i for o in out for i in o["ids"])
+    assert ids == list(range(300))
