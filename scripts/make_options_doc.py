@@ -22,7 +22,8 @@ the rule and the fix.
 
 FOOTER = """
 Loader-only arguments: every `torch.utils.data.DataLoader` argument (`batch_size` must stay 1),
-`config=` (an ODBConfig), `lengths=` (per-sample lengths, for `len()` before the first epoch),
+`config=` (an ODBConfig), `lengths=` (per-sample lengths after processing: `len()` uses them, and odb then plans
+in the batch sampler so that workers fetch and collate whole batches; see docs/algorithm.md),
 `process_group=` (a gloo group for odb's exchange). `odb.apply(loader, ...)` also takes `shuffle=`
 (batch order; default: whether the sampler shuffles) and `collate_fn=` (for loaders built with
 `batch_size=None`).

@@ -149,7 +149,9 @@ def grad_exact(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
     for k in p["accumulation"]:
         loader = odb.ODBDataLoader(ds, token_budget=p["budget"], sampler=grad_shards(world, p)[rank],
                                    buffer_size=p["buffer"], collate_fn=pad_collate, seed=0,
-                                   gradient_accumulation_steps=k, loss_scaling=p.get("loss_scaling", "exact"))
+                                   gradient_accumulation_steps=k, loss_scaling=p.get("loss_scaling", "exact"),
+                                   lengths=grad_lengths(world, p) if p.get("known") else None,
+                                   num_workers=p.get("num_workers", 0))
         model = DDP(lm_model(p["seed"]))
         opt_steps, ids, micro = [], [], []
         for batch in loader:

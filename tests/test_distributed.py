@@ -86,9 +86,12 @@ def test_join_false_short_rank_stops_early_and_join_completes_training(tmp_path)
     print(f"\njoin=False: steps per rank {[len(s) for s in steps]}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_exact_loss_scaling_matches_a_single_process_gradient(tmp_path, world):
-    params = dict(counts=[64, 16, 40], budget=256, buffer=16, seed=0, accumulation=[1, 4])
+@pytest.mark.parametrize("world, known", [(2, False), (3, False), (2, True)])
+def test_exact_loss_scaling_matches_a_single_process_gradient(tmp_path, world, known):
+    # known=True: lengths given up front, so workers collate whole batches and the loss scale
+    # comes from the collated batches' labels, exchanged once per optimizer step.
+    params = dict(counts=[64, 16, 40], budget=256, buffer=16, seed=0, accumulation=[1, 4], known=known,
+                  num_workers=1 if known else 0)
     results = run_ranks("grad_exact", world, params, tmp_path, deadline_s=90)
     for k in params["accumulation"]:
         per_rank = [r[k] for r in results]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -89,15 +90,16 @@ def test_state_is_that_of_the_consumed_batches_while_the_thread_runs_ahead():
 
 
 def test_break_ends_the_threads():
+    before = set(_odb_threads())  # other tests' abandoned iterators are not this test's business
     ds = LengthDataset(known_lengths(2000, 1, 60, seed=4))
     loader = odb.ODBDataLoader(ds, token_budget=300, collate_fn=pad_collate, num_workers=2, window_budgets=4)
     for k, _ in enumerate(loader):
         if k == 3:
             break
     deadline = time.monotonic() + 10
-    while _odb_threads() and time.monotonic() < deadline:
+    while set(_odb_threads()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _odb_threads() == []
+    assert set(_odb_threads()) - before == set()
     assert sum(len(i) for i in _ids(loader)) == 2000  # and the next epoch is whole
 
 
@@ -143,3 +145,47 @@ def test_rank0_state_before_training_then_break_then_full_epoch_under_ddp(tmp_pa
     assert [o["probe"] for o in out] == [2.0, 2.0]
     ids = sorted(i for o in out for i in o["ids"])
     assert ids == list(range(300))
+
+
+# ---- known lengths: workers collate whole batches ---------------------------------------------
+
+
+def _collate_where(samples):
+    batch = pad_collate(samples)
+    batch["collated_in"] = os.getpid()
+    return batch
+
+
+def test_known_lengths_let_workers_collate_the_same_batches():
+    lengths = known_lengths(500, 1, 60, seed=1)
+    ds = LengthDataset(lengths)
+    kw = dict(token_budget=300, shuffle=True, seed=3, num_workers=2, window_budgets=4,
+              gradient_accumulation_steps=2, collate_fn=_collate_where)
+    online = [odb.pop_step_info(b) for b in odb.ODBDataLoader(ds, **kw)]
+    batches = list(odb.ODBDataLoader(ds, lengths=lengths, **kw))
+    known = [odb.pop_step_info(b) for b in batches]
+    assert {b["collated_in"] for b in batches} - {os.getpid()} and os.getpid() not in {b["collated_in"] for b in batches}
+    assert [i.sample_ids for i in known] == [i.sample_ids for i in online]
+    assert [(i.loss_scale, i.local_loss_tokens, i.global_loss_tokens) for i in known] == [
+        (i.loss_scale, i.local_loss_tokens, i.global_loss_tokens) for i in online]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_known_lengths_resume_exactly(num_workers):
+    lengths = known_lengths(400, 1, 60, seed=5)
+    ds = LengthDataset(lengths)
+    kw = dict(token_budget=300, shuffle=True, seed=7, collate_fn=pad_collate, num_workers=num_workers,
+              window_budgets=3, gradient_accumulation_steps=2, lengths=lengths)
+    full = _ids(odb.ODBDataLoader(ds, **kw))
+    loader = odb.ODBDataLoader(ds, **kw)
+    it = iter(loader)
+    head = [list(odb.pop_step_info(next(it)).sample_ids) for _ in range(5)]
+    state = loader.state_dict()
+    fresh = odb.ODBDataLoader(ds, **kw)
+    fresh.load_state_dict(state)
+    assert head + _ids(fresh) == full
+
+
+def test_known_lengths_must_cover_the_dataset():
+    with pytest.raises(ValueError, match="lengths= for 3 samples but the dataset has 4"):
+        odb.ODBDataLoader(LengthDataset([5] * 4), token_budget=50, lengths=[5] * 3, collate_fn=list)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
 from .engine import EpochRun
+from .known import GroupCollate, PlannedBatchSampler, known_epoch, known_records
 from .lengths import as_length_tuple, default_length
 from .loader_state import ResumableLoader
 from .pipeline import BatchPipeline
@@ -86,6 +87,10 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_oom: Optional[Any] = None
         self._odb_warned_shard = False
         self._odb_pipeline_done = True
+        self._odb_step_exchange: Any = False  # False: online mode; None or a RankExchange: known lengths
+        self._odb_known_wait = 0.0
+        self._odb_known_loss = 0
+        self._odb_known_lengths()  # refuses lengths that do not match the dataset, now
 
     # ---- public ----------------------------------------------------------------------
     @property
@@ -99,7 +104,9 @@ class ODBLoaderMixin(ResumableLoader):
         received (plus OOM counters, since the loader was built)."""
         cursor = self._odb_cursor
         stats = dataclasses.replace(cursor.stats) if cursor is not None else EpochStats()
-        if self._odb_pipeline is not None:
+        if self._odb_step_exchange is not False:  # known lengths: the training loop waits on the inner loader
+            stats.wait_s, stats.loss_tokens = self._odb_known_wait, self._odb_known_loss
+        elif self._odb_pipeline is not None:
             stats.wait_s = self._odb_pipeline.wait_s
         if self._odb_run is not None:
             stats.read_ahead_max = self._odb_run.source.peak_samples
@@ -150,19 +157,35 @@ class ODBLoaderMixin(ResumableLoader):
             self._odb_own_sampler.set_epoch(epoch)
         run_state = state["run"] if state is not None else None
         exchange = self._odb_new_exchange()
-        source = self._odb_source(skip=run_state["arrived"] if run_state and not self._odb_is_iterable() else 0)
-        run = EpochRun(self._odb_cfg, source, self._odb_group_collate, epoch=epoch,
+        known = self._odb_known_lengths()
+        skip = run_state["arrived"] if run_state and not self._odb_is_iterable() else 0
+        if known is not None:
+            source = SampleSource(known_records(iter(self.sampler), known, skip), cap_samples=self._odb_cfg.buffer_size,
+                                  cap_tokens=self._odb_cfg.window_tokens, threaded=self._odb_cfg.ready_batches > 0)
+        else:
+            source = self._odb_source(skip=skip)
+        pin = self.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
+        run = EpochRun(self._odb_cfg, source, list if known is not None else self._odb_group_collate, epoch=epoch,
                        seed=self._odb_seed, shuffle=self._odb_shuffle, drop_last=bool(self.drop_last),
-                       exchange=exchange,
-                       finalize=self._odb_pin if self.pin_memory and torch.cuda.is_available() else None)
+                       exchange=exchange, finalize=self._odb_pin if pin else None)
         if run_state is not None:
-            run.restore(run_state, self._odb_retained(source, run_state))
+            run.restore(run_state, self._odb_retained(source, run_state, known))
         else:
             run.take_snapshot()
         self._odb_run = run
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
-        self._odb_pipeline = BatchPipeline(iter(run), depth=self._odb_cfg.ready_batches)
-        return self._odb_epoch(run, self._odb_pipeline)
+        self._odb_pipeline = BatchPipeline(iter(run), depth=max(self._odb_cfg.ready_batches, 0))
+        if known is None:
+            self._odb_step_exchange = False
+            return self._odb_epoch(run, self._odb_pipeline)
+        inner = self._odb_known_inner()
+        sampler = inner.batch_sampler
+        sampler.plan = self._odb_pipeline
+        sampler.infos.clear()
+        steps = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group) if exchange is not None else None
+        self._odb_step_exchange = steps
+        return self._odb_known_epoch(run, self._odb_pipeline, known_epoch(iter(inner), sampler, self._odb_cfg, steps,
+                                                                          self._odb_consumed))
 
     def __len__(self) -> int:
         """Batches per epoch: exact after a full epoch, else an estimate from sample lengths."""
@@ -224,6 +247,52 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
         self._odb_last_steps = run.step
         self._odb_last_steps_epoch = run.epoch
+
+    def _odb_consumed(self, cursor: Cursor, waited_s: float, loss_tokens: int) -> None:
+        self._odb_cursor = cursor
+        self._odb_known_wait += waited_s
+        self._odb_known_loss += loss_tokens
+
+    def _odb_known_epoch(self, run: EpochRun, pipeline: BatchPipeline, batches: Iterator[Any]) -> Iterator[Any]:
+        self._odb_known_wait = 0.0
+        self._odb_known_loss = 0
+        try:
+            yield from batches
+        finally:
+            if self._odb_pipeline is pipeline:
+                self._odb_stop()
+        self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
+        self._odb_last_steps = run.step
+        self._odb_last_steps_epoch = run.epoch
+
+    def _odb_known_lengths(self) -> Optional[np.ndarray]:
+        """(n, D) lengths when odb plans from known lengths (workers then collate whole batches)."""
+        lengths = self._odb_lengths
+        if lengths is None or self._odb_is_iterable() or self._odb_cfg.image_patches_key is not None:
+            return None
+        lengths = lengths.reshape(len(lengths), -1)
+        if len(lengths) != len(self.dataset):
+            raise ValueError(f"odb got lengths= for {len(lengths)} samples but the dataset has "
+                             f"{len(self.dataset)}. Rule: one length (or tuple of lengths) per dataset index, after "
+                             f"the dataset's processing. Fix: pass lengths of the processed dataset, in index order.")
+        return lengths
+
+    def _odb_known_inner(self) -> DataLoader:
+        if self._odb_inner is not None:
+            return self._odb_inner
+        kwargs: Dict[str, Any] = dict(
+            num_workers=self.num_workers, pin_memory=self.pin_memory, timeout=self.timeout,
+            worker_init_fn=self.worker_init_fn, multiprocessing_context=self.multiprocessing_context,
+            generator=self.generator, persistent_workers=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+            pin_memory_device=getattr(self, "pin_memory_device", ""))
+        if _HAS_IN_ORDER:
+            kwargs["in_order"] = getattr(self, "in_order", True)
+        inner = DataLoader(self.dataset, batch_sampler=PlannedBatchSampler(),
+                           collate_fn=GroupCollate(self._odb_group_collate, self._odb_transform), **kwargs)
+        if self.persistent_workers:
+            self._odb_inner = inner
+        return inner
 
     def _odb_is_iterable(self) -> bool:
         return isinstance(self.dataset, IterableDataset)

@@ -30,8 +30,7 @@ class ResumableLoader(DataLoader):
         if run is not None and self._odb_last_steps_epoch != run.epoch:
             # The batches the training loop received, not what the background thread planned ahead.
             run_state = cursor_state(cursor, self._odb_cfg.gradient_accumulation_steps)
-            if self._odb_pipeline is not None:
-                run_state["stats"]["wait_s"] = self._odb_pipeline.wait_s
+            run_state["stats"]["wait_s"] = self.odb_stats["wait_s"]
             # After an epoch's last batch the epoch is over even if the iterator was not exhausted.
             if run_state["all_done"] and not run_state["pending"] and run_state["chunk_pos"] >= len(
                     run_state["chunk"]):
@@ -70,9 +69,11 @@ class ResumableLoader(DataLoader):
         # As JSON would give them back (tuples become lists), so saved and current compare equal.
         return json.loads(json.dumps({k: getattr(self._odb_cfg, k) for k in PLAN_OPTIONS}))
 
-    def _odb_retained(self, source: Any, run_state: Dict[str, Any]) -> Dict[int, Any]:
+    def _odb_retained(self, source: Any, run_state: Dict[str, Any], known: Any = None) -> Dict[int, Any]:
         """The samples a resumed epoch needs again (carried, planned, ghost), as id -> (sample, meta)."""
         ids = retained_ids(run_state)
+        if known is not None:  # index-only records: nothing to read
+            return {i: (i, (tuple(int(v) for v in known[i]), 0, 0)) for i in ids}
         if self._odb_is_iterable():
             return source.skip(run_state["arrived"], ids)
         transform, meter = self._odb_transform, SampleMeter(self._odb_cfg)

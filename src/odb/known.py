@@ -1,0 +1,140 @@
+"""Known lengths: plan in the batch sampler, so workers fetch and collate whole batches.
+
+When every sample's length is given up front (``lengths=``), odb need not see the
+processed samples to group them. The epoch's planning runs as usual (same windows,
+planner, rank alignment and resume cursors) over index-only records; its index lists
+become the inner DataLoader's ``batch_sampler``, so the workers read and collate each
+batch as a plain DataLoader would, and the training thread costs what a plain
+DataLoader's does. Supervised tokens are counted in each collated batch; the loss
+scale of an optimizer step is fixed once all its micro-batches have arrived (one small
+exchange per optimizer step across ranks).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from .config import ODBConfig
+from .resume import Cursor
+from .source import Record
+from .step_info import ODBStepInfo, attach_step_info, pop_step_info
+
+_CHUNK = 256
+
+
+def known_records(order: Iterable[int], lengths: np.ndarray, skip: int = 0) -> Iterator[List[Record]]:
+    """Chunks of index-only records ``(index, index, (lengths, 0, 0))`` in sampler order."""
+    chunk: List[Record] = []
+    for position, index in enumerate(order):
+        if position < skip:
+            continue
+        index = int(index)
+        chunk.append((index, index, (tuple(int(v) for v in lengths[index]), 0, 0)))
+        if len(chunk) == _CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class PlannedBatchSampler(Sampler[List[int]]):
+    """The inner loader's batch sampler: the index lists of the current epoch's plan.
+
+    The step info and resume cursor of every list it hands out wait in ``infos``, in
+    order (the inner loader returns batches in the order of its batch sampler).
+    """
+
+    def __init__(self) -> None:
+        self.plan: Optional[Iterator[Tuple[Any, Cursor]]] = None
+        self.infos: Deque[Tuple[ODBStepInfo, Cursor]] = collections.deque()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        plan, self.plan = self.plan, None
+        if plan is None:
+            raise RuntimeError("odb's planned batch sampler was iterated outside the odb loader. "
+                               "Fix: iterate the ODBDataLoader, not its inner loader.")
+        for ids, cursor in plan:
+            info = pop_step_info(ids)
+            self.infos.append((info, cursor))
+            yield [int(i) for i in ids]
+
+
+class GroupCollate:
+    """Collate of the inner loader in workers: an optional per-sample transform, then the user's collate."""
+
+    def __init__(self, collate_fn: Callable[[List[Any]], Any], transform: Optional[Callable[[Any], Any]]) -> None:
+        self.collate_fn, self.transform = collate_fn, transform
+
+    def __call__(self, samples: List[Any]) -> Any:
+        if self.transform is not None:
+            samples = [self.transform(s) for s in samples]
+        return self.collate_fn(samples)
+
+
+def batch_loss_tokens(batch: Any, cfg: ODBConfig, fallback: int) -> int:
+    """Supervised tokens of a collated batch: labels != ignore_index (labels[..., 1:] with shift_labels)."""
+    labels = batch.get(cfg.label_key) if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor):
+        return fallback
+    if cfg.shift_labels:
+        labels = labels[..., 1:]
+    return int((labels != cfg.ignore_index).sum())
+
+
+def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchange: Any) -> List[Any]:
+    """The micro-batches of one optimizer step with their supervised tokens and loss scales filled in."""
+    local = [0 if info.is_ghost else batch_loss_tokens(batch, cfg, info.real_tokens) for batch, info in micro]
+    if exchange is not None:
+        gathered = exchange.all_gather(np.array(local, dtype=np.int64),
+                                       f"epoch {micro[0][1].epoch}, step {micro[0][1].step}")
+        world, total = exchange.world_size, int(gathered.sum())
+    else:
+        world, total = 1, sum(local)
+    out = []
+    for (batch, info), tokens in zip(micro, local):
+        if info.is_ghost:
+            scale = 0.0
+        elif cfg.loss_scaling == "exact":
+            scale = world * tokens / total if total else 0.0
+        elif cfg.loss_scaling == "approx":
+            scale = tokens / sum(local) if sum(local) else 0.0
+        else:  # "sample" and "none" need no token counts: the planner's scale stands
+            scale = info.loss_scale
+        info = dataclasses.replace(info, local_loss_tokens=tokens, global_loss_tokens=total, loss_scale=scale)
+        out.append(attach_step_info(batch, info, cfg.step_info_key))
+    return out
+
+
+def known_epoch(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBConfig, exchange: Any,
+                on_batch: Callable[[Cursor, float, int], None]) -> Iterator[Any]:
+    """Batches from the inner loader with their step infos, an optimizer step at a time.
+
+    ``on_batch(cursor, waited_s, loss_tokens)`` is told of every batch handed to the training loop.
+    """
+    import time
+
+    while True:
+        t0 = time.perf_counter()
+        try:
+            first = next(batches)
+        except StopIteration:
+            return
+        info, cursor = sampler.infos.popleft()
+        micro = [(first, info, cursor)]
+        while len(micro) < info.micro_steps:
+            batch = next(batches)
+            micro.append((batch,) + sampler.infos.popleft())
+        waited = (time.perf_counter() - t0) / len(micro)
+        finished = finish_step([(b, i) for b, i, _ in micro], cfg, exchange)
+        for batch, (_, info, cursor) in zip(finished, micro):
+            filled = batch[cfg.step_info_key] if isinstance(batch, Mapping) else getattr(batch, cfg.step_info_key)
+            object.__setattr__(filled, "loader_wait_s", waited)  # not yet seen by anyone
+            on_batch(cursor, waited, filled.local_loss_tokens)
+            yield batch
