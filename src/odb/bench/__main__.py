@@ -34,7 +34,7 @@ SIZES: Dict[str, tuple] = {
     "loader_repeats": (3, 1),
     "loader_bs1_samples": (1500, 100),
     "train_samples": (600, 24),
-    "e2e_samples": (1500, 120),
+    "e2e_samples": (2400, 120),
     "e2e_repeats": (3, 1),
 }
 

@@ -15,7 +15,9 @@ Data time = the CPU time that reading every sample costs, measured by calling
 divided by the number of workers: what the workers need at the least, with perfect
 parallelism and nothing else running. Compute time = the sum of the measured step
 sleeps of an arm. End-to-end overlap = epoch time / max(data time, compute time):
-1.0 means the loader hid all the work behind the slower side.
+1.0 means the loader hid all the work behind the slower side. Beside it: the CPU
+seconds of the main process (every thread) and of the workers during the epoch, which
+show where the CPU went when the 2 cores are the limit.
 
 Arms, in the same run, the order alternating between repeats: ``odb``
 (``ODBDataLoader(token_budget=...)``), ``plain-fit`` (``DataLoader(batch_size=B)``
@@ -27,6 +29,7 @@ Same workers, same collate, same shuffle.
 from __future__ import annotations
 
 import gc
+import resource
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Sequence
@@ -77,6 +80,7 @@ def data_cpu_s(dataset: Dataset) -> float:
 def run_epoch(loader: DataLoader, c: float, budget: int, is_odb: bool) -> Dict[str, float]:
     """One epoch of the loop: wait for a batch, then 'train' on it for c x padded tokens seconds."""
     gc.collect()
+    self0, child0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     wait = wait_cpu = compute = 0.0
     steps = samples = real = padded = over = 0
     max_b = 0
@@ -106,8 +110,13 @@ def run_epoch(loader: DataLoader, c: float, budget: int, is_odb: bool) -> Dict[s
         over += cost > budget
         max_b = max(max_b, int(b))
     epoch = time.perf_counter() - t0
-    del it
-    return {"epoch_s": epoch, "loader_wait_s": wait, "loader_cpu_s": wait_cpu, "compute_s": compute,
+    del it, loader  # the workers exit (and are reaped) before the CPU time is read
+    gc.collect()
+    self1, child1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    main_cpu = (self1.ru_utime - self0.ru_utime) + (self1.ru_stime - self0.ru_stime)
+    workers_cpu = (child1.ru_utime - child0.ru_utime) + (child1.ru_stime - child0.ru_stime)
+    return {"epoch_s": epoch, "loader_wait_s": wait, "wait_after_first_s": wait - float(first or 0.0),
+            "loader_cpu_s": wait_cpu, "compute_s": compute, "main_cpu_s": main_cpu, "workers_cpu_s": workers_cpu,
             "first_batch_s": float(first or 0.0), "steps": steps, "samples": samples, "real_tokens": real,
             "padded_tokens": padded, "over_budget_batches": over, "max_batch_size": max_b}
 

@@ -287,7 +287,8 @@ def odb_method(lengths: np.ndarray, cfg: ODBConfig, budget: int, seed: int) -> D
         loader_us_per_sample=1e6 * run["loader_s"] / max(n, 1),
         # how many full batches one window holds: small values force under-filled batches
         window_in_budgets=full_window_tokens(cfg, lengths) / budget,
-        buffered_max=stats.get("buffered_max"), peak_held_samples=run["peak_held_samples"],
+        buffered_max=stats.get("buffered_max"), read_ahead_max=stats.get("read_ahead_max"),
+        read_ahead_tokens_max=stats.get("read_ahead_tokens_max"), peak_held_samples=run["peak_held_samples"],
         peak_held_tokens=run["peak_held_tokens"], window_settings=window_settings(cfg))
     return m
 

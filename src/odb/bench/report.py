@@ -105,16 +105,18 @@ def summary_table(planning: Dict[str, Any], buffers: Sequence[str] = SUMMARY_ODB
 
 
 def buffer_table(planning: Dict[str, Any], markdown: bool = False) -> str:
-    """Per workload and odb setting: the loader's buffered_max, peak samples/tokens held, planning cost."""
-    header = ["workload", "odb", "buffered_max (odb_stats)", "peak held samples", "peak held tokens",
-              "windows", "plan us/sample", "plan ms/window (max)", "plan_stream = loader"]
+    """Per workload and odb setting: the loader's own buffer counters (odb_stats, where it has them), the
+    peak samples/tokens read but not emitted (measured from outside), planning cost."""
+    header = ["workload", "odb", "buffered_max", "read_ahead_max", "read_ahead_tokens_max", "peak held samples",
+              "peak held tokens", "windows", "plan us/sample", "plan ms/window (max)", "plan_stream = loader"]
     rows = []
     for name, w in planning["workloads"].items():
         for k in _methods(w["methods"]):
             if not k.startswith("odb-"):
                 continue
             m = w["methods"][k]
-            rows.append([name, k, _fmt(m.get("buffered_max"), "{:d}"), _fmt(m.get("peak_held_samples"), "{:d}"),
+            rows.append([name, k, _fmt(m.get("buffered_max"), "{:d}"), _fmt(m.get("read_ahead_max"), "{:d}"),
+                         _fmt(m.get("read_ahead_tokens_max"), "{:d}"), _fmt(m.get("peak_held_samples"), "{:d}"),
                          _fmt(m.get("peak_held_tokens"), "{:d}"), _fmt(m.get("windows"), "{:d}"),
                          _fmt(m.get("plan_us_per_sample"), "{:.1f}"), _fmt(m.get("window_plan_ms_max"), "{:.1f}"),
                          "yes" if m.get("plan_stream_same_batches") else "NO"])
@@ -190,15 +192,19 @@ def e2e_table(e2e: Dict[str, Any], markdown: bool = False) -> str:
              f"(= {e2e['data_cpu_s']:.2f} CPU s measured in one process / {e2e['num_workers']} workers); "
              f"plain-fit B={e2e['plain_fit_batch_size']}, plain-mean B={e2e['plain_mean_batch_size']}; "
              f"medians of {e2e['repeats']}", ""]
-    header = ["arm", "epoch s", "loader wait s", "loader CPU s (thread)", "compute s", "data s",
-              "overlap", "steps", "mean B", "token eff.", "over budget", "first batch s"]
+    header = ["arm", "epoch s", "loader wait s", "wait after 1st batch s", "first batch s", "compute s", "data s",
+              "overlap", "training-thread CPU s", "main CPU s", "workers CPU s", "steps", "mean B", "token eff.",
+              "over budget"]
     for name, st in e2e["settings"].items():
         rows = []
         for arm, m in st["median"].items():
-            rows.append([arm, f"{m['epoch_s']:.2f}", f"{m['loader_wait_s']:.2f}", f"{m['loader_cpu_s']:.2f}",
-                         f"{m['compute_s']:.2f}", f"{m['data_s']:.2f}", f"{m['overlap']:.2f}", f"{m['steps']:.0f}",
+            rows.append([arm, f"{m['epoch_s']:.2f}", f"{m['loader_wait_s']:.2f}",
+                         _fmt(m.get("wait_after_first_s"), "{:.2f}"), f"{m['first_batch_s']:.3f}",
+                         f"{m['compute_s']:.2f}", f"{m['data_s']:.2f}", f"{m['overlap']:.2f}",
+                         f"{m['loader_cpu_s']:.2f}", _fmt(m.get("main_cpu_s"), "{:.2f}"),
+                         _fmt(m.get("workers_cpu_s"), "{:.2f}"), f"{m['steps']:.0f}",
                          f"{m['mean_batch_size']:.1f}", f"{m['token_efficiency']:.3f}",
-                         f"{m['over_budget_batches']:.0f}", f"{m['first_batch_s']:.3f}"])
+                         f"{m['over_budget_batches']:.0f}"])
         met = st["goals_met"]
         o = st["median"]["odb"]
         line = (f"odb overlap {o['overlap']:.2f} (goal <= {g['overlap_max']}: {_met(met['overlap'])}); "
