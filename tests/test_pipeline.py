@@ -189,3 +189,32 @@ def test_known_lengths_resume_exactly(num_workers):
 def test_known_lengths_must_cover_the_dataset():
     with pytest.raises(ValueError, match="lengths= for 3 samples but the dataset has 4"):
         odb.ODBDataLoader(LengthDataset([5] * 4), token_budget=50, lengths=[5] * 3, collate_fn=list)
+
+
+# ---- len(): the step estimate ------------------------------------------------------------------
+
+
+class _CountingDataset(LengthDataset):
+    reads = 0
+
+    def __getitem__(self, index):
+        type(self).reads += 1
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_len_is_close_to_the_real_step_count_and_computed_once(known):
+    import numpy as np
+
+    lengths = np.clip(np.random.default_rng(0).lognormal(np.log(200), 1.0, 3000).astype(int), 1, 2000).tolist()
+    ds = _CountingDataset(lengths)
+    loader = odb.ODBDataLoader(ds, token_budget=4096, shuffle=True, seed=1, collate_fn=pad_collate,
+                               lengths=lengths if known else None)
+    _CountingDataset.reads = 0
+    estimate = len(loader)
+    probe_reads = _CountingDataset.reads
+    assert probe_reads == 0 if known else 0 < probe_reads < 3000
+    assert len(loader) == estimate and _CountingDataset.reads == probe_reads  # cached
+    real = sum(1 for _ in loader)
+    assert abs(estimate / real - 1) <= 0.10, (estimate, real)
+    assert len(loader) == real  # exact once an epoch has run

@@ -16,18 +16,16 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
 from .engine import EpochRun
+from .estimate import DEFAULT_PROBE, estimate_steps, probe_size
 from .known import GroupCollate, PlannedBatchSampler, known_epoch, known_records
-from .lengths import as_length_tuple, default_length
 from .loader_state import ResumableLoader
 from .pipeline import BatchPipeline
 from .resume import Cursor
 from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable
 from .source import ChunkCollate, SampleMeter, SampleSource, unpack_records
 from .stats import EpochStats
-from .window import oracle_groups
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
-_ESTIMATE_PROBES = 128
 
 
 def make_config(config: Optional[ODBConfig], token_budget: Any, options: Dict[str, Any]) -> ODBConfig:
@@ -352,25 +350,53 @@ class ODBLoaderMixin(ResumableLoader):
         return _pin(batch)
 
     def _odb_estimate_steps(self) -> int:
+        """Steps per epoch, from known lengths or a probe of the dataset read once (odb.estimate)."""
         cfg = self._odb_cfg
         if self._odb_is_iterable():
             raise TypeError("len() of an odb loader over an IterableDataset is known only after one epoch. "
                             "Fix: iterate one epoch first, or use max_steps in the trainer.")
-        n = len(self.sampler)
-        if self._odb_lengths is not None:
-            lengths = self._odb_lengths
-        else:
-            probe = np.unique(np.linspace(0, len(self.dataset) - 1, min(_ESTIMATE_PROBES, len(self.dataset)))
-                              .astype(np.int64))
-            fn = cfg.length_fn or default_length
-            transform = self._odb_transform or (lambda s: s)
-            lengths = np.array([as_length_tuple(fn(transform(self.dataset[int(i)])), int(i)) for i in probe])
-        if n == 0 or len(lengths) == 0:
+        n, total = len(self.sampler), len(self.dataset)
+        world_size = self._odb_world()[1]
+        if n == 0 or total == 0:
             return 0
-        lengths = np.asarray(lengths).reshape(len(lengths), -1)
-        probe_cfg = cfg.replace(oversize="alone", image_patches_key=None, max_image_patches=None)
-        groups = oracle_groups(lengths, probe_cfg)
-        return max(1, int(np.ceil(len(groups) * n / len(lengths))))
+        lengths = self._odb_lengths
+        columns = getattr(self.dataset, "column_names", None)
+        if lengths is None and isinstance(columns, list) and "length" in columns:
+            lengths = np.asarray(self.dataset["length"])  # a datasets.Dataset with a length column
+        if lengths is None:
+            lengths = self._odb_probe_lengths(total)
+        return max(1, estimate_steps(np.asarray(lengths), n, cfg, world_size=world_size))
+
+    def _odb_probe_lengths(self, total: int) -> np.ndarray:
+        """Lengths of evenly spaced samples: DEFAULT_PROBE of them, more while their spread asks for it."""
+        read: Dict[int, tuple] = {}
+        want = min(DEFAULT_PROBE, total)
+        while True:
+            indices = np.unique(np.linspace(0, total - 1, want).astype(np.int64))
+            self._odb_measure([int(i) for i in indices if int(i) not in read], read)
+            lengths = np.array([read[i] for i in sorted(read)], dtype=np.int64)
+            need = probe_size(lengths, total, self._odb_cfg)
+            if need <= len(read) or want >= total:
+                return lengths
+            want = need
+
+    def _odb_measure(self, indices: Sequence[int], out: Dict[int, tuple]) -> None:
+        """Lengths of the given samples, measured in the loader's workers when it has any."""
+        if not indices:
+            return
+        meter = SampleMeter(self._odb_cfg)
+        worker_meter = self._odb_meter_for_workers(meter)
+        dataset = IndexedDataset(self.dataset, self._odb_transform)
+        if worker_meter is None:
+            for i in indices:
+                out[i] = meter(i, dataset[i][1])[0]
+            return
+        chunks = [list(indices[k:k + 64]) for k in range(0, len(indices), 64)]
+        probe = DataLoader(dataset, batch_sampler=chunks, collate_fn=ChunkCollate(worker_meter, True, False, True),
+                           num_workers=self.num_workers, multiprocessing_context=self.multiprocessing_context,
+                           worker_init_fn=self.worker_init_fn)
+        for ids, metas, _ in probe:
+            out.update((i, m[0]) for i, m in zip(ids, metas))
 
 
 def _is_sharded(sampler: Any) -> bool:

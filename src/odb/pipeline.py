@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional
 
 _END = object()
 

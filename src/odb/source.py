@@ -57,8 +57,8 @@ class ChunkCollate:
     IterableDataset) becomes ``(ids, metas, samples)``, the samples packed into one buffer
     per dtype when ``pack`` (they cross a process boundary)."""
 
-    def __init__(self, meter: Optional[SampleMeter], indexed: bool, pack: bool) -> None:
-        self.meter, self.indexed, self.pack = meter, indexed, pack
+    def __init__(self, meter: Optional[SampleMeter], indexed: bool, pack: bool, metas_only: bool = False) -> None:
+        self.meter, self.indexed, self.pack, self.metas_only = meter, indexed, pack, metas_only
 
     def __call__(self, items: List[Any]) -> Any:
         if self.indexed:
@@ -67,6 +67,8 @@ class ChunkCollate:
         else:
             ids, samples = [None] * len(items), list(items)
         metas = None if self.meter is None else [self.meter(i, s) for i, s in zip(ids, samples)]
+        if self.metas_only:  # a length probe: the samples stay in the worker
+            return ids, metas, None
         return ids, metas, (pack_chunk(samples) if self.pack else samples)
 
 
