@@ -193,7 +193,7 @@ def e2e_table(e2e: Dict[str, Any], markdown: bool = False) -> str:
              f"plain-fit B={e2e['plain_fit_batch_size']}, plain-mean B={e2e['plain_mean_batch_size']}; "
              f"medians of {e2e['repeats']}", ""]
     header = ["arm", "epoch s", "loader wait s", "wait after 1st batch s", "first batch s", "compute s", "data s",
-              "overlap", "training-thread CPU s", "main CPU s", "workers CPU s", "steps", "mean B", "token eff.",
+              "overlap", "training-thread CPU s", "main CPU s", "workers CPU s", "CPU floor s", "steps", "mean B", "token eff.",
               "over budget"]
     for name, st in e2e["settings"].items():
         rows = []
@@ -202,7 +202,8 @@ def e2e_table(e2e: Dict[str, Any], markdown: bool = False) -> str:
                          _fmt(m.get("wait_after_first_s"), "{:.2f}"), f"{m['first_batch_s']:.3f}",
                          f"{m['compute_s']:.2f}", f"{m['data_s']:.2f}", f"{m['overlap']:.2f}",
                          f"{m['loader_cpu_s']:.2f}", _fmt(m.get("main_cpu_s"), "{:.2f}"),
-                         _fmt(m.get("workers_cpu_s"), "{:.2f}"), f"{m['steps']:.0f}",
+                         _fmt(m.get("workers_cpu_s"), "{:.2f}"), _fmt(m.get("cpu_floor_s"), "{:.2f}"),
+                         f"{m['steps']:.0f}",
                          f"{m['mean_batch_size']:.1f}", f"{m['token_efficiency']:.3f}",
                          f"{m['over_budget_batches']:.0f}"])
         met = st["goals_met"]
