@@ -36,8 +36,9 @@ class EpochRun:
 
     def __init__(self, cfg: ODBConfig, source: SampleSource, collate_fn: Callable[[List[Any]], Any],
                  *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, exchange: Any = None,
-                 finalize: Optional[Callable[[Any], Any]] = None) -> None:
+                 finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None) -> None:
         self.cfg = cfg
+        self.total = total  # samples this epoch brings (None: unknown, e.g. an IterableDataset)
         self.source = source
         self._collate = collate_fn
         self._finalize = finalize
@@ -98,8 +99,11 @@ class EpochRun:
             planned = self.step + len(self.chunk) - self.chunk_pos + len(self.pending)
             self.set_token_budget(budget_at(schedule, planned // self.cfg.gradient_accumulation_steps))
 
+    def _remaining(self) -> Optional[int]:
+        return None if self.total is None else max(self.total - self.arrived, 0)
+
     def _read_window(self) -> Tuple[List[int], bool]:
-        records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows))
+        records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining()))
         ids = []
         for sid, sample, meta in records:
             self.register(int(sid), sample, meta, self.arrived)

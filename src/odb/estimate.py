@@ -67,9 +67,9 @@ def estimate_steps(lengths: np.ndarray, n_samples: int, cfg: ODBConfig, *, world
         >>> cfg = ODBConfig(token_budget=4096)
         >>> x = np.random.default_rng(0).lognormal(6, 0.5, 5000).astype(int)
         >>> estimate_steps(x, 5000, cfg)   # all lengths known: the loader's plan, simulated
-        610
+        611
         >>> estimate_steps(x[:512], 5000, cfg)   # a probe of 512, bootstrapped to 5000
-        602
+        603
         >>> estimate_steps(x, 2500, cfg, world_size=2)   # per rank, 2 ranks of 2500 samples
         310
     """
@@ -182,7 +182,7 @@ def _simulate(stream: np.ndarray, n: int, cfg: ODBConfig) -> float:
     # with a settled carry); with none, at the prefix's own rate.
     tokens, start, full = stream.sum(axis=1), 0, []
     for k in range(len(per_window) - 1):
-        cap, cap_tokens = window_limits(cfg, k)
+        cap, cap_tokens = window_limits(cfg, k, len(stream) - start)
         size = window_cut(tokens[start:], cap, cap_tokens)
         start += size
         if cap >= cfg.buffer_size or size < cap:  # not cut short by the ramp

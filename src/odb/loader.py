@@ -165,7 +165,7 @@ class ODBLoaderMixin(ResumableLoader):
         pin = self.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
         run = EpochRun(self._odb_cfg, source, list if known is not None else self._odb_group_collate, epoch=epoch,
                        seed=self._odb_seed, shuffle=self._odb_shuffle, drop_last=bool(self.drop_last),
-                       exchange=exchange, finalize=self._odb_pin if pin else None)
+                       exchange=exchange, finalize=self._odb_pin if pin else None, total=self._odb_epoch_total())
         if run_state is not None:
             run.restore(run_state, self._odb_retained(source, run_state, known))
         else:
@@ -245,6 +245,15 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
         self._odb_last_steps = run.step
         self._odb_last_steps_epoch = run.epoch
+
+    def _odb_epoch_total(self) -> Optional[int]:
+        """Samples of an epoch on this rank, when the sampler knows (windows ramp down towards the end)."""
+        if self._odb_is_iterable():
+            return None
+        try:
+            return len(self.sampler)
+        except TypeError:
+            return None
 
     def _odb_consumed(self, cursor: Cursor, waited_s: float, loss_tokens: int) -> None:
         self._odb_cursor = cursor

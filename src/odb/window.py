@@ -58,9 +58,11 @@ class WindowPlanner:
         return self._carry_ids
 
     def plan(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray] = None,
-             final: bool = False) -> PlannedWindow:
-        """Pool the new samples with the carry and plan; keeps the new carry."""
+             final: bool = False, carry_limit: Optional[int] = None) -> PlannedWindow:
+        """Pool the new samples with the carry and plan; keeps the new carry (at most ``carry_limit``
+        samples; default: half a full window at the mean length seen so far)."""
         ids = np.asarray(ids, dtype=np.int64)
+        first = self._seen == 0
         self._seen += len(ids)
         self._seen_tokens += int(np.asarray(lengths).sum())
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -71,8 +73,14 @@ class WindowPlanner:
             lengths = np.concatenate((self._carry_len, lengths))
             if patches is not None:
                 patches = np.concatenate((self._carry_patches, patches))
+        if carry_limit is None:
+            carry_limit = self.cfg.carry_limit(self.full_window_samples())
+        if first and lengths.sum() >= self.cost.total_budget:
+            # The epoch's first window holds a budget's worth: it emits a batch however that packs, so the
+            # first step does not wait for a second window.
+            carry_limit = min(carry_limit, max(len(ids) - 1, 0))
         plan = plan_window(lengths, ids, self.cost, final=final, pack_efficiency=self.cfg.pack_efficiency,
-                           carry_limit=self.cfg.carry_limit(self.full_window_samples()), patches=patches)
+                           carry_limit=carry_limit, patches=patches)
         self._carry_ids = ids[plan.carry]
         self._carry_len = lengths[plan.carry]
         self._carry_patches = None if patches is None else np.asarray(patches)[plan.carry]
@@ -125,20 +133,28 @@ class WindowPlanner:
         self._carry_patches = None if patches is None else np.asarray(patches)
 
 
-def window_limits(cfg: ODBConfig, index: int) -> Tuple[int, Optional[int]]:
+def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None) -> Tuple[int, Optional[int]]:
     """(most samples, real tokens at which it closes) of an epoch's window number ``index``.
 
     Windows ramp up from ``first_window_size`` samples (doubling) so the first batch does
     not wait for a full window; a full window holds ``window_budgets`` budgets' worth of
-    tokens, capped at ``buffer_size`` samples.
+    tokens, capped at ``buffer_size`` samples. With ``remaining`` (samples of the epoch
+    not yet in a window, when the sampler's length is known) they ramp down again: a
+    window takes at most half of what remains, so the last window, whose batches can only
+    train once the data has ended, is small.
 
     Example:
         >>> cfg = ODBConfig(token_budget=100, window_budgets=4, buffer_size=1000, first_window_size=8)
         >>> [window_limits(cfg, k) for k in (0, 1, 10)]
         [(8, 400), (16, 400), (1000, 400)]
+        >>> window_limits(cfg, 10, remaining=300)
+        (150, 400)
     """
     first = cfg.buffer_size if cfg.probe_worst_case else cfg.first_window_size
-    return min(cfg.buffer_size, first << min(index, 30)), cfg.window_tokens
+    samples = min(cfg.buffer_size, first << min(index, 30))
+    if remaining is not None:
+        samples = min(samples, max(cfg.first_window_size, -(-remaining // 2)))
+    return samples, cfg.window_tokens
 
 
 def window_cut(token_counts: np.ndarray, max_samples: int, max_tokens: Optional[int]) -> int:
@@ -169,7 +185,7 @@ def plan_stream(lengths: np.ndarray, cfg: ODBConfig,
     wp = WindowPlanner(cfg)
     start, k = 0, 0
     while start < n or (n == 0 and k == 0):
-        stop = start + window_cut(tokens[start:], *window_limits(cfg, k))
+        stop = start + window_cut(tokens[start:], *window_limits(cfg, k, n - start))
         sl = slice(start, stop)
         yield wp.plan(np.arange(start, stop), lengths[sl], None if patches is None else patches[sl],
                       final=stop >= n)
