@@ -71,7 +71,7 @@ def estimate_steps(lengths: np.ndarray, n_samples: int, cfg: ODBConfig, *, world
         >>> estimate_steps(x[:512], 5000, cfg)   # a probe of 512, bootstrapped to 5000
         603
         >>> estimate_steps(x, 2500, cfg, world_size=2)   # per rank, 2 ranks of 2500 samples
-        310
+        311
     """
     lengths = _as_2d(lengths)
     n, m = int(n_samples), len(lengths)
