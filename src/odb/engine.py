@@ -103,7 +103,8 @@ class EpochRun:
         return None if self.total is None else max(self.total - self.arrived, 0)
 
     def _read_window(self) -> Tuple[List[int], bool]:
-        records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining()))
+        records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining(),
+                                                          len(self.planner.carried_ids)))
         ids = []
         for sid, sample, meta in records:
             self.register(int(sid), sample, meta, self.arrived)
@@ -126,7 +127,8 @@ class EpochRun:
     def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
         cfg = self.cfg
         patches = self.pool.patches(ids) if cfg.image_patches_key else None
-        planned = self.planner.plan(np.array(ids, dtype=np.int64), self.pool.lengths(ids), patches, final=final)
+        planned = self.planner.plan(np.array(ids, dtype=np.int64), self.pool.lengths(ids), patches, final=final,
+                                    remaining=self._remaining())
         self.stats.windows += 1
         groups = list(planned.groups)
         for sid in planned.oversize.tolist():

@@ -44,7 +44,7 @@ import numpy as np
 
 from .config import ODBConfig
 from .cost import CostModel
-from .window import plan_stream, window_cut, window_limits
+from .window import plan_stream, window_limits
 
 SIMULATE_MAX = 200_000  # samples simulated at most; beyond, the steady-state rate is extrapolated
 DEFAULT_PROBE = 512  # pilot probe; probe_size says when to read more
@@ -174,19 +174,19 @@ def _as_2d(lengths: np.ndarray) -> np.ndarray:
 def _simulate(stream: np.ndarray, n: int, cfg: ODBConfig) -> float:
     """Steps of plan_stream on ``stream``, extrapolated to ``n`` samples at the steady-state rate."""
     count_over = cfg.oversize != "skip"
-    per_window = [len(w.groups) + (len(w.oversize) if count_over else 0) for w in plan_stream(stream, cfg)]
-    steps = float(sum(per_window))
+    windows = [(len(w.groups) + (len(w.oversize) if count_over else 0), w.new_samples)
+               for w in plan_stream(stream, cfg)]
+    steps = float(sum(k for k, _ in windows))
     if n <= len(stream):
         return steps
     # Count the rest at the rate of the second half of the full windows (past the ramp,
     # with a settled carry); with none, at the prefix's own rate.
     tokens, start, full = stream.sum(axis=1), 0, []
-    for k in range(len(per_window) - 1):
+    for k, (planned, size) in enumerate(windows[:-1]):
         cap, cap_tokens = window_limits(cfg, k, len(stream) - start)
-        size = window_cut(tokens[start:], cap, cap_tokens)
         start += size
         if cap >= cfg.buffer_size or size < cap:  # not cut short by the ramp
-            full.append((size, per_window[k]))
+            full.append((size, planned))
     tail = full[len(full) // 2:]
     samples = sum(size for size, _ in tail)
     rate = sum(k for _, k in tail) / samples if samples else steps / len(stream)

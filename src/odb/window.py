@@ -23,6 +23,7 @@ class PlannedWindow:
     groups: List[np.ndarray]
     oversize: np.ndarray  # ids of samples that alone exceed the budget
     final: bool
+    new_samples: int = 0  # samples the window added to the carry
 
 
 class WindowPlanner:
@@ -43,6 +44,7 @@ class WindowPlanner:
         self._carry_patches: Optional[np.ndarray] = None
         self._seen = 0
         self._seen_tokens = 0
+        self._emitted = 0
 
     def full_window_samples(self) -> int:
         """Samples in a full window, at the mean length seen so far (ramp windows are smaller).
@@ -58,11 +60,17 @@ class WindowPlanner:
         return self._carry_ids
 
     def plan(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray] = None,
-             final: bool = False, carry_limit: Optional[int] = None) -> PlannedWindow:
-        """Pool the new samples with the carry and plan; keeps the new carry (at most ``carry_limit``
-        samples; default: half a full window at the mean length seen so far)."""
+             final: bool = False, carry_limit: Optional[int] = None,
+             remaining: Optional[int] = None) -> PlannedWindow:
+        """Pool the new samples with the carry and plan; keeps the new carry.
+
+        The carry holds at most ``carry_limit`` samples (default: half a full window at the
+        mean length seen so far) and, when ``remaining`` (samples of the epoch still to come
+        after these) is known, at most that many: towards the end of an epoch the windows
+        shrink, and so does what is carried, so the pool planned after the data ends is
+        small and no sample is re-planned many times over."""
         ids = np.asarray(ids, dtype=np.int64)
-        first = self._seen == 0
+        new_samples = len(ids)
         self._seen += len(ids)
         self._seen_tokens += int(np.asarray(lengths).sum())
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -75,16 +83,19 @@ class WindowPlanner:
                 patches = np.concatenate((self._carry_patches, patches))
         if carry_limit is None:
             carry_limit = self.cfg.carry_limit(self.full_window_samples())
-        if first and lengths.sum() >= self.cost.total_budget:
-            # The epoch's first window holds a budget's worth: it emits a batch however that packs, so the
-            # first step does not wait for a second window.
+        if remaining is not None and False:
+            carry_limit = min(carry_limit, max(int(remaining), 0))
+        if self._emitted == 0 and lengths.sum() >= self.cost.total_budget:
+            # Nothing emitted yet and the pool holds a budget's worth: emit a batch however it packs, so
+            # the first step does not wait for more windows (short samples rarely pack well this early).
             carry_limit = min(carry_limit, max(len(ids) - 1, 0))
         plan = plan_window(lengths, ids, self.cost, final=final, pack_efficiency=self.cfg.pack_efficiency,
                            carry_limit=carry_limit, patches=patches)
         self._carry_ids = ids[plan.carry]
         self._carry_len = lengths[plan.carry]
         self._carry_patches = None if patches is None else np.asarray(patches)[plan.carry]
-        return PlannedWindow([ids[g] for g in plan.groups], ids[plan.oversize], final)
+        self._emitted += len(plan.groups)
+        return PlannedWindow([ids[g] for g in plan.groups], ids[plan.oversize], final, new_samples)
 
     def defer(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Put planned samples back into the carry (a rank ran fewer steps than it planned)."""
@@ -119,11 +130,14 @@ class WindowPlanner:
         return out
 
     def counters(self) -> List[int]:
-        """What the planner has seen (samples, real tokens): part of the resume state."""
-        return [self._seen, self._seen_tokens]
+        """What the planner has seen and done (samples, real tokens, batches emitted): part of the
+        resume state."""
+        return [self._seen, self._seen_tokens, self._emitted]
 
     def restore_counters(self, counters: List[int]) -> None:
         self._seen, self._seen_tokens = int(counters[0]), int(counters[1])
+        # States saved before the emitted count was kept: any sample seen means a batch was emitted.
+        self._emitted = int(counters[2]) if len(counters) > 2 else int(self._seen > 0)
 
     def restore_carry(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Set the carried samples (used by resume)."""
@@ -133,7 +147,8 @@ class WindowPlanner:
         self._carry_patches = None if patches is None else np.asarray(patches)
 
 
-def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None) -> Tuple[int, Optional[int]]:
+def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None,
+                  carried: int = 0) -> Tuple[int, Optional[int]]:
     """(most samples, real tokens at which it closes) of an epoch's window number ``index``.
 
     Windows ramp up from ``first_window_size`` samples (doubling) so the first batch does
@@ -141,19 +156,21 @@ def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None) -
     tokens, capped at ``buffer_size`` samples. With ``remaining`` (samples of the epoch
     not yet in a window, when the sampler's length is known) they ramp down again: a
     window takes at most half of what remains, so the last window, whose batches can only
-    train once the data has ended, is small.
+    train once the data has ended, is small. A ramp-down window still takes half as many
+    samples as the planner carries (``carried``), so the carry, which every window plans
+    again, is not re-planned many times over for a few new samples.
 
     Example:
         >>> cfg = ODBConfig(token_budget=100, window_budgets=4, buffer_size=1000, first_window_size=8)
         >>> [window_limits(cfg, k) for k in (0, 1, 10)]
         [(8, 400), (16, 400), (1000, 400)]
-        >>> window_limits(cfg, 10, remaining=300)
-        (150, 400)
+        >>> window_limits(cfg, 10, remaining=300), window_limits(cfg, 10, remaining=300, carried=500)
+        ((150, 400), (250, 400))
     """
     first = cfg.buffer_size if cfg.probe_worst_case else cfg.first_window_size
     samples = min(cfg.buffer_size, first << min(index, 30))
     if remaining is not None:
-        samples = min(samples, max(cfg.first_window_size, -(-remaining // 2)))
+        samples = min(samples, max(cfg.first_window_size, -(-remaining // 2), carried // 2))
     return samples, cfg.window_tokens
 
 
@@ -185,10 +202,10 @@ def plan_stream(lengths: np.ndarray, cfg: ODBConfig,
     wp = WindowPlanner(cfg)
     start, k = 0, 0
     while start < n or (n == 0 and k == 0):
-        stop = start + window_cut(tokens[start:], *window_limits(cfg, k, n - start))
+        stop = start + window_cut(tokens[start:], *window_limits(cfg, k, n - start, len(wp.carried_ids)))
         sl = slice(start, stop)
         yield wp.plan(np.arange(start, stop), lengths[sl], None if patches is None else patches[sl],
-                      final=stop >= n)
+                      final=stop >= n, remaining=n - stop)
         start, k = stop, k + 1
 
 
