@@ -47,7 +47,7 @@ class ODBConfig:
         buffer_size: the most processed samples in one planning window (a cap on the
             token-sized window; the window size itself when window_budgets is None).
         first_window_size: the first window of an epoch holds at most this many samples
-            and each next one twice as many, up to the full window, so the first batch
+            and each next one 1.5 times as many, up to the full window, so the first batch
             does not wait for a full window (set it to buffer_size to disable the ramp).
         max_carry: the most samples carried from one window to the next (samples
             that did not fit a well-packed batch yet). Default: half the window's samples.

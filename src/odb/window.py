@@ -151,8 +151,10 @@ def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None,
                   carried: int = 0) -> Tuple[int, Optional[int]]:
     """(most samples, real tokens at which it closes) of an epoch's window number ``index``.
 
-    Windows ramp up from ``first_window_size`` samples (doubling) so the first batch does
-    not wait for a full window; a full window holds ``window_budgets`` budgets' worth of
+    Windows ramp up from ``first_window_size`` samples (x1.5 per window) so the first batch
+    does not wait for a full window, and each ramp window is read while its predecessor
+    trains (a steeper ramp, such as doubling, makes the loop wait whenever a step costs less
+    than twice its data); a full window holds ``window_budgets`` budgets' worth of
     tokens, capped at ``buffer_size`` samples. With ``remaining`` (samples of the epoch
     not yet in a window, when the sampler's length is known) they ramp down again: a
     window takes at most half of what remains, so the last window, whose batches can only
@@ -162,13 +164,17 @@ def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None,
 
     Example:
         >>> cfg = ODBConfig(token_budget=100, window_budgets=4, buffer_size=1000, first_window_size=8)
-        >>> [window_limits(cfg, k) for k in (0, 1, 10)]
-        [(8, 400), (16, 400), (1000, 400)]
+        >>> [window_limits(cfg, k) for k in (0, 1, 2, 20)]
+        [(8, 400), (12, 400), (18, 400), (1000, 400)]
         >>> window_limits(cfg, 10, remaining=300), window_limits(cfg, 10, remaining=300, carried=500)
         ((150, 400), (250, 400))
     """
-    first = cfg.buffer_size if cfg.probe_worst_case else cfg.first_window_size
-    samples = min(cfg.buffer_size, first << min(index, 30))
+    samples = cfg.buffer_size if cfg.probe_worst_case else cfg.first_window_size
+    for _ in range(index):
+        if samples >= cfg.buffer_size:
+            break
+        samples = -(-samples * 3 // 2)  # x1.5: a window reads little more than its predecessor trains on
+    samples = min(samples, cfg.buffer_size)
     if remaining is not None:
         samples = min(samples, max(cfg.first_window_size, -(-remaining // 2), carried // 2))
     return samples, cfg.window_tokens
