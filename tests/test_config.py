@@ -90,6 +90,11 @@ INVALID = [
     ("label_key", {"label_key": 3}, TypeError, _BAD),
     ("step_info_key", {"step_info_key": ""}, TypeError, _BAD),
     ("step_info_key", {"step_info_key": None}, TypeError, _BAD),
+    ("layout", {"layout": "flat"}, ValueError, _BAD),
+    ("layout", {"layout": None}, ValueError, _BAD),
+    ("token_budget", {"token_budget": (1024, 1024), "layout": "packed"}, ValueError, _BAD),
+    ("pad_to_multiple_of", {"pad_to_multiple_of": 8, "layout": "packed"}, ValueError, _BAD),
+    ("batch_size_multiple", {"batch_size_multiple": 8, "layout": "packed"}, ValueError, _BAD),
 ]
 
 

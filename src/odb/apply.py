@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler, DataLoader, default_collate
 
 from .config import ODBConfig
 from .loader import ODBLoaderMixin, draw_seed, group_collate_for, make_config, shuffles
+from .packed_collate import PackedCollate
 
 _SUBCLASSES: Dict[type, type] = {}
 
@@ -62,7 +63,8 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
     sampler, workers and collate_fn are used as they are. ``shuffle`` (batch order
     within windows) defaults to whether the sampler shuffles. With ``batch_size=None``
     the loader's collate_fn is applied per sample in the workers and ``collate_fn``
-    (default: default_collate) collates each planned group.
+    (default: default_collate) collates each planned group. With ``layout="packed"``
+    and no collate of the user's, groups are collated by ``odb.PackedCollate``.
 
     Example:
         >>> import torch, odb
@@ -84,6 +86,9 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
                          f"{type(loader.batch_sampler).__name__}: odb needs single samples. "
                          f"Fix: build the DataLoader with batch_size=1 (or None) and no batch_sampler.")
     cfg = make_config(config, token_budget, options)
+    if collate_fn is None and cfg.layout == "packed" and (loader.batch_size is None
+                                                          or loader.collate_fn is default_collate):
+        collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
     group_collate, transform = group_collate_for(loader, collate_fn)
     seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator)
     loader.__class__ = _odb_class(type(loader))

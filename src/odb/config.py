@@ -8,9 +8,11 @@ from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
 
 OversizePolicy = Literal["error", "alone", "skip"]
 LossScaling = Literal["exact", "approx", "sample", "none"]
+Layout = Literal["padded", "packed"]
 
 _OVERSIZE = ("error", "alone", "skip")
 _LOSS_SCALING = ("exact", "approx", "sample", "none")
+_LAYOUTS = ("padded", "packed")
 
 
 def _fail(name: str, value: Any, rule: str, fix: str, exc: type = ValueError) -> None:
@@ -89,6 +91,11 @@ class ODBConfig:
         ready_batches: batches a background thread plans, collates and pins ahead of the
             training loop (while the workers read the next window). 0 runs everything on
             the training thread, reading on demand (for debugging).
+        layout: "padded" (default): a batch is B rows padded to its longest sample and
+            costs B x L. "packed": a batch is one padding-free row (the samples end to
+            end, ``position_ids`` restarting at each sample; ``odb.PackedCollate``), costs
+            the sum of its samples' lengths (+ L^2 / quadratic_length each), and the
+            planner packs rows close to the budget. See docs/packing.md.
     """
 
     token_budget: Union[int, Tuple[int, ...]]
@@ -119,6 +126,7 @@ class ODBConfig:
     budget_schedule: Optional[Tuple[Tuple[int, int], ...]] = None
     probe_worst_case: bool = False
     ready_batches: int = 4
+    layout: Layout = "padded"
 
     def __post_init__(self) -> None:
         budgets = self.token_budget if isinstance(self.token_budget, tuple) else (self.token_budget,)
@@ -183,11 +191,27 @@ class ODBConfig:
                       "use one summed budget, or no schedule")
             object.__setattr__(self, "budget_schedule", check_schedule(self.budget_schedule))
         _check_int("ready_batches", self.ready_batches, 0, "pass e.g. 4, or 0 to work on the training thread")
+        self._check_layout()
         if not isinstance(self.probe_worst_case, bool):
             _fail("probe_worst_case", self.probe_worst_case, "must be a bool", "pass True or False", TypeError)
         for name in ("label_key", "step_info_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 _fail(name, getattr(self, name), "must be a non-empty str", "pass a field name", TypeError)
+
+    def _check_layout(self) -> None:
+        if self.layout not in _LAYOUTS:
+            _fail("layout", self.layout, f"must be one of {_LAYOUTS}", 'use "padded" (default) or "packed"')
+        if self.layout != "packed":
+            return
+        if isinstance(self.token_budget, tuple):
+            _fail("token_budget", self.token_budget, 'must be one int with layout="packed": a packed batch is one '
+                  "row, whose length the budget bounds", 'pass token_budget=<int>, or layout="padded" for '
+                  "per-dimension budgets")
+        for name, what in (("pad_to_multiple_of", "pads each sample of a padded batch"),
+                           ("batch_size_multiple", "shapes the batch dimension of padded batches")):
+            if getattr(self, name) != 1:
+                _fail(name, getattr(self, name), f'must be 1 with layout="packed": it {what}, and a packed batch is '
+                      "one row without padding", f'leave {name}=1, or use layout="padded"')
 
     @property
     def token_budgets(self) -> Tuple[int, ...]:

@@ -5,6 +5,11 @@ dimension. With one budget the dimensions are summed; with one budget per dimens
 each dimension is bounded on its own. ``quadratic_length`` q makes each padded token
 cost ``1 + L / q`` (attention is quadratic in L). An optional cap bounds the sum of
 image patches in a batch.
+
+In the packed layout (``layout="packed"``) a batch is one row of its samples end to
+end: it costs the sum of its samples' weights (``L`` each, ``L + L^2 / q`` with
+``quadratic_length``), so a row of a few long samples and one of many short ones cost
+alike; nothing is padded.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class CostModel:
         >>> cm = CostModel.from_config(ODBConfig(token_budget=100, pad_to_multiple_of=8))
         >>> cm.batch_cost(cm.pad(np.array([[10], [3]])))
         32.0
+        >>> CostModel((100,), layout="packed").batch_cost(np.array([[10], [3]]))
+        13.0
     """
 
     def __init__(
@@ -39,6 +46,7 @@ class CostModel:
         max_batch_size: Optional[int] = None,
         batch_size_multiple: int = 1,
         max_patches: Optional[int] = None,
+        layout: str = "padded",
     ) -> None:
         self.budgets = np.asarray(budgets, dtype=np.float64)
         self.pad_to = pad_to_multiple_of
@@ -46,11 +54,12 @@ class CostModel:
         self.max_batch = max_batch_size if max_batch_size is not None else np.iinfo(np.int64).max
         self.multiple = batch_size_multiple
         self.max_patches = max_patches
+        self.packed = layout == "packed"
 
     @classmethod
     def from_config(cls, cfg: ODBConfig) -> "CostModel":
         return cls(cfg.token_budgets, cfg.pad_to_multiple_of, cfg.quadratic_length, cfg.max_batch_size,
-                   cfg.batch_size_multiple, cfg.max_image_patches)
+                   cfg.batch_size_multiple, cfg.max_image_patches, cfg.layout)
 
     def scaled(self, factor: float) -> "CostModel":
         """The same model with every token budget multiplied by ``factor``."""
@@ -62,6 +71,11 @@ class CostModel:
     @property
     def total_budget(self) -> float:
         return float(self.budgets.sum())
+
+    @property
+    def row_capacity(self) -> float:
+        """The most one packed row may cost: the budget (with room for the float error of quadratic weights)."""
+        return self.total_budget * _ULP
 
     def check_dims(self, n_dims: int) -> None:
         """Raise if the budget does not fit the number of length dimensions."""
@@ -90,10 +104,37 @@ class CostModel:
         return (counts[:, None] * w_max <= self.budgets[None, :] * _ULP).all(axis=1)
 
     def batch_cost(self, padded_group: np.ndarray) -> float:
-        """Cost of one batch: B x (sum over dimensions of the weight of the max length)."""
+        """Cost of one batch: B x (sum over dimensions of the weight of the max length); packed: the
+        sum of its samples' weights."""
         padded_group = np.asarray(padded_group)
+        if self.packed:
+            return float(self.sample_weights(padded_group).sum())
         w = self.token_weight(padded_group.max(axis=0))
         return float(len(padded_group) * w.sum())
+
+    def sample_weights(self, padded: np.ndarray) -> np.ndarray:
+        """(n,) what each sample adds to a packed row: its weights summed over length dimensions."""
+        return self.token_weight(np.asarray(padded).reshape(len(padded), -1)).sum(axis=1)
+
+    def group_tokens(self, lengths: np.ndarray) -> int:
+        """Tokens a batch of these (n, D) lengths holds: B x padded max per dimension; packed: the real ones.
+
+        Example:
+            >>> lengths = np.array([[10], [3]])
+            >>> CostModel((100,)).group_tokens(lengths), CostModel((100,), layout="packed").group_tokens(lengths)
+            (20, 13)
+        """
+        lengths = np.asarray(lengths)
+        if self.packed:
+            return int(lengths.sum())
+        return int(len(lengths) * self.pad(lengths).max(axis=0).sum())
+
+    def group_cost(self, lengths: np.ndarray) -> int:
+        """What ranks compare to pair groups of similar cost in one step: B x L (padded), the row's
+        cost rounded (packed, with its attention term when ``quadratic_length`` is set)."""
+        if self.packed:
+            return int(round(self.batch_cost(lengths)))
+        return self.group_tokens(lengths)
 
     def copies_that_fit(self, padded: np.ndarray, patches: Optional[np.ndarray]) -> np.ndarray:
         """For each sample, how many copies of it fit in one batch (0: oversize)."""

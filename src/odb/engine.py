@@ -221,7 +221,7 @@ class EpochRun:
             samples, metas = self.pool.pop(ids)
         lengths = np.array([m[0] for m in metas], dtype=np.int64)
         real = int(lengths.sum())
-        padded = int(len(ids) * self.planner.cost.pad(lengths).max(axis=0).sum())
+        padded = self.planner.cost.group_tokens(lengths)
         local_loss = 0 if ghost else plan.local_loss_tokens
         info = ODBStepInfo(
             step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),

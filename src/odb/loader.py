@@ -19,6 +19,7 @@ from .engine import EpochRun
 from .estimate import DEFAULT_PROBE, estimate_steps, probe_size
 from .known import GroupCollate, PlannedBatchSampler, known_epoch, known_records
 from .loader_state import ResumableLoader
+from .packed_collate import PackedCollate
 from .pipeline import BatchPipeline
 from .resume import Cursor
 from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable
@@ -463,6 +464,8 @@ class ODBDataLoader(ODBLoaderMixin):
             raise ValueError(f"ODBDataLoader got sampler={sampler!r} with an IterableDataset, which has no indices. "
                              f"Fix: drop sampler; shard and order inside the dataset.")
         seed = cfg.seed if cfg.seed is not None else draw_seed(generator)
+        if collate_fn is None and cfg.layout == "packed":
+            collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
         own = None
         if shuffle and sampler is None and not iterable:
             own = sampler = EpochShuffleSampler(dataset, seed)

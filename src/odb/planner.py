@@ -8,6 +8,8 @@ run takes is carried to the next window, where more neighbours of similar length
 arrive. When the carry would exceed its limit, the best-packed runs among the
 carried samples are emitted until it fits. The last window of the data is cut
 greedily (fewest batches). Everything here is integers in, index arrays out.
+In the packed layout (one padding-free row per batch) both entry points hand over to
+``odb.packing``.
 """
 
 from __future__ import annotations
@@ -205,6 +207,11 @@ def plan_window(
         >>> [g.tolist() for g in plan.groups]
         [[0, 1], [2, 3]]
     """
+    if cost.packed:  # one padding-free row per batch: bin packing (odb.packing builds on WindowPlan)
+        from .packing import plan_packed_window
+
+        return plan_packed_window(lengths, ids, cost, final=final, pack_efficiency=pack_efficiency,
+                                  carry_limit=carry_limit, patches=patches)
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim == 1:
         lengths = lengths[:, None]
@@ -272,6 +279,10 @@ def balanced_partition(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, n_
         >>> [len(g) for g in groups]
         [2, 2]
     """
+    if cost.packed:
+        from .packing import balanced_rows
+
+        return balanced_rows(lengths, ids, cost, n_groups, patches)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(len(ids), -1)
     if len(lengths) == 0 or n_groups <= 0:
         return []

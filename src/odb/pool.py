@@ -66,8 +66,8 @@ class SamplePool:
         return sum(sum(self._meta[int(i)][0]) for i in ids)
 
     def cost(self, ids: np.ndarray, cost: CostModel) -> int:
-        """B x L of a group (summed over length dimensions)."""
-        return int(len(ids) * cost.pad(self.lengths(ids)).max(axis=0).sum())
+        """B x L of a group (summed over length dimensions); in the packed layout, its row's cost."""
+        return cost.group_cost(self.lengths(ids))
 
     def longest(self, ids: np.ndarray) -> int:
         return max(sum(self._meta[int(i)][0]) for i in ids)

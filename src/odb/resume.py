@@ -28,7 +28,7 @@ STATE_VERSION = 2
 PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_size", "max_carry",
                 "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "quadratic_length",
                 "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling",
-                "budget_schedule", "probe_worst_case")
+                "budget_schedule", "probe_worst_case", "layout")
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
             "run"}
 RUN_KEYS = {"arrived", "planner", "planned_final", "all_done", "local_only", "window_index", "step", "positions", "carry",

@@ -40,14 +40,16 @@ class SampleMeter:
         self.loss_tokens_fn = cfg.loss_tokens_fn
         self.label_key, self.ignore_index, self.shift_labels = cfg.label_key, cfg.ignore_index, cfg.shift_labels
         self.patches_key = cfg.image_patches_key
+        # A packed row masks each sample's first label and the model shifts labels inside: labels[1:] count.
+        self.packed = cfg.layout == "packed"
 
     def __call__(self, sid: Optional[int], sample: Any) -> Meta:
         lengths = as_length_tuple(self.length_fn(sample), -1 if sid is None else sid)
         if self.loss_tokens_fn is not None:
             loss = int(self.loss_tokens_fn(sample))
         else:
-            loss = int(count_loss_tokens(sample, self.label_key, self.ignore_index, self.shift_labels,
-                                         fallback=lengths[0]))
+            loss = int(count_loss_tokens(sample, self.label_key, self.ignore_index, self.shift_labels or self.packed,
+                                         fallback=max(lengths[0] - self.packed, 0)))
         patches = image_patches(sample, self.patches_key) if self.patches_key else 0
         return lengths, loss, patches
 

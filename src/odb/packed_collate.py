@@ -1,0 +1,131 @@
+"""PackedCollate: a planned group of samples as one padding-free row (``layout="packed"``).
+
+The row holds the samples end to end. ``position_ids`` restart at every sample, which
+is how HuggingFace models find the sample boundaries of a packed row (transformers'
+``masking_utils.find_packed_sequence_indices`` turns them into a block-diagonal causal
+mask for ``sdpa``, ``eager`` and ``flex_attention``; the flash-attention kernels take
+the same boundaries from ``position_ids`` or from ``cu_seq_lens_*``). Each sample's
+first label is masked: the model shifts labels inside, so the last token of one
+sample would otherwise be trained to predict the first token of the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Dict, List, Literal, Optional, Sequence
+
+import torch
+
+Backend = Literal["auto", "transformers", "torch"]
+
+
+class PackedCollate:
+    """Collate samples into one padding-free row, in the form HF models and attention kernels accept.
+
+    Each sample is a mapping with 1-D ``input_ids`` (a list, array or tensor) and
+    optionally ``labels`` of the same length (default: its input_ids). The batch:
+
+    - ``input_ids`` (1, T) int64: the samples end to end (T: their total length);
+    - ``labels`` (1, T) int64: each sample's labels, its first one set to ``ignore_index``;
+    - ``position_ids`` (1, T) int64: ``position_ids_start``, +1, ... restarting at each sample;
+    - ``use_cache``: False (unless ``use_cache=None``). transformers builds the packed
+      mask from position_ids only when the forward has no KV cache, and a model whose
+      ``config.use_cache`` is True (Llama's default) makes one even in training: its
+      packed samples would attend to each other. Passing ``use_cache=False`` with the
+      batch keeps them apart;
+    - with ``return_flash_attn_kwargs``: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32
+      sample boundaries) and ``max_length_q`` / ``max_length_k`` (ints);
+    - with ``return_seq_idx``: ``seq_idx`` (1, T) int32, the sample number of each token.
+
+    Other sample fields are dropped. ``backend="auto"`` uses transformers'
+    ``DataCollatorWithFlattening`` when transformers is installed, else a torch-only
+    implementation that gives the same tensors.
+
+    Example:
+        >>> collate = PackedCollate(backend="torch")
+        >>> batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, 9]}])
+        >>> batch["input_ids"].tolist(), batch["labels"].tolist(), batch["position_ids"].tolist()
+        ([[5, 6, 7, 8, 9]], [[-100, 6, 7, -100, 9]], [[0, 1, 2, 0, 1]])
+    """
+
+    def __init__(self, *, ignore_index: int = -100, use_cache: Optional[bool] = False,
+                 return_flash_attn_kwargs: bool = False, return_seq_idx: bool = False, position_ids_start: int = 0,
+                 backend: Backend = "auto") -> None:
+        if backend not in ("auto", "transformers", "torch"):
+            raise ValueError(f"PackedCollate(backend={backend!r}): must be 'auto', 'transformers' or 'torch'. "
+                             f"Fix: pass backend='auto' (transformers' DataCollatorWithFlattening when installed).")
+        self.ignore_index = int(ignore_index)
+        self.use_cache = use_cache
+        self.return_flash_attn_kwargs = bool(return_flash_attn_kwargs)
+        self.return_seq_idx = bool(return_seq_idx)
+        self.position_ids_start = int(position_ids_start)
+        self.backend = backend
+        self._flatten = _transformers_collator(self) if backend != "torch" else None
+        if backend == "transformers" and self._flatten is None:
+            raise ImportError("PackedCollate(backend='transformers') needs transformers with "
+                              "DataCollatorWithFlattening (return_seq_idx, position_ids_start). Fix: pip install "
+                              "'transformers>=4.56', or pass backend='auto' / 'torch'.")
+
+    def __call__(self, samples: Sequence[Any]) -> Dict[str, Any]:
+        features = [_feature(k, s) for k, s in enumerate(samples)]
+        if not features:
+            raise ValueError("PackedCollate got no samples: a packed row needs at least one. Fix: collate a "
+                             "non-empty group (odb never emits an empty one).")
+        if self._flatten is not None and (all("labels" in f for f in features)
+                                          or not any("labels" in f for f in features)):
+            batch = dict(self._flatten(features))
+        else:
+            batch = self._torch(features)
+        if self.use_cache is not None:
+            batch["use_cache"] = self.use_cache
+        return batch
+
+    def _torch(self, features: List[Dict[str, torch.Tensor]]) -> Dict[str, Any]:
+        ids = torch.cat([f["input_ids"] for f in features])
+        labels = torch.cat([f.get("labels", f["input_ids"]) for f in features]).clone()
+        sizes = torch.tensor([len(f["input_ids"]) for f in features])
+        starts = torch.cumsum(sizes, 0) - sizes
+        labels[starts] = self.ignore_index
+        positions = torch.arange(len(ids)) - torch.repeat_interleave(starts, sizes) + self.position_ids_start
+        batch: Dict[str, Any] = {"input_ids": ids[None], "labels": labels[None], "position_ids": positions[None]}
+        if self.return_flash_attn_kwargs:
+            cu = torch.cat((torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0))).to(torch.int32)
+            batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
+            batch["max_length_q"] = batch["max_length_k"] = int(sizes.max())
+        if self.return_seq_idx:
+            batch["seq_idx"] = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), sizes)[None]
+        return batch
+
+
+def _transformers_collator(c: PackedCollate) -> Any:
+    """transformers' DataCollatorWithFlattening with these options, or None where it is missing or older."""
+    try:
+        from transformers import DataCollatorWithFlattening
+    except ImportError:
+        return None
+    try:
+        return DataCollatorWithFlattening(return_tensors="pt", separator_id=c.ignore_index,
+                                          return_flash_attn_kwargs=c.return_flash_attn_kwargs,
+                                          return_seq_idx=c.return_seq_idx, position_ids_start=c.position_ids_start)
+    except TypeError:  # an older transformers without some of these options
+        return None
+
+
+def _feature(k: int, sample: Any) -> Dict[str, torch.Tensor]:
+    """input_ids (and labels, when the sample has them) of sample k as 1-D int64 tensors, checked."""
+    if not isinstance(sample, Mapping) or "input_ids" not in sample:
+        what = f"fields {list(sample)}" if isinstance(sample, Mapping) else f"type {type(sample).__name__}"
+        raise TypeError(f"PackedCollate: sample {k} has {what}; a packed row needs a mapping with input_ids "
+                        f"(and optionally labels). Fix: return dicts with 1-D input_ids from the dataset.")
+    out = {key: torch.as_tensor(sample[key], dtype=torch.int64) for key in ("input_ids", "labels")
+           if key in sample and sample[key] is not None}
+    ids = out["input_ids"]
+    if ids.dim() != 1 or len(ids) == 0:
+        raise ValueError(f"PackedCollate: sample {k} has input_ids of shape {tuple(ids.shape)}; a packed row joins "
+                         f"non-empty 1-D samples. Fix: tokenize without return_tensors (or squeeze(0)) and drop "
+                         f"empty samples.")
+    if "labels" in out and out["labels"].shape != ids.shape:
+        raise ValueError(f"PackedCollate: sample {k} has labels of shape {tuple(out['labels'].shape)} but input_ids "
+                         f"of shape {tuple(ids.shape)}; in a packed row each label sits under its token. Fix: give "
+                         f"every sample one label per input id (ignore_index where unsupervised).")
+    return out

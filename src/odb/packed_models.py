@@ -1,0 +1,129 @@
+"""Does a model keep the samples of a packed row apart? A probe, and a refusal with the reason.
+
+A packed row is only exact when every sample sees itself alone: the model must turn
+the restarting ``position_ids`` (or ``cu_seq_lens_*``) into sample boundaries. Many
+do (in transformers 5: Llama, Mistral, Qwen2/3, Gemma, GPT-2, GPT-NeoX, OLMo, Phi,
+... with ``sdpa`` and ``eager``), some do not (OPT, Bloom, Mamba), and one setting
+breaks those that do: a KV cache in the forward (``config.use_cache=True``, Llama's
+default, even in training) makes transformers skip the packed-row detection.
+``check_packed_model`` runs the model once on a small packed row and on each of its
+samples alone and refuses it, with the reason, when the logits differ.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from .packed_collate import PackedCollate
+
+
+class PackedLayoutError(ValueError):
+    """The model mixes the samples of a packed row: use layout="padded" for it, or the fix named."""
+
+
+def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, atol: Optional[float] = None,
+                       lengths: Tuple[int, ...] = (13, 7, 20), seed: int = 0) -> float:
+    """Refuse a model whose packed samples see each other; return the largest difference found.
+
+    Packs random samples of ``lengths`` tokens into one row with ``collate`` (default
+    ``PackedCollate()``, as the loader builds rows), runs the model on it and on each
+    sample alone (``eval()`` and ``no_grad``; the training mode is restored), and
+    compares each sample's logits. Costs a forward of ``sum(lengths)`` tokens plus one
+    per sample. Call it once before training with ``layout="packed"``.
+
+    Args:
+        model: a causal LM taking ``input_ids`` and ``position_ids`` and returning ``logits``.
+        collate: the collate that will build the rows (its ``use_cache`` and flash-attention
+            kwargs are what the probe passes too).
+        atol: the largest absolute difference accepted, times max(1, the largest logit).
+            Default 1e-4 for float32/float64 logits, 3e-2 for 16-bit ones.
+        lengths: token counts of the probe's samples.
+        seed: seed of the probe's random tokens.
+
+    Raises:
+        PackedLayoutError: naming the model, its attention implementation, the difference
+            and the reason (a KV cache in the forward, no ``position_ids`` argument, or an
+            attention that ignores the boundaries), with the fix.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> check_packed_model(model) < 1e-4
+        True
+        >>> check_packed_model(model, PackedCollate(use_cache=None))   # Llama's config.use_cache=True
+        Traceback (most recent call last):
+        ...
+        odb.packed_models.PackedLayoutError: ...KV cache...
+    """
+    collate = collate if collate is not None else PackedCollate()
+    name = _describe(model)
+    forward = inspect.signature(model.forward).parameters
+    if "position_ids" not in forward and not any(p.kind == p.VAR_KEYWORD for p in forward.values()):
+        raise PackedLayoutError(f"odb refuses layout='packed' for {name}: its forward takes no position_ids, so it "
+                                f"cannot tell where the samples of a packed row begin. Fix: use layout='padded'.")
+    diff, tol = _probe(model, collate, atol, lengths, seed)
+    if diff <= tol:
+        return diff
+    reason = ("its attention does not turn the restarting position_ids into sample boundaries, so every token "
+              "attends to the samples before it in the row (or, for a state-space model, carries their state)")
+    fix = ("use layout='padded' for this model, or an attention implementation that isolates packed samples "
+           "(docs/packing.md lists the measured ones)")
+    if collate.use_cache is not False and getattr(getattr(model, "config", None), "use_cache", False):
+        no_cache = PackedCollate(ignore_index=collate.ignore_index, use_cache=False,
+                                 return_flash_attn_kwargs=collate.return_flash_attn_kwargs,
+                                 return_seq_idx=collate.return_seq_idx, position_ids_start=collate.position_ids_start)
+        if _probe(model, no_cache, atol, lengths, seed)[0] <= tol:
+            reason = ("the forward builds a KV cache (config.use_cache=True) and transformers detects packed rows "
+                      "from position_ids only without one")
+            fix = "keep PackedCollate(use_cache=False) (the default) or set model.config.use_cache = False"
+    raise PackedLayoutError(f"odb refuses layout='packed' for {name}: a packed sample's logits differ from its "
+                            f"logits alone by {diff:.3g} (tolerance {tol:.3g}). Reason: {reason}. Fix: {fix}.")
+
+
+def _describe(model: Any) -> str:
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    return f"{type(model).__name__}" + (f" (attn_implementation={impl!r})" if impl else "")
+
+
+def _probe(model: Any, collate: PackedCollate, atol: Optional[float], lengths: Tuple[int, ...],
+           seed: int) -> Tuple[float, float]:
+    """(largest difference of a sample's logits packed vs alone, the tolerance)."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    vocab = _vocab_size(model)
+    gen = torch.Generator().manual_seed(seed)
+    samples = [{"input_ids": torch.randint(0, vocab, (n,), generator=gen)} for n in lengths]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            row = _logits(model, collate(samples), device)[0]
+            alone = [_logits(model, collate([s]), device)[0] for s in samples]
+    finally:
+        model.train(was_training)
+    diff, scale, start = 0.0, 1.0, 0
+    for n, ref in zip(lengths, alone):
+        diff = max(diff, float((row[start:start + n].float() - ref.float()).abs().max()))
+        scale = max(scale, float(ref.float().abs().max()))
+        start += n
+    if atol is None:
+        atol = 1e-4 if row.dtype in (torch.float32, torch.float64) else 3e-2
+    return diff, atol * scale
+
+
+def _logits(model: Any, batch: Dict[str, Any], device: torch.device) -> torch.Tensor:
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != "labels"}
+    out = model(**inputs)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _vocab_size(model: Any) -> int:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and hasattr(embeddings, "num_embeddings"):
+        return int(embeddings.num_embeddings)
+    return int(getattr(model.config, "vocab_size"))
