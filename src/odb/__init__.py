@@ -13,6 +13,7 @@ from .apply import ODBHandle, apply
 from .config import ODBConfig
 from .lengths import count_loss_tokens, default_length, seq2seq_lengths
 from .loader import ODBDataLoader
+from .loss import scale_loss
 from .packed_collate import PackedCollate
 from .packed_models import PackedLayoutError, check_packed_model
 from .sampling import ShardSampler
@@ -22,6 +23,6 @@ from .step_info import ODBStepInfo, attach_step_info, pop_step_info
 __all__ = [
     "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "PackedCollate", "PackedLayoutError",
     "check_packed_model", "apply", "attach_step_info", "count_loss_tokens",
-    "default_length", "pop_step_info", "seq2seq_lengths", "ShardSampler", "linear_budget_ramp",
+    "default_length", "pop_step_info", "scale_loss", "seq2seq_lengths", "ShardSampler", "linear_budget_ramp",
 ]
 __version__ = "0.1.0"

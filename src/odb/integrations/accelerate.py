@@ -42,6 +42,7 @@ from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 
 from ..loader import ODBLoaderMixin
+from ..loss import scale_loss as exact_scale
 from ..step_info import ODBStepInfo, attach_step_info, pop_step_info
 from .checks import check_accumulation, check_odb_loader, check_sharding
 from .states import gather_states, restore_rank_state
@@ -173,13 +174,15 @@ def scale_loss(accelerator: Any, loss: torch.Tensor, info: ODBStepInfo) -> torch
     ``loss`` is the mean over this batch's supervised tokens. ``accelerator.backward``
     (and DeepSpeed's engine) divide by ``gradient_accumulation_steps``; odb's
     ``loss_scale`` already spreads the optimizer step's token mean over its micro-batches,
-    so the factor cancels that division. A ghost batch gets 0 and still runs backward.
+    so the factor cancels that division. A ghost batch, or one without supervised tokens
+    (whose mean loss is 0 / 0 = NaN), gets an exact zero that still runs backward
+    (``odb.scale_loss``).
 
     Example::
 
         accelerator.backward(scale_loss(accelerator, outputs.loss, info))
     """
-    return loss * (info.loss_scale * accelerator.gradient_accumulation_steps)
+    return exact_scale(loss, info, accelerator.gradient_accumulation_steps)
 
 
 def skip_first_batches(loader: ODBAcceleratedLoader, num_batches: int) -> ODBAcceleratedLoader:

@@ -16,6 +16,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 from ..config import ODBConfig
+from ..loss import zero_loss as graph_zero
 from ..step_info import ODBStepInfo, pop_step_info
 
 
@@ -105,10 +106,12 @@ def zero_loss(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
     """A zero loss still connected to the model's graph (a batch without supervised tokens, a ghost).
 
     The model's mean over zero tokens is NaN (0/0), and NaN times 0 stays NaN, so the
-    zero comes from the logits instead; every parameter still gets a (zero) gradient,
-    which keeps DDP's gradient all-reduce aligned.
+    zero comes from the logits instead (an empty slice of them, summed: exactly 0 even
+    for infinite logits); every parameter still gets a (zero) gradient, which keeps DDP's
+    gradient all-reduce aligned. Without logits, from the parameters the loss depends on
+    (``odb.loss.zero_loss``), never through a 0/0 that would make the gradients NaN.
     """
     logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
     if isinstance(logits, torch.Tensor) and logits.requires_grad:
-        return logits.sum().to(loss.dtype) * 0.0
-    return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+        return torch.zeros_like(loss.detach()) + logits.reshape(-1)[:0].sum().to(loss.dtype)
+    return graph_zero(loss)

@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl
 
 from ..loader import ODBLoaderMixin
+from ..loss import scale_loss as exact_scale
 from ..step_info import ODBStepInfo, pop_step_info
 from .checks import check_accumulation, check_odb_loader, check_sharding
 from .states import gather_states, restore_rank_state
@@ -163,7 +164,9 @@ def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
     optimisation divides the returned loss by ``accumulate_grad_batches``; odb's
     ``loss_scale`` already spreads the optimizer step's token mean over its
     micro-batches, so the factor cancels that division (it is 1 under manual
-    optimisation). A ghost batch gets 0 and still runs backward.
+    optimisation). A ghost batch, or one without supervised tokens (whose mean loss is
+    0 / 0 = NaN), gets an exact zero that still runs backward (``odb.scale_loss``), so the
+    logged loss stays finite.
 
     Example::
 
@@ -177,7 +180,7 @@ def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
                            f"Trainer(callbacks=[ODBCallback()]) and return an ODBLightningLoader from "
                            f"train_dataloader().")
     factor = pl_module.trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-    return loss * (info.loss_scale * factor)
+    return exact_scale(loss, info, factor)
 
 
 class ODBCallback(pl.Callback):
