@@ -66,13 +66,13 @@ def pad_collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
 # ---- models --------------------------------------------------------------------------------
 
 
-def llama(seed: int = 0) -> torch.nn.Module:
+def llama(seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                      attn_implementation="eager")
+                      attn_implementation="eager", attention_dropout=dropout)
     return LlamaForCausalLM(cfg).to(torch.float64)
 
 
@@ -89,22 +89,27 @@ def _plain_llama_class() -> type:
     return PlainLlama
 
 
-def plain_llama(seed: int = 0) -> torch.nn.Module:
-    model = llama(seed)
+def plain_llama(seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
+    model = llama(seed, dropout)
     model.__class__ = _plain_llama_class()
     return model
 
 
-def t5(seed: int = 0) -> torch.nn.Module:
+def t5(seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
     cfg = T5Config(vocab_size=VOCAB, d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2,
-                   decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+                   decoder_start_token_id=0, pad_token_id=0, dropout_rate=dropout)
     return T5ForConditionalGeneration(cfg).to(torch.float64)
 
 
 MODELS = {"llama": llama, "plain_llama": plain_llama, "t5": t5}
+
+
+def make_model(p: Dict[str, Any]) -> torch.nn.Module:
+    """The model ``p`` names, from ``model_seed`` (default 0), with ``dropout`` (default 0: none)."""
+    return MODELS[p["model"]](p.get("model_seed", 0), p.get("dropout", 0.0))
 
 
 def dataset_for(p: Dict[str, Any]) -> List[Dict[str, torch.Tensor]]:
@@ -129,7 +134,7 @@ def token_loss_sum(model: torch.nn.Module, sample: Dict[str, torch.Tensor], seq2
 
 def reference_delta(p: Dict[str, Any], ids: Sequence[int]) -> Dict[str, torch.Tensor]:
     """-lr x gradient of (sum of token losses) / (tokens) over the samples ``ids``, in one process."""
-    model = MODELS[p["model"]](p.get("model_seed", 0))
+    model = make_model(p)
     data = dataset_for(p)
     total, tokens = torch.zeros((), dtype=torch.float64), 0
     for i in ids:
@@ -160,7 +165,7 @@ def build_trainer(p: Dict[str, Any], out: str) -> Any:
 
     from odb.integrations.hf import ODBTrainer, enable_odb
 
-    model = MODELS[p["model"]](p.get("model_seed", 0))
+    model = make_model(p)
     odb_options = dict(token_budget=p["budget"], buffer_size=p.get("buffer", 16))
     odb_options.update(p.get("odb", {}))
     data = dataset_for(p)

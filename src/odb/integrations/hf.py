@@ -145,7 +145,7 @@ class ODBTrainerMixin:
             return epochs_trained, skipped
         bound = inspect.signature(Trainer._init_training_state).bind(self, *args, **kwargs)
         checkpoint = bound.arguments.get("resume_from_checkpoint")
-        run.resume = False
+        run.resume, run.rng_checkpoint = False, None
         if checkpoint is None:
             return 0, 0
         fresh = bool(self.args.ignore_data_skip)
@@ -165,7 +165,7 @@ class ODBTrainerMixin:
             progress.begin_epoch(epoch)  # ignore_data_skip: the interrupted epoch starts again
         elif progress.in_epoch:
             run.loader.load_state_dict(saved["loader"])
-            run.resume = True
+            run.resume, run.rng_checkpoint = True, checkpoint
         return epoch, 0
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
@@ -189,6 +189,13 @@ class ODBTrainerMixin:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         run.infos.clear()
         got = next_step(epoch_iterator, run.cfg.step_info_key)
+        if run.first_pull and run.rng_checkpoint is not None:
+            # The Trainer restored the checkpoint's RNG states before it built the epoch's iterator, and
+            # building it drew from torch's RNG (a DataLoader draws its base seed at iter()). The
+            # uninterrupted run drew that at the epoch's start, so restore again: dropout then continues
+            # with the very states the interrupted run had (the Trainer does the same after skipping).
+            self._load_rng_state(run.rng_checkpoint)
+            run.rng_checkpoint = None
         run.empty_resume, run.first_pull = run.first_pull and got is None, False
         if got is None:
             run.exhausted = True

@@ -35,6 +35,9 @@ class ODBRun:
         self.step_infos: Tuple[ODBStepInfo, ...] = ()
         self.active: Optional[ODBStepInfo] = None
         self.resume = False  # the next epoch continues from a loaded loader state
+        # The checkpoint whose RNG states the resumed epoch restores once its iterator is built (see
+        # ODBTrainerMixin.get_batch_samples); None when there is nothing to restore.
+        self.rng_checkpoint: Optional[str] = None
         self.first_pull = False  # the next get_batch_samples is the first of a resumed epoch
         self.empty_resume = False  # ...and found nothing left (the state was saved after its last step)
         self.exhausted = False
