@@ -44,6 +44,7 @@ from .hf_data import build_train_loader, estimate_micro_steps, read_state, write
 from .hf_progress import SampleProgress, schedule_by_samples
 from .hf_setup import ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, loss_shifts_labels
 from .hf_steps import StepFiller, check_loss_tokens, next_step, pad_step, zero_loss
+from .trl import sft_options
 
 __all__ = ["ODBTrainer", "ODBTrainerMixin", "configure_trainer", "enable_odb"]
 
@@ -101,6 +102,7 @@ class ODBTrainerMixin:
         if "seed" not in options and (config is None or config.seed is None):
             options["seed"] = args.data_seed if args.data_seed is not None else args.seed
         shift = loss_shifts_labels(self)
+        options = sft_options(self, config, options, shift)  # TRL's collator: its labels, padding-free rows
         if "shift_labels" not in options and (config is None or not config.shift_labels):
             options["shift_labels"] = shift
         self._odb = ODBRun(make_config(config, token_budget, options), lengths, shift)
