@@ -75,7 +75,9 @@ def best_fit_decreasing(sizes: Sequence[float], capacity: float, max_items: Opti
 
 def _sorted_sizes(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, patches: Optional[np.ndarray]):
     """(positions that fit, in decreasing weight then id; their weights; positions that do not fit)."""
-    lengths = np.asarray(lengths, dtype=np.int64).reshape(len(ids), -1)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim == 1:
+        lengths = lengths[:, None]
     cost.check_dims(lengths.shape[1])
     padded = cost.pad(lengths)
     fits = cost.copies_that_fit(padded, patches)
