@@ -59,6 +59,35 @@ def test_resume_with_dropout_is_bitwise_equal(tmp_path, model, workers):
         assert_bitwise(whole["params"], tail["params"], f"{model}, resumed at step {at} of {len(epochs)}")
 
 
+def noisy_collate(samples):
+    """pad_collate, then 20% of the real input tokens replaced by token 1, drawn from torch's global RNG."""
+    batch = W.pad_collate(samples)
+    noise = (torch.rand(batch["input_ids"].shape) < 0.2) & (batch["attention_mask"] > 0)
+    batch["input_ids"] = batch["input_ids"].masked_fill(noise, 1)
+    return batch
+
+
+def train_with_collate(p: Dict[str, Any], collate: Any) -> Dict[str, Any]:
+    trainer = W.build_trainer(p, p["out"])
+    trainer.data_collator = collate
+    rec = W.recorder(trainer)
+    trainer.train(resume_from_checkpoint=p.get("resume"))
+    return {"steps": rec.steps, "params": {n: w.detach().clone() for n, w in trainer.model.named_parameters()}}
+
+
+def test_resume_with_a_random_collator_on_the_training_thread_is_bitwise_equal(tmp_path):
+    # ready_batches=0: odb collates on the training thread, so the collator's draws and dropout's come in a
+    # fixed order; the resumed run restores the RNG states before its first batch is collated.
+    out = str(tmp_path / "whole")
+    p = run_params("llama", out, epochs=1, odb={"ready_batches": 0})
+    whole = train_with_collate(p, noisy_collate)
+    for at in (2, 4):
+        tail = train_with_collate(dict(p, out=str(tmp_path / f"resumed{at}"),
+                                       resume=os.path.join(out, f"checkpoint-{at}")), noisy_collate)
+        assert tail["steps"] == whole["steps"][at:], f"resumed at step {at} with other batches"
+        assert_bitwise(whole["params"], tail["params"], f"random collator, resumed at step {at}")
+
+
 def test_dropout_is_active_in_these_runs(tmp_path):
     # The equality above means something only if dropout draws random masks: two RNG seeds, other weights.
     p = run_params("t5", str(tmp_path / "a"), epochs=1, args=dict(SAVE_EVERY_2, save_strategy="no", data_seed=7))

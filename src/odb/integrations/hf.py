@@ -190,14 +190,14 @@ class ODBTrainerMixin:
         if run.loader is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         run.infos.clear()
-        got = next_step(epoch_iterator, run.cfg.step_info_key)
         if run.first_pull and run.rng_checkpoint is not None:
-            # The Trainer restored the checkpoint's RNG states before it built the epoch's iterator, and
-            # building it drew from torch's RNG (a DataLoader draws its base seed at iter()). The
-            # uninterrupted run drew that at the epoch's start, so restore again: dropout then continues
-            # with the very states the interrupted run had (the Trainer does the same after skipping).
+            # The Trainer restored the checkpoint's RNG states before it built the resumed epoch's iterator,
+            # and building it drew from torch's RNG (a DataLoader draws its base seed at iter()); the
+            # uninterrupted run drew that at the epoch's start. Restore them again before the first batch:
+            # dropout (and a collator drawing on the training thread) continue as the interrupted run did.
             self._load_rng_state(run.rng_checkpoint)
             run.rng_checkpoint = None
+        got = next_step(epoch_iterator, run.cfg.step_info_key)
         run.empty_resume, run.first_pull = run.first_pull and got is None, False
         if got is None:
             run.exhausted = True
