@@ -88,7 +88,7 @@ def test_check_packed_model_refuses_a_model_that_mixes_samples() -> None:
     with pytest.raises(PackedLayoutError) as info:
         check_packed_model(model)
     msg = str(info.value)
-    assert "OPTForCausalLM" in msg and "does not turn the restarting position_ids" in msg
+    assert "OPTForCausalLM" in msg and "does not turn the restarting position_ids into sample boundaries" in msg
     assert "Fix: use layout='padded'" in msg
 
 

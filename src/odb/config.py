@@ -55,7 +55,8 @@ class ODBConfig:
             that did not fit a well-packed batch yet). Default: half the window's samples.
         pack_efficiency: a batch is emitted from a window (rather than carried) when
             its real tokens reach this share of a full batch of copies of its longest
-            sample. Lower values emit sooner and pad more.
+            sample. Lower values emit sooner and pad more. In the packed layout: a row is
+            emitted when its cost reaches this share of the budget.
         pad_to_multiple_of: padded lengths are rounded up to a multiple of this.
         max_batch_size: the most samples per batch (None: no limit).
         batch_size_multiple: batch sizes are a multiple of this whenever the budget

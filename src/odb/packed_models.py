@@ -68,8 +68,8 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
     diff, tol = _probe(model, collate, atol, lengths, seed)
     if diff <= tol:
         return diff
-    reason = ("its attention does not turn the restarting position_ids into sample boundaries, so every token "
-              "attends to the samples before it in the row (or, for a state-space model, carries their state)")
+    reason = ("the model does not turn the restarting position_ids into sample boundaries: its tokens see the "
+              "samples before them in the row (through attention, or a recurrent state)")
     fix = ("use layout='padded' for this model, or an attention implementation that isolates packed samples "
            "(docs/packing.md lists the measured ones)")
     if collate.use_cache is not False and getattr(getattr(model, "config", None), "use_cache", False):
