@@ -2,25 +2,51 @@
 
 A CPU (gloo) group of its own for every epoch of every loader, created on the main
 thread when the epoch's iterator is built (every rank builds its loaders' iterators in
-the same order), carries a few integers per window from the loader's background thread:
-a header (groups planned, groups that must be emitted, data ended, seed) and then
-per-step summaries (cost, samples, loss tokens). A group per epoch means two loaders
-alive at once never interleave collectives on one group, and an epoch abandoned while
-its thread waits in an exchange cannot disturb the next one. No sample data crosses ranks.
+the same order), carries a few integers per window and per step from the loader's
+background thread: a header (groups planned, groups that must be emitted, data ended,
+seed, the plan options' fingerprint), per-step summaries (cost, samples, loss tokens)
+and a per-step confirmation. A group per epoch means two loaders alive at once never
+interleave collectives on one group, and an epoch abandoned while its thread waits in
+an exchange cannot disturb the next one. No sample data crosses ranks.
+
+Every message starts with a status word. A rank whose epoch fails (or that stops
+iterating) joins its next exchange with ``FAILED`` (or ``STOPPED``) instead of its
+data (``RankExchange.announce``); every rank then also gathers a short utf-8 reason,
+the announcing ranks re-raise their own error and the others raise ``ODBRankFailed``
+naming the rank, so no rank waits for ``exchange_timeout_s``.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Optional, Tuple
+import threading
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+OK, FAILED, STOPPED = 0, 1, 2
+REASON_BYTES = 1024  # utf-8 bytes of a failure reason carried to the other ranks (longer ones are cut)
+
 
 class ODBExchangeError(RuntimeError):
     """A rank did not take part in odb's metadata exchange (it died, stalled or diverged)."""
+
+
+class ODBRankFailed(ODBExchangeError):
+    """Another rank's odb loader failed or stopped iterating: this rank stops too.
+
+    ``rank`` is the first rank that failed (else the first that stopped), ``reason`` its own words.
+    """
+
+    def __init__(self, message: str, rank: int, reason: str) -> None:
+        super().__init__(message)
+        self.rank, self.reason = rank, reason
+
+
+class ODBOptionMismatch(ODBExchangeError):
+    """The ranks' loaders were built with different options that change the plan."""
 
 
 def world() -> Tuple[int, int]:
@@ -43,8 +69,73 @@ def release_group(group: Any) -> None:
         pass
 
 
+def encode_reason(text: str) -> np.ndarray:
+    """``text`` as utf-8 in a fixed-size int64 slot; a longer text keeps its start and its end (a
+    worker's error ends with the original message) around " [...] ".
+
+    Example:
+        >>> decode_reason(encode_reason("ValueError: too long"))
+        'ValueError: too long'
+        >>> len(decode_reason(encode_reason("x" * 5000))) <= REASON_BYTES
+        True
+    """
+    raw = text.encode("utf-8")
+    if len(raw) > REASON_BYTES:
+        head, tail = REASON_BYTES // 3, REASON_BYTES - REASON_BYTES // 3 - 7
+        raw = (raw[:head].decode("utf-8", "ignore") + " [...] " + raw[-tail:].decode("utf-8", "ignore")).encode()
+    slot = np.zeros(REASON_BYTES // 8, dtype=np.int64)
+    slot.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return slot
+
+
+def decode_reason(slot: np.ndarray) -> str:
+    """The text of ``encode_reason``."""
+    return np.ascontiguousarray(slot, dtype=np.int64).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
+
+def failure_of(error: Optional[BaseException]) -> Tuple[int, str]:
+    """(status, reason) a rank announces for ``error`` (None: it stopped iterating, no error).
+
+    Example:
+        >>> failure_of(ValueError("bad sample"))
+        (1, 'ValueError: bad sample')
+    """
+    if error is None:
+        return STOPPED, "it stopped iterating its odb loader before the epoch ended (a break, or an error outside odb)"
+    text = str(error).strip() or "(no message)"
+    return FAILED, f"{type(error).__name__}: {text}"
+
+
+def peer_error(rank: int, world_size: int, where: str, statuses: Sequence[int], reasons: List[str]
+               ) -> ODBRankFailed:
+    """The error of a rank that saw other ranks announce a failure (or a stop) at ``where``.
+
+    Example:
+        >>> str(peer_error(0, 2, "epoch 0, step 3", [0, 1], ["", "ValueError: bad"]))[:60]
+        'odb rank 0 of 2: rank 1 failed at epoch 0, step 3 (ValueErro'
+    """
+    failed = [r for r, s in enumerate(statuses) if s == FAILED]
+    stopped = [r for r, s in enumerate(statuses) if s == STOPPED]
+    first = (failed or stopped)[0]
+    if failed:
+        what = f"rank {first} failed at {where} ({reasons[first]})"
+        fix = f"fix the cause in rank {first}'s error (its log), then restart every rank"
+    else:
+        what = f"rank {first} stopped iterating its odb loader at {where} while this rank still iterates it"
+        fix = (f"every rank must iterate its odb loaders to the same step; if rank {first} raised an error outside "
+               f"odb, see its log")
+    others = [r for r in failed + stopped if r != first]
+    also = f"; also rank(s) {others}" if others else ""
+    return ODBRankFailed(f"odb rank {rank} of {world_size}: {what}{also}; this rank stops too. Fix: {fix}.",
+                         first, reasons[first])
+
+
 class RankExchange:
-    """all_gather of small int64 arrays over the metadata group, with a clear error."""
+    """all_gather of small int64 arrays over the metadata group, with a status word and a clear error.
+
+    Once an exchange has seen a failure (its own announcement, another rank's, or an
+    error of the group itself) it is ``dead``: no rank exchanges on it again.
+    """
 
     def __init__(self, timeout_s: float, group: Any = None) -> None:
         self.owns_group = group is None
@@ -54,6 +145,7 @@ class RankExchange:
             self.rank, self.world_size = world()
         self.timeout_s = timeout_s
         self.group: Optional[Any] = group
+        self.dead = False
         if self.owns_group and self.world_size > 1:
             self.group = new_metadata_group(timeout_s)
 
@@ -63,18 +155,68 @@ class RankExchange:
             release_group(self.group)
             self.group = None
 
-    def all_gather(self, values: np.ndarray, where: str) -> np.ndarray:
-        """(world, *values.shape) array of every rank's values (same shape on all ranks)."""
+    def all_gather(self, values: np.ndarray, where: str, status: int = OK, reason: str = ""
+                   ) -> Optional[np.ndarray]:
+        """(world, *values.shape) array of every rank's values (same shape on all ranks).
+
+        Raises ``ODBRankFailed`` when another rank announced a failure or a stop at this
+        exchange; returns None on a rank that announced one itself (``status`` not OK).
+        """
         values = np.ascontiguousarray(values, dtype=np.int64)
-        local = torch.as_tensor(values.reshape(-1))
+        if self.dead:
+            raise ODBExchangeError(f"odb rank {self.rank} of {self.world_size}: the metadata exchange at {where} "
+                                   f"was used after it failed. This is a bug in odb; please report it.")
+        message = np.concatenate(([status], values.reshape(-1)))
+        gathered = self._gather(message, where)
+        statuses = gathered[:, 0]
+        if not statuses.any():
+            return gathered[:, 1:].reshape((self.world_size,) + values.shape)
+        self.dead = True
+        slots = self._gather(encode_reason(reason if status != OK else ""), where)
+        if status != OK:
+            return None
+        raise peer_error(self.rank, self.world_size, where, statuses.tolist(), [decode_reason(s) for s in slots])
+
+    def announce(self, shape: Tuple[int, ...], where: str, error: Optional[BaseException]) -> None:
+        """Join the next exchange (whose values have ``shape`` on every rank) with a failure
+        (``error``) or a stop (None) instead of data, so the other ranks raise at once.
+
+        Blocks until every rank reached that exchange; does nothing on a dead exchange.
+        """
+        if self.dead or self.world_size <= 1:
+            return
+        status, reason = failure_of(error)
+        self.all_gather(np.zeros(shape, dtype=np.int64), where, status, reason)
+
+    def _gather(self, message: np.ndarray, where: str) -> np.ndarray:
+        local = torch.as_tensor(message)
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         try:
             dist.all_gather(parts, local, group=self.group)
         except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
+            self.dead = True
             raise ODBExchangeError(
                 f"odb rank {self.rank} of {self.world_size}: the metadata exchange at {where} failed or waited "
                 f"more than exchange_timeout_s={self.timeout_s}: another rank died, stalled or stopped iterating "
                 f"its odb loader ({type(err).__name__}: {err}). Fix: check the other ranks' logs; every rank "
                 f"must iterate its odb loaders in the same order; raise exchange_timeout_s for very slow "
                 f"steps.") from err
-        return torch.stack(parts).numpy().reshape((self.world_size,) + values.shape)
+        return torch.stack(parts).numpy()
+
+
+def announce_in_background(exchange: Any, shape: Tuple[int, ...], where: str,
+                           error: Optional[BaseException]) -> Optional[threading.Thread]:
+    """``exchange.announce`` on a daemon thread, so the announcing rank raises its own error at once
+    (the others may reach that exchange only later). None when there is nothing to announce."""
+    if exchange is None or getattr(exchange, "dead", True) or exchange.world_size <= 1:
+        return None
+
+    def run() -> None:
+        try:
+            exchange.announce(shape, where, error)
+        except Exception:  # best effort: the group may be broken too (a dead peer); this rank raises anyway
+            pass
+
+    thread = threading.Thread(target=run, name="odb-announce", daemon=True)
+    thread.start()
+    return thread

@@ -78,6 +78,7 @@ class EpochRun:
     def restore(self, state: Dict[str, Any], samples: Dict[int, Tuple[Any, Any]]) -> None:
         """Continue from a saved state; ``samples`` maps every retained id to (sample, meta)."""
         restore_epoch(self, state, samples)
+        self.aligner.unconfirmed = len(self.pending) + len(self.chunk) - self.chunk_pos  # made and confirmed later
         self.take_snapshot()
 
     def register(self, sid: int, sample: Any, meta: Any, position: int) -> None:
@@ -192,6 +193,7 @@ class EpochRun:
             self.chunk_pos += 1
             plan, ids = self.chunk[j]
             batch = self._make_batch(plan, ids, [p for p, _ in self.chunk], j)
+            self.aligner.confirm(f"epoch {self.epoch}, step {self.step - 1}")  # every rank made this step's batch
             self._since += 1
             yield batch, Cursor(self.snapshot, self._since, dataclasses.replace(self.stats))
         self._warn_at_end()

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .config import ODBConfig
+from .dist import announce_in_background
 from .resume import Cursor
 from .source import Record
 from .step_info import ODBStepInfo, attach_step_info, pop_step_info
@@ -92,8 +93,11 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
     """The micro-batches of one optimizer step with their supervised tokens and loss scales filled in."""
     local = [0 if info.is_ghost else batch_loss_tokens(batch, cfg, info.real_tokens) for batch, info in micro]
     if exchange is not None:
-        gathered = exchange.all_gather(np.array(local, dtype=np.int64),
-                                       f"epoch {micro[0][1].epoch}, step {micro[0][1].step}")
+        # Always gradient_accumulation_steps entries (a partial last step pads), so a rank that fails
+        # before it knows its next step's size can still announce it (odb.dist.RankExchange.announce).
+        message = np.zeros(cfg.gradient_accumulation_steps, dtype=np.int64)
+        message[:len(local)] = local
+        gathered = exchange.all_gather(message, f"epoch {micro[0][1].epoch}, step {micro[0][1].step}")
         world, total = exchange.world_size, int(gathered.sum())
     else:
         world, total = 1, sum(local)
@@ -117,7 +121,19 @@ def known_epoch(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBCo
     """Batches from the inner loader with their step infos, an optimizer step at a time.
 
     ``on_batch(cursor, waited_s, loss_tokens)`` is told of every batch handed to the training loop.
+    When the epoch ends early (an error, e.g. in a worker's collate, or the loop stopped), the
+    other ranks learn it at their next step exchange instead of waiting there.
     """
+    try:
+        yield from _known_steps(batches, sampler, cfg, exchange, on_batch)
+    except BaseException as err:
+        announce_in_background(exchange, (cfg.gradient_accumulation_steps,), "the next step exchange",
+                               None if isinstance(err, GeneratorExit) else err)
+        raise
+
+
+def _known_steps(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBConfig, exchange: Any,
+                 on_batch: Callable[[Cursor, float, int], None]) -> Iterator[Any]:
     import time
 
     while True:

@@ -64,6 +64,9 @@ class ODBLoaderMixin(ResumableLoader):
                    group_collate: Callable[[Any], Any], sample_transform: Optional[Callable[[Any], Any]],
                    own_sampler: Optional[EpochShuffleSampler], lengths: Optional[Sequence[int]] = None,
                    process_group: Any = None) -> None:
+        if process_group is not None and not cfg.distributed:
+            raise ValueError(f"odb got process_group={process_group!r} with distributed=False: a local loader "
+                             f"exchanges nothing. Fix: drop process_group, or drop distributed=False.")
         self._odb_cfg = cfg
         self._odb_shuffle = shuffle
         self._odb_seed = seed
@@ -125,6 +128,30 @@ class ODBLoaderMixin(ResumableLoader):
             self._odb_oom = OOMCounters()
         return self._odb_oom
 
+    def odb_abort(self, reason: Any) -> None:
+        """Stop this epoch because of ``reason`` (an exception or a message) found on the training thread,
+        and tell the other ranks: they raise ``odb.dist.ODBRankFailed`` naming this rank and the reason at
+        their next exchange, instead of waiting for this rank. Then raise your error as usual.
+
+        odb's integrations call it for their own checks; call it yourself when you catch an error of
+        the training loop and keep the process alive (a notebook, a handler that saves a checkpoint).
+
+        Example:
+            >>> import torch, odb
+            >>> loader = odb.ODBDataLoader([{"input_ids": torch.ones(4)}] * 4, token_budget=8, collate_fn=list)
+            >>> it = iter(loader); batch = next(it)
+            >>> loader.odb_abort(ValueError("bad labels"))   # on one process: just stops the epoch
+            >>> next(it)
+            Traceback (most recent call last):
+            ...
+            ValueError: bad labels
+        """
+        error = reason if isinstance(reason, BaseException) else RuntimeError(str(reason))
+        pipeline = self._odb_pipeline
+        if pipeline is not None:
+            pipeline.abort(error)
+        self._odb_stop()
+
     def set_token_budget(self, token_budget: Any) -> None:
         """Use ``token_budget`` from the next planning window on (replaces any budget_schedule).
 
@@ -173,7 +200,8 @@ class ODBLoaderMixin(ResumableLoader):
             run.take_snapshot()
         self._odb_run = run
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
-        self._odb_pipeline = BatchPipeline(iter(run), depth=max(self._odb_cfg.ready_batches, 0))
+        self._odb_pipeline = BatchPipeline(iter(run), depth=max(self._odb_cfg.ready_batches, 0),
+                                           announce=run.aligner.announce)  # a failure or stop reaches every rank
         if known is None:
             self._odb_step_exchange = False
             return self._odb_epoch(run, self._odb_pipeline)
@@ -197,7 +225,7 @@ class ODBLoaderMixin(ResumableLoader):
     # ---- internals -----------------------------------------------------------------------
     def _odb_new_exchange(self) -> Optional[RankExchange]:
         """This epoch's metadata exchange (a collective call: on the main thread, when iteration starts)."""
-        if self._odb_group is None and world()[1] <= 1:
+        if not self._odb_cfg.distributed or (self._odb_group is None and world()[1] <= 1):
             return None
         previous = self._odb_exchange
         self._odb_exchange = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group)
@@ -215,6 +243,8 @@ class ODBLoaderMixin(ResumableLoader):
 
     def _odb_world(self) -> tuple:
         """(rank, world size) without creating anything (no collective)."""
+        if not self._odb_cfg.distributed:
+            return 0, 1
         if self._odb_group is not None:
             import torch.distributed as dist
 

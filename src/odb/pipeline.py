@@ -3,6 +3,11 @@
 As DataLoader's pin-memory thread does: planning, rank alignment, the user's collate and
 pinning happen off the training thread, and a bounded queue holds the ready batches.
 Errors raised by the producer are re-raised on the training thread, with their traceback.
+
+When the producer ends early (it raised, the training thread stopped it, or aborted it
+with an error of its own), ``announce(error or None)`` runs once, after the error is
+queued for the training thread: under torch.distributed it tells the other ranks at
+their next exchange, so they stop too instead of waiting for this rank.
 """
 
 from __future__ import annotations
@@ -10,9 +15,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 _END = object()
+Announce = Callable[[Optional[BaseException]], None]
 
 
 class _Failure:
@@ -29,7 +35,8 @@ class BatchPipeline:
         [0, 1, 2, 3, 4]
     """
 
-    def __init__(self, produce: Iterator[Any], depth: int, name: str = "odb-batches") -> None:
+    def __init__(self, produce: Iterator[Any], depth: int, name: str = "odb-batches",
+                 announce: Optional[Announce] = None) -> None:
         self._produce = produce
         self.wait_s = 0.0  # time the consumer waited in next(), in all
         self.last_wait_s = 0.0  # ... for the last item
@@ -37,6 +44,10 @@ class BatchPipeline:
         self._queue: Optional["queue.Queue[Any]"] = None
         self._thread: Optional[threading.Thread] = None
         self._done = False
+        self._announce = announce
+        self._ended = False  # the producer ran to its end: nothing to announce
+        self._aborted: Optional[BaseException] = None
+        self._announced = threading.Lock()  # taken by the one announcement
         if depth > 0:
             self._queue = queue.Queue(maxsize=depth)
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -52,26 +63,53 @@ class BatchPipeline:
         return False
 
     def _run(self) -> None:
+        error: Optional[BaseException] = None
         try:
             for item in self._produce:
                 if not self._put(item):
-                    return
-            self._put(_END)
-        except BaseException as err:  # raised again on the training thread
-            self._put(_Failure(err))
+                    break
+            else:
+                self._ended = True
+                self._put(_END)
+                return
+        except BaseException as err:  # raised again on the training thread, then told to the other ranks
+            if not self._stop.is_set():  # (after a stop, an error of the closed source is no failure)
+                error = err
+                self._put(_Failure(err))
+        self._end(error if error is not None else self._aborted)
+
+    def _end(self, error: Optional[BaseException]) -> None:
+        """Announce how the producer ended early, once (on the producer's thread, or its own)."""
+        if self._announce is None or self._ended or not self._announced.acquire(blocking=False):
+            return
+        try:
+            self._announce(error)
+        except Exception:  # best effort: the exchange may be broken too; this rank raises its own error anyway
+            pass
+
+    def _end_elsewhere(self, error: Optional[BaseException]) -> None:
+        # depth=0: the producer ran on the training thread, which must not wait for the other ranks.
+        if self._announce is not None and not self._ended:
+            threading.Thread(target=self._end, args=(error,), name="odb-announce", daemon=True).start()
 
     def __iter__(self) -> "BatchPipeline":
         return self
 
     def __next__(self) -> Any:
         if self._done:
+            if self._aborted is not None:
+                raise self._aborted
             raise StopIteration
         t0 = time.perf_counter()
         if self._queue is None:
             try:
                 item = next(self._produce)
             except StopIteration:
+                self._done = self._ended = True
+                raise
+            except BaseException as err:
                 self._done = True
+                self._end_elsewhere(err)
                 raise
         else:
             item = self._get()
@@ -95,9 +133,18 @@ class BatchPipeline:
                     return _Failure(RuntimeError("odb's batch thread ended without a result"))
 
     def stop(self) -> None:
-        """Ask the producer to stop at its next item (returns at once)."""
+        """Ask the producer to stop at its next item (returns at once); it announces a stop."""
         self._done = True
         self._stop.set()
+        if self._queue is None:
+            self._end_elsewhere(self._aborted)
+
+    def abort(self, error: BaseException) -> None:
+        """Stop because of ``error``, raised on the training thread by odb's own checks: the producer
+        announces it instead of a plain stop (even when it is blocked on a full queue)."""
+        if self._aborted is None:
+            self._aborted = error
+        self.stop()
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Stop the producer; True when its thread has ended (it may be inside a collective)."""

@@ -4,6 +4,12 @@ Exchange the window header, decide the step count (pure, odb.align), then defer,
 from the carry, re-balance the last window, split, or add ghosts; exchange per-step
 summaries and order the steps identically on every rank. Works on the window planner
 (carry) and the sample pool (lengths, loss tokens) it is given.
+
+Every step is confirmed once it is made (``confirm``), so a rank whose batch failed
+stops every rank at that step; ``announce`` joins the next exchange with a failure or a
+stop. The header and the confirmation have the same size (status, 4 header fields, the
+plan options' fingerprint), so a rank that fails anywhere but between a header and its
+summaries knows the shape the others expect.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+from .agreement import agreed_values, check_agreement, fingerprint
 from .align import StepPlan, decide_steps, global_steps, local_steps, shared_step_order
+from .dist import ODBOptionMismatch
 from .planner import balanced_partition
 from .pool import SamplePool
 from .stats import EpochStats
@@ -31,6 +39,10 @@ class RankAligner:
         self.epoch, self.seed, self.shuffle = epoch, seed, shuffle
         self.local_only = exchange is None
         self.all_done = False
+        self.unconfirmed = 0  # exchanged steps not yet confirmed (made) on this rank
+        self._values = agreed_values(planner.cfg, shuffle)
+        self._fingerprint = fingerprint(self._values)
+        self._body: Optional[Tuple[int, int]] = None  # shape of the summaries due after a header
 
     def cost(self, group: np.ndarray) -> int:
         return self.pool.cost(group, self.planner.cost)
@@ -47,8 +59,7 @@ class RankAligner:
             return self.local(groups)
         ex, cfg = self.exchange, self.planner.cfg
         where = f"epoch {self.epoch}, window {window_index}"
-        header = ex.all_gather(np.array([len(groups), self._must_emit(groups), int(planned_final), self.seed]),
-                               where)
+        header = self._exchange([len(groups), self._must_emit(groups), int(planned_final), self.seed], where)
         exhausted = header[:, 2].astype(bool)
         if not cfg.join and exhausted.any():
             # join=False: from the first window where a rank's data ends, every rank
@@ -57,6 +68,7 @@ class RankAligner:
             self.all_done = planned_final
             return self.local(groups)
         n_steps = decide_steps(header[:, 0], header[:, 1], exhausted)
+        self._body = (n_steps, 3) if n_steps else None
         fitted = self._fit(groups, n_steps, planned_final)
         probe = cfg.probe_worst_case and window_index == 1
         keys = [(self.pool.longest(g) if probe else 0, self.cost(g)) if g is not None else (0, 0) for g in fitted]
@@ -64,6 +76,8 @@ class RankAligner:
         stats = np.array([[self.cost(g), len(g), self.pool.loss_tokens(g)] if g is not None else [0, 0, 0]
                           for g in ranked], dtype=np.int64).reshape(n_steps, 3)
         everyone = ex.all_gather(stats, where) if n_steps else np.zeros((ex.world_size, 0, 3), dtype=np.int64)
+        self._body = None
+        self.unconfirmed += n_steps
         order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, window_index, self.shuffle)
         if probe and n_steps:  # every rank's batch with the longest samples runs first
             order = np.concatenate(([0], order[order != 0]))
@@ -71,6 +85,39 @@ class RankAligner:
         slots = [k if ranked[k] is not None else None for k in range(n_steps)]
         return [(s, None if s.group is None else ranked[s.group])
                 for s in global_steps(everyone, ex.rank, order, slots)]
+
+    def confirm(self, where: str) -> None:
+        """Tell every rank this rank made its batch of the current step (and learn that they made theirs)."""
+        if self.local_only or self.unconfirmed <= 0:
+            return
+        self._exchange([0, 0, 0, 0], where)
+        self.unconfirmed -= 1
+
+    @property
+    def finished(self) -> bool:
+        """No exchange of this epoch is left on any rank (so nobody would hear an announcement)."""
+        return self.local_only or (self.all_done and self.unconfirmed <= 0 and self._body is None)
+
+    def announce(self, error: Optional[BaseException]) -> None:
+        """Join the next exchange with this rank's failure (``error``) or stop (None), so every rank raises
+        at once; nothing when no exchange is left or the exchange already failed."""
+        announce = getattr(self.exchange, "announce", None)  # test stand-ins of the exchange may not announce
+        if announce is None or self.finished:
+            return
+        shape = self._body if self._body is not None else (4 + len(self._fingerprint),)
+        announce(shape, f"epoch {self.epoch}, after step {self.stats.steps}", error)
+
+    def _exchange(self, fields: List[int], where: str) -> np.ndarray:
+        """A header-sized message (4 fields and the options' fingerprint) of every rank; refuses ranks
+        whose loaders plan under other options."""
+        message = np.concatenate((np.asarray(fields, dtype=np.int64), self._fingerprint))
+        gathered = self.exchange.all_gather(message, where)
+        try:
+            check_agreement(gathered[:, 4:], self._values, self.exchange.rank)
+        except ODBOptionMismatch:
+            self.exchange.dead = True  # every rank raises this: nobody exchanges on this group again
+            raise
+        return gathered[:, :4]
 
     def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
         """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""
