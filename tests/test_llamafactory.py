@@ -297,6 +297,12 @@ def test_refuses_settings_that_break_odb_batches(setup):
     loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=1, collate_fn=packed)
     with pytest.raises(ValueError, match="neat_packing: false"):
         odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET)
+    neat = SFTDataCollatorWith4DAttentionMask(template=parts["collator"].template, pad_to_multiple_of=8,
+                                              neat_packing=True, attn_implementation="sdpa",
+                                              **parts["tokenizer_module"])
+    loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=1, collate_fn=neat)
+    with pytest.warns(UserWarning, match=r"neat_packing=True: .*odb gains nothing.*Fix: set `neat_packing: false`"):
+        odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET)
 
     with pytest.raises(ValueError, match="stage='pt'"):
         odb_lf.run_exp(sft_args(setup, "pt", stage="pt"), token_budget=BUDGET)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
+
+from .arguments import check_options
 
 OversizePolicy = Literal["error", "alone", "skip"]
 LossScaling = Literal["exact", "approx", "sample", "none"]
@@ -237,3 +240,15 @@ class ODBConfig:
 
 
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ODBConfig))
+
+
+def _checked_init(init: Callable[..., None]) -> Callable[..., None]:
+    # An unknown option gets the closest option name, not the dataclass's bare "unexpected keyword" TypeError.
+    @functools.wraps(init)
+    def __init__(self: ODBConfig, *args: Any, **kwargs: Any) -> None:
+        check_options(kwargs, "ODBConfig", CONFIG_FIELDS, "ODBConfig has one field per odb option")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+ODBConfig.__init__ = _checked_init(ODBConfig.__init__)  # type: ignore[method-assign]

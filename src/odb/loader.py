@@ -13,11 +13,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
+from .arguments import check_in_order, check_options
+from .collate_check import PaddingHint
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
 from .engine import EpochRun
 from .estimate import DEFAULT_PROBE, estimate_steps, probe_size
 from .known import GroupCollate, PlannedBatchSampler, known_epoch, known_records
+from .lengths import LabelBudgetCheck, check_length_dims
 from .loader_state import ResumableLoader
 from .packed_collate import PackedCollate
 from .pipeline import BatchPipeline
@@ -27,14 +30,16 @@ from .source import ChunkCollate, SampleMeter, SampleSource, unpack_records
 from .stats import EpochStats
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+# The other arguments of ODBDataLoader (suggested for misspelt options).
+_LOADER_ARGS = tuple(inspect.signature(DataLoader.__init__).parameters)[1:] + ("config", "lengths",
+                                                                            "process_group")
 
 
-def make_config(config: Optional[ODBConfig], token_budget: Any, options: Dict[str, Any]) -> ODBConfig:
-    """One ODBConfig from a config object and/or keyword options."""
-    unknown = set(options) - CONFIG_FIELDS
-    if unknown:
-        raise TypeError(f"unknown odb option(s) {sorted(unknown)}: not ODBConfig fields nor DataLoader arguments. "
-                        f"Fix: check the spelling against odb.ODBConfig.")
+def make_config(config: Optional[ODBConfig], token_budget: Any, options: Dict[str, Any], who: str = "odb",
+                also: Sequence[str] = (), rule: str = "odb options are odb.ODBConfig fields") -> ODBConfig:
+    """One ODBConfig from a config object and/or keyword options. ``who`` names the caller in errors; a
+    misspelt option gets the closest ODBConfig field (or name in ``also``), a batch size odb's rule."""
+    check_options(options, who, CONFIG_FIELDS | set(also), rule)
     if config is not None:
         if token_budget is not None:
             options["token_budget"] = token_budget
@@ -43,6 +48,13 @@ def make_config(config: Optional[ODBConfig], token_budget: Any, options: Dict[st
         raise TypeError("odb needs token_budget (the most padded tokens per batch, B x L). "
                         "Fix: pass token_budget=16384 or config=ODBConfig(...).")
     return ODBConfig(token_budget=token_budget, **options)
+
+
+def check_inputs(cfg: ODBConfig, lengths: Optional[Sequence[int]], in_order: Any) -> None:
+    """What ODBDataLoader and odb.apply refuse before they change anything: ``in_order=False``, and
+    per-dimension budgets that nothing measures."""
+    check_in_order(in_order)
+    check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
 
 
 def draw_seed(generator: Optional[torch.Generator]) -> int:
@@ -67,10 +79,13 @@ class ODBLoaderMixin(ResumableLoader):
         if process_group is not None and not cfg.distributed:
             raise ValueError(f"odb got process_group={process_group!r} with distributed=False: a local loader "
                              f"exchanges nothing. Fix: drop process_group, or drop distributed=False.")
+        check_in_order(getattr(self, "in_order", True))
+        check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         self._odb_cfg = cfg
         self._odb_shuffle = shuffle
         self._odb_seed = seed
-        self._odb_group_collate = group_collate
+        self._odb_group_collate = PaddingHint(group_collate)  # a collate that cannot pad names the fix
+        self._odb_label_check = LabelBudgetCheck(cfg.length_fn, cfg.label_key)
         self._odb_transform = sample_transform
         self._odb_own_sampler = own_sampler
         self._odb_lengths = None if lengths is None else np.asarray(lengths)
@@ -382,6 +397,7 @@ class ODBLoaderMixin(ResumableLoader):
         packed = self.num_workers > 0
         meter = SampleMeter(cfg)
         chunks = (unpack_records(c, packed, meter) for c in iter(inner))  # workers start here, on this thread
+        chunks = self._odb_label_check.wrap(chunks)  # warns when target labels go unbudgeted
         return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=cfg.window_tokens,
                             threaded=cfg.ready_batches > 0)
 
@@ -463,9 +479,12 @@ class ODBDataLoader(ODBLoaderMixin):
     """A DataLoader whose batches hold as many samples as fit ``token_budget``.
 
     Every DataLoader argument keeps its meaning; ``batch_size`` must stay 1 (the
-    budget decides the batch size). ODB options are ODBConfig fields, given as keyword
-    arguments or as ``config=``. Each batch carries an ``ODBStepInfo`` (see
-    ``odb.pop_step_info``).
+    budget decides the batch size). ``shuffle=True`` shuffles the samples (seeded, per
+    epoch) and the batch order within each window; with a ``sampler`` (which, as in
+    torch, excludes ``shuffle=True``) the batch order is shuffled when the sampler
+    shuffles. ``in_order=False`` is refused (odb reads samples in sampler order). ODB
+    options are ODBConfig fields, given as keyword arguments or as ``config=``. Each
+    batch carries an ``ODBStepInfo`` (see ``odb.pop_step_info``).
 
     Example:
         >>> import torch, odb
@@ -484,7 +503,9 @@ class ODBDataLoader(ODBLoaderMixin):
                  persistent_workers: bool = False, pin_memory_device: str = "",
                  lengths: Optional[Sequence[int]] = None, process_group: Any = None, **options: Any) -> None:
         dl_options = {k: options.pop(k) for k in list(options) if k == "in_order"}
-        cfg = make_config(config, token_budget, options)
+        cfg = make_config(config, token_budget, options, "ODBDataLoader", _LOADER_ARGS,
+                          "ODBDataLoader takes odb.ODBConfig fields and DataLoader arguments")
+        check_inputs(cfg, lengths, dl_options.get("in_order", True))
         if batch_size != 1 or batch_sampler is not None:
             what = f"batch_sampler={batch_sampler!r}" if batch_sampler is not None else f"batch_size={batch_size!r}"
             raise ValueError(f"ODBDataLoader got {what}: odb decides each batch's size from token_budget. "
@@ -493,6 +514,11 @@ class ODBDataLoader(ODBLoaderMixin):
         if iterable and sampler is not None:
             raise ValueError(f"ODBDataLoader got sampler={sampler!r} with an IterableDataset, which has no indices. "
                              f"Fix: drop sampler; shard and order inside the dataset.")
+        if shuffle and sampler is not None:
+            raise ValueError(f"ODBDataLoader got shuffle=True with sampler={type(sampler).__name__}: the sampler "
+                             f"decides the order (torch's DataLoader refuses this too). Fix: drop shuffle (odb "
+                             f"shuffles its batch order when the sampler shuffles, e.g. DistributedSampler or "
+                             f"odb.ShardSampler with shuffle=True), or drop sampler.")
         seed = cfg.seed if cfg.seed is not None else draw_seed(generator)
         if collate_fn is None and cfg.layout == "packed":
             collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
@@ -504,7 +530,8 @@ class ODBDataLoader(ODBLoaderMixin):
                          worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                          generator=generator, prefetch_factor=prefetch_factor,
                          persistent_workers=persistent_workers, pin_memory_device=pin_memory_device, **dl_options)
-        self._odb_setup(cfg, shuffle=bool(shuffle), seed=seed, group_collate=self.collate_fn,
+        batch_order = shuffles(self) if shuffle is None else bool(shuffle)  # with a sampler: as it does
+        self._odb_setup(cfg, shuffle=batch_order, seed=seed, group_collate=self.collate_fn,
                         sample_transform=None, own_sampler=own, lengths=lengths, process_group=process_group)
 
 

@@ -38,6 +38,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import CONFIG_FIELDS, ODBConfig
+from ..lengths import check_length_dims, seq2seq_lengths
 from ..loader import ODBDataLoader, make_config
 from ..step_info import ODBStepInfo
 from .hf_data import build_train_loader, estimate_micro_steps, read_state, write_state
@@ -105,7 +106,12 @@ class ODBTrainerMixin:
         options = sft_options(self, config, options, shift)  # TRL's collator: its labels, padding-free rows
         if "shift_labels" not in options and (config is None or not config.shift_labels):
             options["shift_labels"] = shift
-        self._odb = ODBRun(make_config(config, token_budget, options), lengths, shift)
+        if "length_fn" not in options and (config is None or config.length_fn is None) and lengths is None and \
+                getattr(getattr(self.model, "config", None), "is_encoder_decoder", False):
+            options["length_fn"] = seq2seq_lengths  # an encoder-decoder's targets count against the budget too
+        cfg = make_config(config, token_budget, options, "enable_odb")
+        check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
+        self._odb = ODBRun(cfg, lengths, shift)
         self.loss_is_scaled_for_ga = True  # loss_scale already covers accumulation: no division by the Trainer
         self.callback_handler.callbacks.insert(0, ProgressCallback(self._odb))
 
@@ -296,7 +302,9 @@ def enable_odb(trainer: Trainer, token_budget: Any = None, *, config: Optional[O
     ``ODBTrainerMixin`` (the Trainer class itself and its other instances are untouched).
     ``gradient_accumulation_steps`` comes from ``trainer.args``; ``seed`` defaults to
     ``args.data_seed`` or ``args.seed``; ``shift_labels`` to whether the model's loss
-    shifts labels (causal LM).
+    shifts labels (causal LM); ``length_fn`` to ``odb.seq2seq_lengths`` for an
+    encoder-decoder model (source and target both count against the budget; an int
+    budget bounds their sum) unless ``length_fn`` or ``lengths`` is given.
 
     Example:
         >>> trainer = enable_odb(Trainer(model=m, args=a, train_dataset=ds, data_collator=c),

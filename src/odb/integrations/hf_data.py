@@ -58,7 +58,8 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
     if hasattr(args, "dataloader_in_order"):
         options["in_order"] = args.dataloader_in_order
     return ODBDataLoader(
-        dataset, config=cfg, sampler=sampler, shuffle=shuffle, collate_fn=collator, num_workers=workers,
+        dataset, config=cfg, sampler=sampler, shuffle=None if sampler is not None else shuffle,  # as the sampler
+        collate_fn=collator, num_workers=workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers and workers > 0,
         multiprocessing_context=args.dataloader_multiprocessing_context if workers > 0 else None,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,

@@ -107,6 +107,10 @@ def check_args(trainer: Trainer) -> None:
     if getattr(args, "train_sampling_strategy", None) in _GROUPING:
         problems.append(f"train_sampling_strategy={args.train_sampling_strategy!r} groups samples by length, "
                         f"which odb does itself (fix: 'random' or 'sequential')")
+    if getattr(args, "dataloader_in_order", True) is False:
+        problems.append("dataloader_in_order=False lets workers hand over samples as they finish, so odb's batches "
+                        "would depend on worker timing and a resumed run would skip or repeat samples (fix: True; "
+                        "odb's reader thread already keeps the workers a window ahead)")
     if args.auto_find_batch_size:
         problems.append("auto_find_batch_size=True shrinks a batch size odb does not use (fix: False, and "
                         "lower token_budget on out-of-memory)")

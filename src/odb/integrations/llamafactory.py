@@ -20,7 +20,9 @@ What is read from LLaMA-Factory rather than asked of you:
   an early check that every sample fits the budget;
 - ``finetuning_args.disable_shuffling`` must agree with ``train_sampling_strategy``, and
   labels must be padded with ``IGNORE_INDEX`` (``ignore_pad_token_for_loss: true``) for the
-  exact loss; ``neat_packing`` with FlashAttention-2 (one row per batch) is refused.
+  exact loss; ``neat_packing`` with FlashAttention-2 (one row per batch) is refused, and
+  without it warned about (the samples odb sees are already packed rows of about
+  ``cutoff_len`` tokens, so a token budget has nothing left to group).
 
 Example:
     >>> from odb.integrations.llamafactory import enable_odb          # doctest: +SKIP
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -103,7 +106,7 @@ def run_exp(args: Any = None, callbacks: Optional[List[Any]] = None, *, token_bu
 
     parsed = read_args(args)
     _check_stage(parsed, is_env_enabled)
-    make_config(config, token_budget, dict(odb_options))  # bad options fail before the model loads
+    make_config(config, token_budget, dict(odb_options), "run_exp")  # bad options fail before the model loads
     base = workflow.CustomSeq2SeqTrainer
     built: List[Any] = []
 
@@ -139,7 +142,7 @@ def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config:
                          f"config, or drop disable_shuffling.")
     collator = getattr(trainer, "data_collator", None)
     options = _collator_options(collator, config, options)
-    cfg = make_config(config, token_budget, dict(options))
+    cfg = make_config(config, token_budget, dict(options), "enable_odb")
     if lengths is None and cfg.length_fn is None:
         lengths = _dataset_lengths(getattr(trainer, "train_dataset", None))
     _check_fits(lengths, cfg)
@@ -159,7 +162,7 @@ def _enable_loader(loader: DataLoader, training_args: Any, token_budget: Any, co
             options["seed"] = int(data_seed if data_seed is not None else training_args.seed)
     if "shift_labels" not in options and config is None:
         options["shift_labels"] = _shifts_labels(collator)
-    cfg = make_config(config, token_budget, dict(options))
+    cfg = make_config(config, token_budget, dict(options), "enable_odb")
     if lengths is None and cfg.length_fn is None:
         lengths = _dataset_lengths(getattr(loader, "dataset", None))
     _check_fits(lengths, cfg)
@@ -178,6 +181,13 @@ def _collator_options(collator: Any, config: Optional[ODBConfig], options: Dict[
         raise ValueError(f"{name} has neat_packing=True with attn_implementation='flash_attention_2'. Rule: "
                          f"LLaMA-Factory's collator then takes one packed row per batch, and odb batches several "
                          f"rows. Fix: set `neat_packing: false` (odb replaces packing), or train without odb.")
+    if getattr(collator, "neat_packing", False):
+        warnings.warn(f"{name} has neat_packing=True: LLaMA-Factory packs the dataset into rows of about cutoff_len "
+                      f"tokens before odb sees it, so every sample odb batches is a full packed row and the token "
+                      f"budget has no short and long samples left to group: odb gains nothing over a fixed batch "
+                      f"size. Fix: set `neat_packing: false` (odb's token budget replaces packing), or train without "
+                      f"odb.",
+                      stacklevel=4)
     pad = getattr(collator, "pad_to_multiple_of", None) or 1
     # A config's pad_to_multiple_of=1 is its default, not a choice: the collator's value replaces it.
     given = out.get("pad_to_multiple_of", config.pad_to_multiple_of if config is not None else 1)
