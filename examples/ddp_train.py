@@ -29,7 +29,8 @@ def main() -> None:
         seen = 0
         for batch in loader:
             info = odb.pop_step_info(batch)
-            loss = model(**batch).loss * info.loss_scale  # ghost batches have loss_scale 0
+            # Scaled exactly; ghosts and batches without supervised tokens give an exact 0 (still backward).
+            loss = odb.scale_loss(model(**batch).loss, info)
             loss.backward()
             opt.step()
             opt.zero_grad()

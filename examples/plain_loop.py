@@ -20,7 +20,7 @@ def main() -> None:
     seen = 0
     for batch in loader:
         info = odb.pop_step_info(batch)            # removes odb's metadata from the batch
-        loss = model(**batch).loss * info.loss_scale  # HF mean over supervised tokens, scaled exactly
+        loss = odb.scale_loss(model(**batch).loss, info)  # HF mean over supervised tokens, scaled exactly
         loss.backward()
         if info.is_last_micro_step:
             opt.step()

@@ -15,13 +15,16 @@ HEADER = """# Every option
 
 All options live in the frozen, validated `odb.ODBConfig`; `ODBDataLoader` and `odb.apply`
 take them as keyword arguments too. Invalid values raise `ValueError`/`TypeError` naming the value,
-the rule and the fix.
+the rule and the fix; an unknown name gets the closest option.
 
 | option | default | meaning |
 |---|---|---|"""
 
 FOOTER = """
-Loader-only arguments: every `torch.utils.data.DataLoader` argument (`batch_size` must stay 1),
+Loader-only arguments: every `torch.utils.data.DataLoader` argument (`batch_size` must stay 1;
+`in_order=False` is refused: odb reads samples in sampler order, which keeps batches independent of worker
+timing and resumable; `shuffle=True` shuffles the samples and the batch order, and as in torch excludes a
+`sampler`, with which the batch order is shuffled when the sampler shuffles),
 `config=` (an ODBConfig), `lengths=` (per-sample lengths after processing: `len()` uses them, and odb then plans
 in the batch sampler so that workers fetch and collate whole batches; see docs/algorithm.md),
 `process_group=` (a gloo group for odb's exchange). `odb.apply(loader, ...)` also takes `shuffle=`

@@ -200,6 +200,8 @@ def test_helper_functions_are_followed_both_ways():
 
 @pytest.mark.parametrize("forward, rules", [
     ("loss = model(**batch).loss * info.loss_scale", []),
+    ("loss = odb.scale_loss(model(**batch).loss, info)", []),
+    ("from odb import scale_loss; loss = scale_loss(model(**batch).loss, info)", []),
     ("loss = model(**batch).loss; loss *= info.loss_scale", []),
     ("loss = model(**batch).loss.mul(info.loss_scale)", []),
     ("s = float(info.loss_scale); loss = s * model(**batch).loss", []),

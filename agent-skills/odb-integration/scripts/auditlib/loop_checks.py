@@ -66,7 +66,7 @@ def _step_findings(ctx: Context, site: LoaderSite, loop: ast.AST, step: Step) ->
     if step.backwards and not step.scaled and not step.divided:
         out.append(ctx.finding("loss-scale", step.backwards[0], "the loss is not multiplied by info.loss_scale: "
                                "batches of different sizes weigh the same, ghost batches add gradient.",
-                               "loss = model(**batch).loss * info.loss_scale before backward"))
+                               "loss = odb.scale_loss(model(**batch).loss, info) before backward"))
     if (ctx.framework == "accelerate" and step.scaled and accelerator_accumulation(ctx) not in (1, None)
             and not any(_is_scale_loss(ctx, n) for n in step.scaled)
             and any(b.args for b in step.backwards)):  # accelerator.backward(loss), not loss.backward()

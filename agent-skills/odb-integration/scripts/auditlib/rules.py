@@ -39,7 +39,7 @@ RULES: Dict[str, Tuple[str, str]] = {
 }
 
 POP_FIX = ("first line of the loop body: `info = odb.pop_step_info(batch)`, then "
-           "`loss = model(**batch).loss * info.loss_scale`")
+           "`loss = odb.scale_loss(model(**batch).loss, info)`")
 MISSING_FIX = {
     "plain_loop": "loader = odb.ODBDataLoader(dataset, token_budget=16384, num_workers=4, collate_fn=collate_fn) "
                   "and, in the loop, " + POP_FIX + " (references/plain_loop.md)",

@@ -179,8 +179,9 @@ class StepScanner:
         if is_optimizer_step(call):
             self.step.optimizer_steps.append((call, [t for t in self.tests if not is_ghost_test(t)]))
         args = list(call.args) + [kw.value for kw in call.keywords]
-        if (odb_name(self.index, call.func) or "").endswith(".scale_loss"):
-            self.step.scaled.append(call)  # odb.integrations.accelerate.scale_loss(accelerator, loss, info)
+        odb_call = odb_name(self.index, call.func) or ""
+        if odb_call == "scale_loss" or odb_call.endswith(".scale_loss"):
+            self.step.scaled.append(call)  # odb.scale_loss(loss, info), integrations.accelerate.scale_loss(...)
         elif not self.quiet and name not in NOT_SCALING and any(self.has_scale(a) for a in args):
             self.step.scaled.append(call)  # loss.mul(info.loss_scale), scale_loss(loss, info.loss_scale)
         helper = self.helper(call)

@@ -27,7 +27,7 @@ def main():
             info = odb.pop_step_info(batch)
             ghosts += info.is_ghost
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-            loss = model(**batch).loss * info.loss_scale  # a ghost's loss_scale is 0
+            loss = odb.scale_loss(model(**batch).loss, info)  # a ghost's: an exact 0 that still backpropagates
             loss.backward()
             if info.is_last_micro_step:
                 opt.step()

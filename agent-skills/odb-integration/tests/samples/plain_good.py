@@ -16,7 +16,7 @@ def main():
         for batch in loader:
             info = odb.pop_step_info(batch)
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-            loss = model(**batch).loss * info.loss_scale
+            loss = odb.scale_loss(model(**batch).loss, info)
             loss.backward()
             if info.is_last_micro_step:
                 opt.step()
