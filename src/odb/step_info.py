@@ -29,7 +29,8 @@ class ODBStepInfo:
         global_loss_tokens: supervised tokens over all ranks and all micro-batches of
             the optimizer step this batch belongs to (the denominator of exact scaling).
         real_tokens: non-pad tokens in this rank's batch (all length dimensions).
-        padded_tokens: B x L summed over length dimensions (what the batch costs).
+        padded_tokens: B x L summed over length dimensions (what the batch costs); in the
+            packed layout, the length of its one row (= real_tokens: nothing is padded).
         loss_scale: multiply the model's mean loss by this before backward.
         is_ghost: this batch only keeps collectives aligned; its loss_scale is 0.
         world_size: ranks taking part.
