@@ -114,3 +114,14 @@ def test_two_ranks_resume_with_dropout_is_bitwise_equal(tmp_path):
             assert_bitwise(whole["params"], tail["params"], f"{model}, rank {rank}")
         # the ranks trained one model: DDP kept their parameters equal
         assert_bitwise(ranks[0][k]["params"], ranks[1][k]["params"], f"{model}, rank 0 against rank 1")
+
+
+def test_a_transformers_without_load_rng_state_is_refused_with_the_fix(tmp_path, monkeypatch):
+    # odb calls the Trainer's _load_rng_state(checkpoint) itself; a transformers without it (none is installed
+    # here, hence the monkeypatch) is refused when odb is enabled, not at the first resume.
+    from transformers import Trainer
+
+    monkeypatch.delattr(Trainer, "_load_rng_state")
+    with pytest.raises(RuntimeError, match=r"needs Trainer\._load_rng_state\(checkpoint\).* has no such method. "
+                                           r"Fix: install transformers>=5.3"):
+        W.build_trainer(run_params("llama", str(tmp_path)), str(tmp_path))

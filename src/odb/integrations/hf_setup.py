@@ -20,7 +20,8 @@ _GROUPING = ("group_by_length", "batch_rebalance")
 _LOOP_API = {"_run_epoch": {"epoch", "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch",
                             "steps_trained_in_current_epoch"},
              "_init_training_state": {"resume_from_checkpoint"}, "get_batch_samples": {"epoch_iterator"},
-             "set_initial_training_values": {"dataloader"}, "_save_checkpoint": {"trial"}}
+             "set_initial_training_values": {"dataloader"}, "_save_checkpoint": {"trial"},
+             "_load_rng_state": {"checkpoint"}}
 
 
 class ODBRun:
