@@ -34,6 +34,7 @@ INVALID = [
     ("first_window_size", {"first_window_size": 0}, ValueError, _BAD),
     ("budget_schedule", {"budget_schedule": ((1, 100),)}, ValueError, _BAD),
     ("probe_worst_case", {"probe_worst_case": 1}, TypeError, _BAD),
+    ("distributed", {"distributed": "no"}, TypeError, _BAD),
     ("first_window_size", {"first_window_size": 2.0}, TypeError, _BAD),
     ("max_carry", {"max_carry": -1}, ValueError, _BAD),
     ("max_carry", {"max_carry": 1.5}, TypeError, _BAD),

@@ -8,6 +8,7 @@ padding, DataLoader workers, DDP and Join, real gloo failures.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List
 
 import pytest
@@ -129,7 +130,8 @@ def test_a_dead_rank_makes_the_others_raise_instead_of_hanging(tmp_path):
     assert results[1] is None
     survivor = results[0]
     assert survivor["type"] == "ODBExchangeError", survivor
-    assert "rank 0 of 2" in survivor["error"] and "window" in survivor["error"], survivor["error"]
+    assert "rank 0 of 2" in survivor["error"] and re.search(r"(window|step) \d+", survivor["error"]), \
+        survivor["error"]
     assert survivor["elapsed"] < 30
     print(f"\nrank death: rank 0 raised after {survivor['steps']} steps, {survivor['elapsed']:.1f} s: "
           f"{survivor['error'][:160]}")
