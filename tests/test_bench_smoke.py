@@ -25,7 +25,7 @@ ODB = ["odb-512", "odb-2048", "odb-default"]
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([sys.executable, "-m", "odb.bench", "--out", str(out), "--quick"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "results.json") as f:
         return out, json.load(f), proc.stdout
@@ -33,7 +33,7 @@ def bench(tmp_path_factory):
 
 def test_outputs_written(bench):
     out, results, stdout = bench
-    assert set(results) >= {"meta", "planning", "ranks", "loader", "training", "e2e", "wall_s"}
+    assert set(results) >= {"meta", "planning", "ranks", "loader", "training", "e2e", "packing", "wall_s"}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
     for heading in ("Goals", "Planner quality", "odb buffers", "Loader cost", "Training", "End to end"):
@@ -152,3 +152,25 @@ def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
     assert "### Goals" in docs.read_text() and "DESIGN.md" not in docs.read_text()
     check = subprocess.run(args + ["--allow-quick", "--check"], capture_output=True, text=True)
     assert check.returncode == 0
+
+
+def test_packing_figures(bench):
+    """The packed-layout section: every sample in exactly one odb row, fills bounded by the lower bound, the same
+    samples and tokens in every training arm."""
+    _, results, stdout = bench
+    pk = results["packing"]
+    assert "Packed layout" in stdout
+    budget = pk["fill"]["token_budget"]
+    for name, w in pk["fill"]["workloads"].items():
+        o, t, f = w["odb-packed"], w["trl-bfd"], w["fixed-count"]
+        assert o["every_sample_once"], name
+        assert o["rows"] >= w["bound_rows"] and t["rows"] >= w["bound_rows"], name
+        assert 0.0 < f["fill"] <= o["fill"] <= 1.0 and 0.0 < t["fill"] <= 1.0, name
+        assert o["fill"] == pytest.approx(w["tokens"] / (o["rows"] * budget))
+    tr = pk["training"]
+    assert set(tr["arms"]) == {"odb-padded", "odb-packed", "fixed-count", "trl-bfd"}
+    for arm in tr["arms"]:
+        assert tr[arm]["samples"] == tr["samples"], arm
+        assert tr[arm]["real_tokens"] == tr["odb-padded"]["real_tokens"], arm
+    for arm in ("odb-packed", "fixed-count", "trl-bfd"):
+        assert tr[arm]["token_efficiency"] == 1.0, arm  # padding-free rows

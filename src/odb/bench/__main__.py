@@ -36,6 +36,7 @@ SIZES: Dict[str, tuple] = {
     "train_samples": (600, 24),
     "e2e_samples": (2400, 120),
     "e2e_repeats": (3, 1),
+    "packing_train_samples": (600, 24),
 }
 
 
@@ -89,6 +90,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-train", action="store_true", help="skip the training benchmark")
     p.add_argument("--skip-loader", action="store_true", help="skip the loader-cost benchmark")
     p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end benchmark")
+    p.add_argument("--skip-packing", action="store_true", help="skip the packed-layout benchmark")
     p.add_argument("--no-real", action="store_true", help="leave out the committed real-data workloads")
     return p.parse_args(argv)
 
@@ -142,6 +144,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["training"] = run_training(size["train_samples"], device=args.device, budget=4096, max_len=1024,
                                            progress=progress)
         results["wall_s"]["training"] = time.perf_counter() - t0
+
+    if not args.skip_packing:
+        from .packing import run_packing
+
+        t0 = time.perf_counter()
+        results["packing"] = run_packing(size["planning_samples"],
+                                         0 if args.skip_train else size["packing_train_samples"],
+                                         device=args.device, real=not args.no_real, progress=progress)
+        results["wall_s"]["packing"] = time.perf_counter() - t0
 
     if not args.skip_e2e:
         from .e2e import run_e2e

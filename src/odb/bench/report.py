@@ -223,6 +223,45 @@ def e2e_table(e2e: Dict[str, Any], markdown: bool = False) -> str:
     return "\n".join(parts)
 
 
+# ---- packed layout --------------------------------------------------------------------------------
+def packing_tables(pk: Dict[str, Any], markdown: bool = False) -> str:
+    fill = pk["fill"]
+    header = ["workload", "mean len", "rows: odb-packed", "trl-bfd", "fixed-count (B)", "bound",
+              "fill: odb-packed", "trl-bfd", "fixed-count", "odb - trl", "trl cut tokens", "odb plan us/sample"]
+    rows = []
+    for name, w in fill["workloads"].items():
+        o, t, f = w["odb-packed"], w["trl-bfd"], w["fixed-count"]
+        rows.append([name, f"{w['mean_length']:.0f}", str(o["rows"]), str(t["rows"]), f"{f['rows']} ({f['batch_size']})",
+                     str(w["bound_rows"]), f"{o['fill']:.3f}", f"{t['fill']:.3f}", f"{f['fill']:.3f}",
+                     f"{w['odb_minus_trl']:+.3f}", str(t["cut_tokens"]), f"{o['plan_us_per_sample']:.1f}"])
+    parts = [f"Rows of {fill['token_budget']} tokens; useful fill = real tokens / (rows x budget); bound = "
+             "ceil(tokens / budget)", _table(header, rows, markdown)]
+    tr = pk.get("training")
+    if tr:
+        head = ["arm", "steps", "samples/step", "real tokens/s", "token eff.", "final loss"]
+        trows = [[a, str(tr[a]["steps"]), f"{tr[a]['mean_batch_size']:.1f}", f"{tr[a]['real_tokens_per_s']:.0f}",
+                  f"{tr[a]['token_efficiency']:.3f}", f"{tr[a]['final_loss']:.3f}"] for a in tr["arms"]]
+        parts += ["", f"Training ({tr['device']}, {tr['samples']} samples, budget {tr['token_budget']}, "
+                      f"fixed-count B={tr['fixed_batch_size']})", _table(head, trows, markdown), "",
+                  "odb-packed real tokens/s / " + ", ".join(f"{k} x{v:.2f}" for k, v in tr["vs"].items())]
+    return "\n".join(parts)
+
+
+def packing_goals(pk: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]:
+    g = pk["goals"]
+    out: List[Tuple[str, str, str, Optional[bool]]] = []
+    for name, w in pk["fill"]["workloads"].items():
+        f = w["odb-packed"]["fill"]
+        out.append((f"packed {name}: odb useful fill", f"{f:.3f}", f">= {g['fill_min']}", f >= g["fill_min"]))
+        out.append((f"packed {name}: odb fill - TRL bfd fill", f"{w['odb_minus_trl']:+.3f}",
+                    f">= -{g['vs_trl_max_gap']}", w["odb_minus_trl"] >= -g["vs_trl_max_gap"]))
+    tr = pk.get("training")
+    if tr:
+        out.append((f"packed training ({tr['device']}): real tokens/s, odb packed / odb padded",
+                    f"{tr['packed_vs_padded']:.2f}", ">= 1", tr["packed_vs_padded"] >= 1.0))
+    return out
+
+
 # ---- ranks --------------------------------------------------------------------------------------
 def ranks_table(ranks: Dict[str, Any], markdown: bool) -> str:
     if "error" in ranks:
@@ -269,6 +308,8 @@ def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]
                         f"<= {g['cpu_s_ratio_max']}", met["cpu_s_ratio"]))
             out.append((f"loader ({name}): time to first batch, odb - plain", f"{r['first_batch_extra_s']:+.3f} s",
                         f"<= +{g['first_batch_extra_s_max']} s", met["first_batch_extra_s"]))
+    if results.get("packing"):
+        out += packing_goals(results["packing"])
     tr = results.get("training")
     if tr:
         out.append((f"training: real tokens/s, odb / fixed B={tr['fixed_batch_size']}", f"{tr['speedup']:.2f}",
@@ -323,6 +364,8 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
                   ""]
     if "e2e" in results:
         parts += [f"{h}End to end", e2e_table(results["e2e"], markdown)]
+    if "packing" in results:
+        parts += [f"{h}Packed layout (padding-free rows)", packing_tables(results["packing"], markdown), ""]
     return "\n".join(parts)
 
 

@@ -32,8 +32,9 @@ from .planning import REBALANCE_GRAD_ACCUM, BatchRebalanceSampler, LengthGrouped
 from .workloads import lognormal_lengths
 
 VOCAB = 1000
+# use_cache=False: no KV cache in training (with one, transformers would not build the block mask of a packed row).
 MODEL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, attn_implementation="sdpa")
+             num_key_value_heads=4, attn_implementation="sdpa", use_cache=False)
 
 
 def training_lengths(n: int, max_len: int = 1024, seed: int = 0) -> np.ndarray:
@@ -55,7 +56,7 @@ def build_model(device: torch.device, max_len: int, seed: int = 0) -> torch.nn.M
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
           device: torch.device, loss_scale: float) -> float:
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     loss = model(**batch).loss
     (loss * loss_scale).backward()
     opt.step()
@@ -101,9 +102,14 @@ class Arm:
         self.seconds += time.perf_counter() - t0
         if cuda:
             self.peak_mib = max(self.peak_mib, torch.cuda.max_memory_allocated(self.device) / 2**20)
-        self.real += int(batch["attention_mask"].sum())
+        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+        if mask is None and positions is not None:  # a padding-free row: samples start where positions restart
+            self.real += int(batch["input_ids"].numel())
+            self.samples += int((positions == 0).sum())
+        else:
+            self.real += int(mask.sum())
+            self.samples += int(batch["input_ids"].shape[0])
         self.padded += int(batch["input_ids"].numel())
-        self.samples += int(batch["input_ids"].shape[0])
         self.steps += 1
         return True
 
