@@ -98,7 +98,7 @@ def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, An
     if sft is None:
         return options
     args = getattr(trainer, "args", None)
-    if getattr(args, "packing", False):
+    if isinstance(trainer, sft.SFTTrainer) and getattr(args, "packing", False):
         raise ValueError(
             f"odb cannot batch an SFTTrainer with SFTConfig(packing=True, packing_strategy="
             f"{getattr(args, 'packing_strategy', None)!r}): TRL packs the dataset into rows of max_length="
