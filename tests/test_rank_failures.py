@@ -195,51 +195,48 @@ def test_distributed_false_refuses_a_process_group_and_non_bools():
     assert sum(len(odb.pop_step_info(b).sample_ids) for b in loader) == 4
 
 
-@pytest.mark.parametrize("depth", [0, 2])
-def test_pipeline_announces_a_failure_once_after_queuing_it_and_a_stop_when_stopped(depth):
-    heard: List[Any] = []
+def _produce(fail_at: int):
+    for k in range(100):
+        if k == fail_at:
+            raise KeyError("bad batch")
+        yield k
 
-    def produce(fail_at):
-        for k in range(100):
-            if k == fail_at:
-                raise KeyError("bad batch")
-            yield k
 
-    p = BatchPipeline(produce(3), depth=depth, announce=heard.append)
+def _fails(p: BatchPipeline) -> None:
     assert [next(p) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(KeyError, match="bad batch"):
         next(p)
-    p.close()
-    _wait_for(lambda: heard)
-    assert len(heard) == 1 and isinstance(heard[0], KeyError)
 
-    stopped: List[Any] = []
-    p = BatchPipeline(produce(-1), depth=depth, announce=stopped.append)
-    next(p)
-    p.close()
-    _wait_for(lambda: stopped)
-    assert stopped == [None]
 
-    aborted: List[Any] = []
-    p = BatchPipeline(produce(-1), depth=depth, announce=aborted.append)
+def _aborts(p: BatchPipeline) -> None:
     next(p)
     p.abort(ValueError("checked on the training thread"))
     with pytest.raises(ValueError, match="checked on the training thread"):
         next(p)
-    p.close()
-    _wait_for(lambda: aborted)
-    assert len(aborted) == 1 and isinstance(aborted[0], ValueError)
 
-    ended: List[Any] = []
-    p = BatchPipeline(produce(-1), depth=depth, announce=ended.append)
+
+def _ends(p: BatchPipeline) -> None:
     assert len(list(p)) == 100
-    p.close()
-    assert ended == [], "an epoch that ran to its end announces nothing"
 
 
-def _wait_for(cond, timeout_s: float = 5.0) -> None:
+@pytest.mark.parametrize("depth", [0, 2])
+@pytest.mark.parametrize("use, fail_at, expected", [(_fails, 3, KeyError), (next, -1, None),
+                                                    (_aborts, -1, ValueError), (_ends, -1, "nothing")],
+                         ids=["failure", "stop", "abort", "end"])
+def test_pipeline_announces_how_it_ended_early_once(depth, use, fail_at, expected):
     import time
 
-    end = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < end:
+    heard: List[Any] = []
+    p = BatchPipeline(_produce(fail_at), depth=depth, announce=heard.append)
+    use(p)
+    p.close()
+    end = time.monotonic() + (0.5 if expected == "nothing" else 5.0)
+    while not heard and time.monotonic() < end:  # depth 0 announces on a thread of its own
         time.sleep(0.01)
+    time.sleep(0.1)
+    if expected == "nothing":
+        assert heard == [], "an epoch that ran to its end announces nothing"
+    elif expected is None:
+        assert heard == [None], "a stop is announced as one"
+    else:
+        assert len(heard) == 1 and isinstance(heard[0], expected), heard
