@@ -58,7 +58,11 @@ class EpochRun:
         self.pending: Deque[Step] = collections.deque()
         self.chunk: List[Step] = []
         self.chunk_pos = 0
-        self.ghost: Optional[Tuple[int, Any, Any, int]] = None  # (id, sample copy, meta, position)
+        self.ghost: Optional[Tuple[int, Any, Any, int]] = None  # (position, sample copy, meta, dataset index)
+        # Resume bookkeeping (odb.resume): re-partitions of this epoch's order across ranks, and the
+        # resume points of an IterableDataset with its own state (odb.stream_state), when it has one.
+        self.layers: List[Dict[str, Any]] = []
+        self.stream_marks: Any = None
         self.step = 0
         self.snapshot: Dict[str, Any] = {}  # epoch_state after the last planned window
         self._since = 0
@@ -73,19 +77,29 @@ class EpochRun:
 
     # ---- resume ----------------------------------------------------------------------
     def take_snapshot(self) -> None:
+        if self.stream_marks is not None:
+            self._keep_ghost_recent()
         self.snapshot, self._since = epoch_state(self), 0
 
-    def restore(self, state: Dict[str, Any], samples: Dict[int, Tuple[Any, Any]]) -> None:
-        """Continue from a saved state; ``samples`` maps every retained id to (sample, meta)."""
+    def _keep_ghost_recent(self) -> None:
+        """A stream resumes from before the first sample its state holds, the ghost's included: keep the
+        ghost a copy of a held sample, so the stream's replay stays about a window long."""
+        low = self.pool.lowest()
+        if self.ghost is not None and low is not None and self.ghost[0] < low:
+            self.ghost = (low, copy.deepcopy(self.pool.sample(low)), self.pool.meta(low), self.pool.indices([low])[0])
+
+    def restore(self, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
+        """Continue from a saved state; ``samples`` maps every retained position to (index, sample, meta)."""
         restore_epoch(self, state, samples)
         self.aligner.unconfirmed = len(self.pending) + len(self.chunk) - self.chunk_pos  # made and confirmed later
         self.take_snapshot()
 
-    def register(self, sid: int, sample: Any, meta: Any, position: int) -> None:
-        self.pool.add(sid, sample, meta, position)
+    def register(self, sid: int, index: int, sample: Any, meta: Any) -> None:
+        """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
+        self.pool.add(sid, sample, meta, index)
         if self.ghost is None and not self.aligner.local_only:
             # A copy: the user's collate_fn may change the real sample when it is emitted.
-            self.ghost = (sid, copy.deepcopy(sample), meta, position)
+            self.ghost = (sid, copy.deepcopy(sample), meta, index)
 
     # ---- window and plan -----------------------------------------------------------
     def set_token_budget(self, budget: Any) -> None:
@@ -107,8 +121,8 @@ class EpochRun:
         records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining(),
                                                           len(self.planner.carried_ids)))
         ids = []
-        for sid, sample, meta in records:
-            self.register(int(sid), sample, meta, self.arrived)
+        for sid, index, sample, meta in records:
+            self.register(int(sid), int(index), sample, meta)
             self.arrived += 1
             ids.append(int(sid))
         return ids, ended
@@ -218,8 +232,10 @@ class EpochRun:
                                    "Fix: give every rank at least one sample (shard the data so no rank is empty).")
             ids = np.array([self.ghost[0]])
             samples, metas = [self.ghost[1]], [self.ghost[2]]
+            indices: List[int] = []
         else:
             ids = group
+            indices = self.pool.indices(ids)  # what users see: dataset indices, not positions
             samples, metas = self.pool.pop(ids)
         lengths = np.array([m[0] for m in metas], dtype=np.int64)
         real = int(lengths.sum())
@@ -231,7 +247,7 @@ class EpochRun:
             global_loss_tokens=sum(p.global_loss_tokens for p in chunk), real_tokens=0 if ghost else real,
             padded_tokens=padded, loss_scale=0.0 if ghost else self._scale(plan, chunk),
             is_ghost=ghost, world_size=self.world_size, micro_step=j, micro_steps=len(chunk),
-            sample_ids=() if ghost else tuple(int(i) for i in ids), buffered_samples=len(self.pool),
+            sample_ids=tuple(indices), buffered_samples=len(self.pool),
             rank_imbalance=plan.imbalance)
         self.step += 1
         st = self.stats

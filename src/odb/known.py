@@ -31,13 +31,19 @@ _CHUNK = 256
 
 
 def known_records(order: Iterable[int], lengths: np.ndarray, skip: int = 0) -> Iterator[List[Record]]:
-    """Chunks of index-only records ``(index, index, (lengths, 0, 0))`` in sampler order."""
+    """Chunks of index-only records ``(position, index, index, (lengths, 0, 0))`` in sampler order,
+    from position ``skip`` on (the sample is its dataset index: workers read it).
+
+    Example:
+        >>> next(known_records([2, 2, 0], np.array([[5], [6], [7]]), skip=1))
+        [(1, 2, 2, ((7,), 0, 0)), (2, 0, 0, ((5,), 0, 0))]
+    """
     chunk: List[Record] = []
     for position, index in enumerate(order):
         if position < skip:
             continue
         index = int(index)
-        chunk.append((index, index, (tuple(int(v) for v in lengths[index]), 0, 0)))
+        chunk.append((position, index, index, (tuple(int(v) for v in lengths[index]), 0, 0)))
         if len(chunk) == _CHUNK:
             yield chunk
             chunk = []
@@ -89,10 +95,17 @@ def batch_loss_tokens(batch: Any, cfg: ODBConfig, fallback: int) -> int:
     return int((labels != cfg.ignore_index).sum())
 
 
-def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchange: Any) -> List[Any]:
-    """The micro-batches of one optimizer step with their supervised tokens and loss scales filled in."""
+def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchange: Any,
+                totals: Optional[Sequence[int]] = None) -> List[Any]:
+    """The micro-batches of one optimizer step with their supervised tokens and loss scales filled in.
+
+    ``totals`` (all ranks', this rank's supervised tokens of the whole step) are given for the rest
+    of a step that a resume split: they were exchanged before the interruption."""
     local = [0 if info.is_ghost else batch_loss_tokens(batch, cfg, info.real_tokens) for batch, info in micro]
-    if exchange is not None:
+    local_total = sum(local)
+    if totals is not None:
+        world, total, local_total = (exchange.world_size if exchange is not None else 1), *map(int, totals)
+    elif exchange is not None:
         # Always gradient_accumulation_steps entries (a partial last step pads), so a rank that fails
         # before it knows its next step's size can still announce it (odb.dist.RankExchange.announce).
         message = np.zeros(cfg.gradient_accumulation_steps, dtype=np.int64)
@@ -108,7 +121,7 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
         elif cfg.loss_scaling == "exact":
             scale = world * tokens / total if total else 0.0
         elif cfg.loss_scaling == "approx":
-            scale = tokens / sum(local) if sum(local) else 0.0
+            scale = tokens / local_total if local_total else 0.0
         else:  # "sample" and "none" need no token counts: the planner's scale stands
             scale = info.loss_scale
         info = dataclasses.replace(info, local_loss_tokens=tokens, global_loss_tokens=total, loss_scale=scale)
@@ -117,15 +130,18 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
 
 
 def known_epoch(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBConfig, exchange: Any,
-                on_batch: Callable[[Cursor, float, int], None]) -> Iterator[Any]:
+                on_batch: Callable[[Cursor, float, int], None],
+                resume_totals: Optional[Sequence[int]] = None) -> Iterator[Any]:
     """Batches from the inner loader with their step infos, an optimizer step at a time.
 
     ``on_batch(cursor, waited_s, loss_tokens)`` is told of every batch handed to the training loop.
+    A resumed epoch may start inside an optimizer step: its first step is the rest of that one,
+    scaled by the step's ``resume_totals`` (saved in the state).
     When the epoch ends early (an error, e.g. in a worker's collate, or the loop stopped), the
     other ranks learn it at their next step exchange instead of waiting there.
     """
     try:
-        yield from _known_steps(batches, sampler, cfg, exchange, on_batch)
+        yield from _known_steps(batches, sampler, cfg, exchange, on_batch, resume_totals)
     except BaseException as err:
         announce_in_background(exchange, (cfg.gradient_accumulation_steps,), "the next step exchange",
                                None if isinstance(err, GeneratorExit) else err)
@@ -133,7 +149,8 @@ def known_epoch(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBCo
 
 
 def _known_steps(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBConfig, exchange: Any,
-                 on_batch: Callable[[Cursor, float, int], None]) -> Iterator[Any]:
+                 on_batch: Callable[[Cursor, float, int], None],
+                 resume_totals: Optional[Sequence[int]] = None) -> Iterator[Any]:
     import time
 
     while True:
@@ -144,13 +161,16 @@ def _known_steps(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBC
             return
         info, cursor = sampler.infos.popleft()
         micro = [(first, info, cursor)]
-        while len(micro) < info.micro_steps:
+        while len(micro) < info.micro_steps - info.micro_step:  # a resume may start inside a step
             batch = next(batches)
             micro.append((batch,) + sampler.infos.popleft())
         waited = (time.perf_counter() - t0) / len(micro)
-        finished = finish_step([(b, i) for b, i, _ in micro], cfg, exchange)
-        for batch, (_, info, cursor) in zip(finished, micro):
-            filled = batch[cfg.step_info_key] if isinstance(batch, Mapping) else getattr(batch, cfg.step_info_key)
+        totals = resume_totals if info.micro_step > 0 else None
+        finished = finish_step([(b, i) for b, i, _ in micro], cfg, exchange, totals)
+        infos = [b[cfg.step_info_key] if isinstance(b, Mapping) else getattr(b, cfg.step_info_key) for b in finished]
+        step_tokens = (infos[0].global_loss_tokens,
+                       int(totals[1]) if totals is not None else sum(f.local_loss_tokens for f in infos))
+        for batch, filled, (_, info, cursor) in zip(finished, infos, micro):
             object.__setattr__(filled, "loader_wait_s", waited)  # not yet seen by anyone
-            on_batch(cursor, waited, filled.local_loss_tokens)
+            on_batch(dataclasses.replace(cursor, step_tokens=step_tokens), waited, filled.local_loss_tokens)
             yield batch

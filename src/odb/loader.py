@@ -7,7 +7,7 @@ import inspect
 import pickle
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -26,7 +26,8 @@ from .packed_collate import PackedCollate
 from .pipeline import BatchPipeline
 from .resume import Cursor
 from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable
-from .source import ChunkCollate, SampleMeter, SampleSource, unpack_records
+from .source import ChunkCollate, SampleMeter, SampleSource, stream_records, unpack_records
+from .stream_state import StatefulStream, StreamMarks, has_own_state
 from .stats import EpochStats
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
@@ -57,10 +58,15 @@ def check_inputs(cfg: ODBConfig, lengths: Optional[Sequence[int]], in_order: Any
     check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
 
 
-def draw_seed(generator: Optional[torch.Generator]) -> int:
-    """A base seed: from the DataLoader's generator when given, else torch's global RNG."""
+def draw_seed(generator: Optional[torch.Generator], sampler: Any = None) -> int:
+    """A base seed: from the DataLoader's generator when given, else the sampler's own seed (a
+    DistributedSampler's or odb.ShardSampler's: its shuffle and odb's batch order then repeat
+    together), else torch's global RNG."""
     if generator is not None:
         return int(generator.initial_seed()) % (2**62)
+    own = getattr(sampler, "seed", None)
+    if isinstance(own, int) and not isinstance(own, bool):
+        return own % (2**62)
     return int(torch.empty((), dtype=torch.int64).random_().item()) % (2**62)
 
 
@@ -76,11 +82,11 @@ class ODBLoaderMixin(ResumableLoader):
                    group_collate: Callable[[Any], Any], sample_transform: Optional[Callable[[Any], Any]],
                    own_sampler: Optional[EpochShuffleSampler], lengths: Optional[Sequence[int]] = None,
                    process_group: Any = None) -> None:
+        check_in_order(getattr(self, "in_order", True))
+        check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         if process_group is not None and not cfg.distributed:
             raise ValueError(f"odb got process_group={process_group!r} with distributed=False: a local loader "
                              f"exchanges nothing. Fix: drop process_group, or drop distributed=False.")
-        check_in_order(getattr(self, "in_order", True))
-        check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         self._odb_cfg = cfg
         self._odb_shuffle = shuffle
         self._odb_seed = seed
@@ -99,6 +105,7 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_pipeline: Optional[BatchPipeline] = None
         self._odb_resume: Optional[Dict[str, Any]] = None
         self._odb_chunk_sampler: Optional[ChunkSampler] = None
+        self._odb_stream: Optional[StatefulStream] = None  # an IterableDataset with its own state, wrapped
         self._odb_group = process_group
         self._odb_exchange: Optional[RankExchange] = None
         self._odb_oom: Optional[Any] = None
@@ -121,10 +128,9 @@ class ODBLoaderMixin(ResumableLoader):
         received (plus OOM counters, since the loader was built)."""
         cursor = self._odb_cursor
         stats = dataclasses.replace(cursor.stats) if cursor is not None else EpochStats()
+        stats.wait_s = self._odb_wait_s(stats.wait_s)
         if self._odb_step_exchange is not False:  # known lengths: the training loop waits on the inner loader
-            stats.wait_s, stats.loss_tokens = self._odb_known_wait, self._odb_known_loss
-        elif self._odb_pipeline is not None:
-            stats.wait_s = self._odb_pipeline.wait_s
+            stats.loss_tokens = self._odb_known_loss
         if self._odb_run is not None:
             stats.read_ahead_max = self._odb_run.source.peak_samples
             stats.read_ahead_tokens_max = self._odb_run.source.peak_tokens
@@ -142,6 +148,12 @@ class ODBLoaderMixin(ResumableLoader):
 
             self._odb_oom = OOMCounters()
         return self._odb_oom
+
+    def _odb_wait_s(self, default: float = 0.0) -> float:
+        """Seconds the training loop waited in next() this epoch."""
+        if self._odb_step_exchange is not False:  # known lengths: the training loop waits on the inner loader
+            return self._odb_known_wait
+        return self._odb_pipeline.wait_s if self._odb_pipeline is not None else default
 
     def odb_abort(self, reason: Any) -> None:
         """Stop this epoch because of ``reason`` (an exception or a message) found on the training thread,
@@ -199,18 +211,25 @@ class ODBLoaderMixin(ResumableLoader):
         run_state = state["run"] if state is not None else None
         exchange = self._odb_new_exchange()
         known = self._odb_known_lengths()
+        # A resumed epoch: the consumed prefix of its order is skipped; a re-partitioned one has its own order.
         skip = run_state["arrived"] if run_state and not self._odb_is_iterable() else 0
+        order = self._odb_resume_order(run_state, epoch)
+        marks = None
         if known is not None:
-            source = SampleSource(known_records(iter(self.sampler), known, skip), cap_samples=self._odb_cfg.buffer_size,
+            records = known_records(iter(self.sampler) if order is None else order, known, skip)
+            source = SampleSource(records, cap_samples=self._odb_cfg.buffer_size,
                                   cap_tokens=self._odb_cfg.window_tokens, threaded=self._odb_cfg.ready_batches > 0)
         else:
-            source = self._odb_source(skip=skip)
+            source, marks = self._odb_source(skip=skip, order=order,
+                                             stream=run_state["stream"] if run_state is not None else None)
         pin = self.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
         run = EpochRun(self._odb_cfg, source, list if known is not None else self._odb_group_collate, epoch=epoch,
                        seed=self._odb_seed, shuffle=self._odb_shuffle, drop_last=bool(self.drop_last),
-                       exchange=exchange, finalize=self._odb_pin if pin else None, total=self._odb_epoch_total())
+                       exchange=exchange, finalize=self._odb_pin if pin else None,
+                       total=self._odb_epoch_total() if order is None else len(order))
+        run.stream_marks = marks
         if run_state is not None:
-            run.restore(run_state, self._odb_retained(source, run_state, known))
+            run.restore(run_state, self._odb_retained(source, run_state, known, order))
         else:
             run.take_snapshot()
         self._odb_run = run
@@ -226,8 +245,9 @@ class ODBLoaderMixin(ResumableLoader):
         sampler.infos.clear()
         steps = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group) if exchange is not None else None
         self._odb_step_exchange = steps
+        resume_totals = run_state["step_tokens"] if run_state is not None else None  # a step split by the resume
         return self._odb_known_epoch(run, self._odb_pipeline, known_epoch(iter(inner), sampler, self._odb_cfg, steps,
-                                                                          self._odb_consumed))
+                                                                          self._odb_consumed, resume_totals))
 
     def __len__(self) -> int:
         """Batches per epoch: exact after a full epoch, else an estimate from sample lengths."""
@@ -380,6 +400,10 @@ class ODBLoaderMixin(ResumableLoader):
             kwargs["in_order"] = getattr(self, "in_order", True)
         if iterable:
             ds = self.dataset if self._odb_transform is None else TransformedIterable(self.dataset, self._odb_transform)
+            if has_own_state(self.dataset):  # resumable through its own state: tag chunks with it
+                ds = self._odb_stream = StatefulStream(self.dataset, self._odb_transform, cfg.transfer_chunk_size)
+                kwargs["collate_fn"] = ChunkCollate(self._odb_worker_meter, indexed=False, pack=self.num_workers > 0,
+                                                    tagged=True)
             inner = DataLoader(ds, batch_size=cfg.transfer_chunk_size, **kwargs)
         else:
             self._odb_chunk_sampler = ChunkSampler(self.sampler, cfg.transfer_chunk_size)
@@ -389,17 +413,31 @@ class ODBLoaderMixin(ResumableLoader):
             self._odb_inner = inner
         return inner
 
-    def _odb_source(self, skip: int = 0) -> SampleSource:
+    def _odb_source(self, skip: int = 0, order: Optional[Sequence[int]] = None,
+                    stream: Optional[Dict[str, Any]] = None) -> Tuple[SampleSource, Optional[StreamMarks]]:
+        """The epoch's sample source (from position ``skip`` of ``order``, default the sampler's; an
+        iterable stream from its saved restart point) and the stream's restart points, if it has state."""
         cfg = self._odb_cfg
         inner = self._odb_inner_loader()
         if self._odb_chunk_sampler is not None:
-            self._odb_chunk_sampler.skip = skip
+            self._odb_chunk_sampler.skip, self._odb_chunk_sampler.order = skip, order
         packed = self.num_workers > 0
         meter = SampleMeter(cfg)
-        chunks = (unpack_records(c, packed, meter) for c in iter(inner))  # workers start here, on this thread
+        if not self._odb_is_iterable():
+            chunks: Iterator[Any] = (unpack_records(c, packed, meter) for c in iter(inner))  # workers start here
+            marks = None
+        else:
+            first, marks, wrapper = (stream["start"] if stream else 0), None, self._odb_stream
+            if wrapper is not None:
+                wrapper.start = stream["states"] if stream else None
+                marks = StreamMarks(first, wrapper.start, self.num_workers)
+            batches = iter(inner)  # workers start here, on this thread, each with its copy of the wrapper
+            if wrapper is not None:
+                wrapper.start = None
+            chunks = stream_records(batches, packed, meter, first, marks.on_chunk if marks is not None else None)
         chunks = self._odb_label_check.wrap(chunks)  # warns when target labels go unbudgeted
         return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=cfg.window_tokens,
-                            threaded=cfg.ready_batches > 0)
+                            threaded=cfg.ready_batches > 0), marks
 
     @staticmethod
     def _odb_pin(batch: Any) -> Any:
@@ -445,13 +483,13 @@ class ODBLoaderMixin(ResumableLoader):
         dataset = IndexedDataset(self.dataset, self._odb_transform)
         if worker_meter is None:
             for i in indices:
-                out[i] = meter(i, dataset[i][1])[0]
+                out[i] = meter(i, dataset[i][2])[0]
             return
         chunks = [list(indices[k:k + 64]) for k in range(0, len(indices), 64)]
         probe = DataLoader(dataset, batch_sampler=chunks, collate_fn=ChunkCollate(worker_meter, True, False, True),
                            num_workers=self.num_workers, multiprocessing_context=self.multiprocessing_context,
                            worker_init_fn=self.worker_init_fn)
-        for ids, metas, _ in probe:
+        for _, ids, metas, _, _ in probe:  # (positions, indices, metas, samples, tag) of ChunkCollate
             out.update((i, m[0]) for i, m in zip(ids, metas))
 
 
@@ -519,7 +557,7 @@ class ODBDataLoader(ODBLoaderMixin):
                              f"decides the order (torch's DataLoader refuses this too). Fix: drop shuffle (odb "
                              f"shuffles its batch order when the sampler shuffles, e.g. DistributedSampler or "
                              f"odb.ShardSampler with shuffle=True), or drop sampler.")
-        seed = cfg.seed if cfg.seed is not None else draw_seed(generator)
+        seed = cfg.seed if cfg.seed is not None else draw_seed(generator, sampler)
         if collate_fn is None and cfg.layout == "packed":
             collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
         own = None

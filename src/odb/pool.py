@@ -1,4 +1,8 @@
-"""The samples an epoch holds between reading and emitting, with what odb measured of them."""
+"""The samples an epoch holds between reading and emitting, with what odb measured of them.
+
+A sample is known by its position in the epoch's order (unique even when the sampler
+repeats a dataset index); its dataset index rides along for the step info.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +15,19 @@ from .source import Meta
 
 
 class SamplePool:
-    """Samples by id (window, carry, planned steps) and their metas and arrival positions.
+    """Samples by position (window, carry, planned steps) with their metas and dataset indices.
 
     Example:
         >>> pool = SamplePool()
-        >>> pool.add(7, "s", ((5,), 4, 0), position=0)
-        >>> pool.lengths([7]).tolist(), pool.loss_tokens([7])
-        ([[5]], 4)
+        >>> pool.add(7, "s", ((5,), 4, 0), index=3)
+        >>> pool.lengths([7]).tolist(), pool.loss_tokens([7]), pool.indices([7])
+        ([[5]], 4, [3])
     """
 
     def __init__(self) -> None:
         self._samples: Dict[int, Any] = {}
         self._meta: Dict[int, Meta] = {}
-        self._position: Dict[int, int] = {}
+        self._index: Dict[int, int] = {}
         self.tokens = 0  # real tokens of the samples held
 
     def __len__(self) -> int:
@@ -32,20 +36,22 @@ class SamplePool:
     def __contains__(self, sid: int) -> bool:
         return sid in self._meta
 
-    def add(self, sid: int, sample: Any, meta: Meta, position: int) -> None:
-        if sid in self._meta:
-            raise ValueError(f"sample id {sid} arrived twice in one epoch: odb emits every sample once. "
-                             f"Fix: make the sampler yield each index at most once per epoch.")
+    def add(self, sid: int, sample: Any, meta: Meta, index: int) -> None:
+        """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
+        if sid in self._meta:  # positions are unique by construction: this is odb's own bug
+            raise RuntimeError(f"odb internal error: position {sid} of the epoch's order (dataset index {index}) "
+                               f"was read twice. Fix: report it with the sampler and dataset used.")
         self._samples[sid] = sample
         self._meta[sid] = meta
-        self._position[sid] = position
+        self._index[sid] = index
         self.tokens += sum(meta[0])
 
     def meta(self, sid: int) -> Meta:
         return self._meta[sid]
 
-    def position(self, sid: int) -> int:
-        return self._position[sid]
+    def indices(self, ids: Iterable[int]) -> List[int]:
+        """Dataset indices of the samples at these positions."""
+        return [self._index[int(i)] for i in ids]
 
     def dims(self) -> int:
         meta = next(iter(self._meta.values()), None)
@@ -72,8 +78,9 @@ class SamplePool:
     def longest(self, ids: np.ndarray) -> int:
         return max(sum(self._meta[int(i)][0]) for i in ids)
 
-    def first_position(self, ids: np.ndarray) -> int:
-        return min(self._position[int(i)] for i in ids)
+    @staticmethod
+    def first_position(ids: np.ndarray) -> int:
+        return int(min(ids))
 
     def pop(self, ids: Iterable[int]) -> Tuple[List[Any], List[Meta]]:
         """Remove a group that is being emitted: its samples and metas."""
@@ -82,7 +89,7 @@ class SamplePool:
             i = int(i)
             samples.append(self._samples.pop(i))
             meta = self._meta.pop(i)
-            self._position.pop(i)
+            self._index.pop(i)
             self.tokens -= sum(meta[0])
             metas.append(meta)
         return samples, metas
@@ -94,7 +101,11 @@ class SamplePool:
             if i in self._meta:
                 self.tokens -= sum(self._meta.pop(i)[0])
                 self._samples.pop(i)
-                self._position.pop(i)
+                self._index.pop(i)
+
+    def lowest(self) -> Optional[int]:
+        """The first position held (None when empty)."""
+        return min(self._meta) if self._meta else None
 
     def sample(self, sid: int) -> Optional[Any]:
         return self._samples.get(sid)

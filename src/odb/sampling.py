@@ -1,23 +1,35 @@
 """Pieces of the inner DataLoader that feeds odb single processed samples.
 
 All public torch.utils.data API: a dataset wrapper that tags each sample with its
-index, a batch sampler that sends samples to the main process in small chunks (one
-message per chunk, not per sample), collates that keep the chunk a list (packing its
-tensors into one buffer per dtype when workers send it), and a
-seeded per-epoch shuffle sampler whose order is a pure function of (seed, epoch).
+position in the epoch's sampler order and its dataset index, a batch sampler that sends
+samples to the main process in small chunks (one message per chunk, not per sample),
+collates that keep the chunk a list (packing its tensors into one buffer per dtype when
+workers send it), a seeded per-epoch shuffle sampler whose order is a pure function of
+(seed, epoch), and the stride rule of sharded samplers (rank r of W takes positions
+r, r + W, r + 2W, ... of one global order), which elastic resume rebuilds.
+
+A sample's identity within an epoch is its position in the sampler order, not its
+dataset index: samplers may repeat indices (replacement, upsampling, padding).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sized, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Sized, Tuple
 
+import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, Sampler
 
 
 class IndexedDataset(Dataset):
-    """Map-style wrapper: item i is ``(i, transform(dataset[i]))``."""
+    """Map-style wrapper: item ``(position, index)`` is ``(position, index, transform(dataset[index]))``
+    (a bare ``index`` is its own position).
+
+    Example:
+        >>> IndexedDataset(["a", "b"], str.upper)[(5, 1)]
+        (5, 1, 'B')
+    """
 
     def __init__(self, dataset: Any, transform: Optional[Callable[[Any], Any]] = None) -> None:
         self.dataset = dataset
@@ -26,9 +38,10 @@ class IndexedDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> Tuple[int, Any]:
+    def __getitem__(self, key: Any) -> Tuple[int, int, Any]:
+        position, index = key if isinstance(key, tuple) else (key, key)
         sample = self.dataset[index]
-        return int(index), (sample if self.transform is None else self.transform(sample))
+        return int(position), int(index), (sample if self.transform is None else self.transform(sample))
 
 
 class TransformedIterable(IterableDataset):
@@ -42,21 +55,31 @@ class TransformedIterable(IterableDataset):
         return (self.transform(s) for s in self.dataset)
 
 
-class ChunkSampler(Sampler[List[int]]):
-    """Groups the indices of ``sampler`` into chunks of ``size`` (transport only)."""
+class ChunkSampler(Sampler[List[Tuple[int, int]]]):
+    """Groups ``(position, index)`` of the sampler's order into chunks of ``size`` (transport only).
+
+    A resumed epoch sets, once, ``skip`` (positions already consumed) and possibly
+    ``order`` (the epoch's order when a resume re-partitioned it across ranks).
+
+    Example:
+        >>> list(ChunkSampler([4, 4, 2], size=2))
+        [[(0, 4), (1, 4)], [(2, 2)]]
+    """
 
     def __init__(self, sampler: Any, size: int) -> None:
         self.sampler = sampler
         self.size = size
-        self.skip = 0  # indices of the next epoch to leave out (set by a resume, used once)
+        self.skip = 0  # positions of the next epoch to leave out (set by a resume, used once)
+        self.order: Optional[Sequence[int]] = None  # the next epoch's order instead of the sampler's (used once)
 
-    def __iter__(self) -> Iterator[List[int]]:
-        chunk: List[int] = []
+    def __iter__(self) -> Iterator[List[Tuple[int, int]]]:
+        chunk: List[Tuple[int, int]] = []
         skip, self.skip = self.skip, 0
-        for position, index in enumerate(self.sampler):
+        order, self.order = self.order, None
+        for position, index in enumerate(self.sampler if order is None else order):
             if position < skip:
                 continue
-            chunk.append(index)
+            chunk.append((position, int(index)))
             if len(chunk) == self.size:
                 yield chunk
                 chunk = []
@@ -137,6 +160,50 @@ class ShardSampler(Sampler[int]):
         else:
             order = list(range(n))
         return iter(order[self.rank::self.num_replicas])
+
+
+def stride_sharded(sampler: Any) -> bool:
+    """Whether ``sampler`` gives rank r of W the positions r, r + W, ... of one global order that
+    depends only on (its settings, epoch, W): odb.ShardSampler and DistributedSampler."""
+    return isinstance(sampler, (ShardSampler, DistributedSampler))
+
+
+def sampler_settings(sampler: Any) -> Optional[Dict[str, Any]]:
+    """What fixes a stride-sharded sampler's global order (plain data, for resume states)."""
+    if not stride_sharded(sampler):
+        return None
+    return {"kind": type(sampler).__name__, "seed": int(sampler.seed), "shuffle": bool(sampler.shuffle),
+            "drop_last": bool(getattr(sampler, "drop_last", False))}
+
+
+def global_order(sampler: Any, world: int, epoch: int) -> np.ndarray:
+    """The global order (dataset indices) that ``world`` ranks of ``sampler``'s kind and settings
+    shard by the stride rule at ``epoch``: rank r's order is ``global_order(...)[r::world]``.
+
+    Rebuilt from one sampler per rank, through their public constructors only.
+
+    Example:
+        >>> s = ShardSampler(range(5), num_replicas=3, rank=0, shuffle=False)
+        >>> global_order(s, 2, epoch=0).tolist()
+        [0, 1, 2, 3, 4]
+    """
+    data = sampler.data_source if isinstance(sampler, ShardSampler) else sampler.dataset
+    orders = []
+    for rank in range(world):
+        if isinstance(sampler, ShardSampler):
+            part: Any = ShardSampler(data, num_replicas=world, rank=rank, shuffle=sampler.shuffle, seed=sampler.seed)
+        else:
+            part = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=sampler.shuffle,
+                                      seed=sampler.seed, drop_last=sampler.drop_last)
+        part.set_epoch(epoch)
+        orders.append(np.fromiter(part, dtype=np.int64))
+    out = np.empty(sum(len(o) for o in orders), dtype=np.int64)
+    for rank, order in enumerate(orders):
+        if len(out[rank::world]) != len(order):
+            raise RuntimeError(f"{type(sampler).__name__} does not follow the stride rule at world size {world}: "
+                               f"rank {rank} has {len(order)} indices, not {len(out[rank::world])}.")
+        out[rank::world] = order
+    return out
 
 
 class _TensorSlot:

@@ -71,7 +71,7 @@ def simulate_ranks(lengths_per_rank: Sequence[np.ndarray], cfg: ODBConfig, *, ep
             records = []
             for i in range(len(lengths)):
                 sid, sample = rank * 10**9 + i, (lengths[i].tolist(), int(loss[i]))
-                records.append((sid, sample, meter(sid, sample)))
+                records.append((sid, sid, sample, meter(sid, sample)))  # (position, index, sample, meta)
             chunks = [records[i:i + 64] for i in range(0, len(records), 64)]
             source = SampleSource(chunks, cap_samples=sim_cfg.buffer_size, cap_tokens=sim_cfg.window_tokens,
                                   threaded=False)

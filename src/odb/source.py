@@ -5,6 +5,10 @@ user's pipeline, so the main process never walks a sample to find its length. A 
 thread pulls the workers' chunks into a buffer bounded by one full window (samples and
 tokens), so the workers keep working while the current window trains; the window stage
 takes samples from it in arrival order.
+
+Every record names its sample by its position in the epoch's order (the sampler's
+order for map-style data, the arrival order of an IterableDataset): positions are
+unique within an epoch even when the sampler repeats a dataset index.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from .sampling import pack_chunk, unpack_chunk
 
 # (lengths, supervised tokens, image patches) of one sample.
 Meta = Tuple[Tuple[int, ...], int, int]
-# (sample id or None, sample, meta)
-Record = Tuple[Optional[int], Any, Meta]
+# (position in the epoch's order, dataset index (the position for an IterableDataset), sample, meta)
+Record = Tuple[int, int, Any, Meta]
 
 
 class SourceClosed(RuntimeError):
@@ -55,33 +59,64 @@ class SampleMeter:
 
 
 class ChunkCollate:
-    """Collate of the inner loader: a chunk of ``(id, sample)`` items (or bare samples of an
-    IterableDataset) becomes ``(ids, metas, samples)``, the samples packed into one buffer
-    per dtype when ``pack`` (they cross a process boundary)."""
+    """Collate of the inner loader: a chunk of ``(position, index, sample)`` items (or bare samples
+    of an IterableDataset; ``(tag, sample)`` pairs when ``tagged``, see odb.stream_state) becomes
+    ``(positions, indices, metas, samples, tag)``, the samples packed into one buffer per dtype
+    when ``pack`` (they cross a process boundary). Iterable chunks have no positions yet (None).
 
-    def __init__(self, meter: Optional[SampleMeter], indexed: bool, pack: bool, metas_only: bool = False) -> None:
+    Example:
+        >>> ChunkCollate(None, indexed=True, pack=False)([(0, 7, "a"), (1, 7, "b")])
+        ([0, 1], [7, 7], None, ['a', 'b'], None)
+    """
+
+    def __init__(self, meter: Optional[SampleMeter], indexed: bool, pack: bool, metas_only: bool = False,
+                 tagged: bool = False) -> None:
         self.meter, self.indexed, self.pack, self.metas_only = meter, indexed, pack, metas_only
+        self.tagged = tagged
 
     def __call__(self, items: List[Any]) -> Any:
+        tag = None
         if self.indexed:
-            ids: List[Optional[int]] = [int(i) for i, _ in items]
-            samples = [s for _, s in items]
+            positions: Optional[List[int]] = [int(p) for p, _, _ in items]
+            indices: List[Optional[int]] = [int(i) for _, i, _ in items]
+            samples = [s for _, _, s in items]
         else:
-            ids, samples = [None] * len(items), list(items)
-        metas = None if self.meter is None else [self.meter(i, s) for i, s in zip(ids, samples)]
+            if self.tagged:  # the stream's resume point rides on the chunk's last sample
+                tag = next((t for t, _ in reversed(items) if t is not None), None)
+                items = [s for _, s in items]
+            positions, indices, samples = None, [None] * len(items), list(items)
+        metas = None if self.meter is None else [self.meter(i, s) for i, s in zip(indices, samples)]
         if self.metas_only:  # a length probe: the samples stay in the worker
-            return ids, metas, None
-        return ids, metas, (pack_chunk(samples) if self.pack else samples)
+            return positions, indices, metas, None, tag
+        return positions, indices, metas, (pack_chunk(samples) if self.pack else samples), tag
 
 
-def unpack_records(chunk: Any, packed: bool, meter: Optional[SampleMeter]) -> List[Record]:
-    """The records of one chunk that came out of ``ChunkCollate`` (metering here if workers did not)."""
-    ids, metas, samples = chunk
+def unpack_records(chunk: Any, packed: bool, meter: Optional[SampleMeter], first: int = 0) -> List[Record]:
+    """The records of one chunk that came out of ``ChunkCollate`` (metering here if workers did not).
+
+    An iterable chunk's samples are numbered from ``first`` (their arrival positions)."""
+    positions, indices, metas, samples, _ = chunk
     if packed:
         samples = unpack_chunk(samples)
     if metas is None:
-        metas = [meter(i, s) for i, s in zip(ids, samples)]
-    return list(zip(ids, samples, metas))
+        metas = [meter(i, s) for i, s in zip(indices, samples)]
+    if positions is None:
+        positions = indices = range(first, first + len(samples))
+    return list(zip(positions, indices, samples, metas))
+
+
+def stream_records(chunks: Iterable[Any], packed: bool, meter: Optional[SampleMeter], first: int = 0,
+                   on_chunk: Optional[Callable[[int, int, Any], None]] = None) -> Iterator[List[Record]]:
+    """Records of an IterableDataset's chunks, numbered by arrival position from ``first``.
+
+    ``on_chunk(start, count, tag)`` hears of every chunk (odb.stream_state keeps resume points)."""
+    position = first
+    for chunk in chunks:
+        records = unpack_records(chunk, packed, meter, position)
+        if on_chunk is not None:
+            on_chunk(position, len(records), chunk[4])
+        position += len(records)
+        yield records
 
 
 class SampleSource:
@@ -89,11 +124,10 @@ class SampleSource:
 
     ``take(max_samples, max_tokens)`` returns the next window's records: up to
     ``max_samples``, closing with the record that brings it to ``max_tokens`` real tokens.
-    Iterable datasets get their ids here, as arrival positions counted from ``first_id``.
     """
 
     def __init__(self, chunks: Iterable[List[Record]], *, cap_samples: int, cap_tokens: Optional[int],
-                 threaded: bool, first_id: int = 0, on_close: Optional[Callable[[], None]] = None) -> None:
+                 threaded: bool, on_close: Optional[Callable[[], None]] = None) -> None:
         self._chunks: Iterator[List[Record]] = iter(chunks)
         self._cap_samples, self._cap_tokens = cap_samples, cap_tokens
         self._buf: Deque[Record] = collections.deque()
@@ -101,7 +135,6 @@ class SampleSource:
         self._ended = False
         self._error: Optional[BaseException] = None
         self._closed = False
-        self._next_id = first_id
         self._on_close = on_close
         self.peak_samples = 0
         self.peak_tokens = 0
@@ -135,11 +168,9 @@ class SampleSource:
                 self._cond.notify_all()
 
     def _add(self, chunk: List[Record]) -> None:
-        for sid, sample, meta in chunk:
-            if sid is None:
-                sid, self._next_id = self._next_id, self._next_id + 1
-            self._buf.append((sid, sample, meta))
-            self._buf_tokens += sum(meta[0])
+        for record in chunk:
+            self._buf.append(record)
+            self._buf_tokens += sum(record[3][0])
         self.peak_samples = max(self.peak_samples, len(self._buf))
         self.peak_tokens = max(self.peak_tokens, self._buf_tokens)
 
@@ -170,7 +201,7 @@ class SampleSource:
             tokens = 0
             while self._buf and len(out) < max_samples and (max_tokens is None or tokens < max_tokens):
                 rec = self._buf.popleft()
-                n = sum(rec[2][0])
+                n = sum(rec[3][0])
                 tokens += n
                 self._buf_tokens -= n
                 out.append(rec)
@@ -187,16 +218,17 @@ class SampleSource:
             return out, self._ended and not self._buf
 
     def skip(self, count: int, wanted: Iterable[int]) -> dict:
-        """Drop the first ``count`` records (a resumed iterable epoch), keeping the wanted ones by id."""
+        """Drop the next ``count`` records (a resumed iterable epoch), keeping the wanted ones:
+        position -> (index, sample, meta)."""
         want = set(wanted)
         found = {}
         while count > 0:
             recs, _ = self.take(count, None)
             if not recs:
                 break
-            for sid, sample, meta in recs:
-                if sid in want:
-                    found[sid] = (sample, meta)
+            for position, index, sample, meta in recs:
+                if position in want:
+                    found[position] = (index, sample, meta)
             count -= len(recs)
         missing = want - set(found)
         if missing:

@@ -38,7 +38,9 @@ class ODBStepInfo:
         micro_steps: micro-batches in this optimizer step (the last one of an epoch
             may hold fewer than gradient_accumulation_steps).
         sample_ids: ids of the samples in this batch (dataset indices for map-style
-            datasets, arrival positions for iterable ones).
+            datasets, arrival positions for iterable ones). A sampler that repeats an
+            index (replacement, upsampling, padding) repeats it here too: odb itself
+            tells samples apart by their position in the epoch's order (docs/resume.md).
         buffered_samples: processed samples odb held in memory after this batch left
             (window, carry, planned steps): the buffer occupancy.
         loader_wait_s: how long the training loop waited in ``next(loader)`` for this
