@@ -155,7 +155,8 @@ def list_collate(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def stream_resume_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
     """A datasets.IterableDataset split by rank: an uninterrupted epoch, then the same epoch
-    interrupted ``stop_before_end`` steps before its end and resumed (same world size) through the dataset's own state."""
+    interrupted ``stop_before_end`` steps before its end and resumed (same world size) through the
+    dataset's own state."""
     from datasets.distributed import split_dataset_by_node
 
     def make() -> odb.ODBDataLoader:

@@ -69,6 +69,28 @@ def test_resume_continues_exactly(kind, num_workers, accumulation):
         assert got[-1]["next_epoch"] == reference_next, f"stop={stop}: the epoch after a resume differs"
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_known_lengths_resume_inside_an_optimizer_step(num_workers):
+    # Workers collate whole batches and loss scales are fixed per optimizer step from the collated
+    # labels: the rest of a step split by the interruption keeps the step's saved token totals.
+    lengths = known_lengths(N, 1, 60, seed=4)
+
+    def make():
+        return odb.ODBDataLoader(LengthDataset(lengths), token_budget=180, buffer_size=48, first_window_size=16,
+                                 shuffle=True, seed=11, num_workers=num_workers, collate_fn=pad_collate,
+                                 gradient_accumulation_steps=3, lengths=lengths)
+
+    reference_loader = make()
+    reference = summary(reference_loader)
+    reference_next = summary(reference_loader)
+    inside = [k for k, b in enumerate(reference) if b["micro"][0] > 0]  # the resume splits an optimizer step
+    assert len(inside) > 4
+    for stop in (inside[0], inside[len(inside) // 2], inside[-1]):
+        got = round_trip(make, stop)
+        assert got[:-1] == reference, f"stop={stop}: the resumed epoch differs"
+        assert got[-1]["next_epoch"] == reference_next
+
+
 def test_state_after_a_full_epoch_starts_the_next_epoch():
     loader = map_loader(0, 1)
     summary(loader)

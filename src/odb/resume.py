@@ -121,7 +121,9 @@ def cursor_state(cursor: Cursor, accumulation: int) -> Dict[str, Any]:
     out.update(step=int(snap["step"]) + cursor.since, chunk_pos=pos, carry=list(snap["carry"]),
                chunk=[[None] + row[1:] if k < pos else _copy_row(row) for k, row in enumerate(chunk)],
                pending=[_copy_row(row) for row in pending], stats=dict(vars(cursor.stats)),
-               planner=list(snap["planner"]), layers=[dict(layer) for layer in snap["layers"]],
+               planner=list(snap["planner"]),
+               layers=[dict(layer, arrived=list(layer["arrived"]), kept=list(layer["kept"]))
+                       for layer in snap["layers"]],
                step_tokens=list(cursor.step_tokens) if cursor.step_tokens is not None and pos < len(chunk) else None)
     return out
 
