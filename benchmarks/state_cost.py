@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--stream", action="store_true", help="an IterableDataset with its own state")
     args = parser.parse_args()
-    window = args.retained + 16  # the first batch leaves the window before the state is taken
+    window = args.retained + 48  # the first batch leaves the window before the state is taken
     lengths = np.random.default_rng(0).integers(16, 512, size=window * 3)
     data = Stream(lengths) if args.stream else LengthDataset(lengths)
     loader = odb.ODBDataLoader(data, token_budget=16384, shuffle=not args.stream, seed=0, collate_fn=list,
