@@ -14,6 +14,11 @@ registered during the import (the text SFT path never calls it). The demo config
 disable_gradient_checkpointing (LLaMA-Factory's wrapper fails under transformers 5.23; it
 works under 5.6). The same tests pass with transformers 5.6.0, LLaMA-Factory's newest
 supported version, without DISABLE_VERSION_CHECK.
+
+Where LLaMA-Factory does not import (a failed install), every test here fails with the
+reason and the fix, so `make test` cannot pass without it. They skip only where
+LLaMA-Factory cannot be installed at all: Python below 3.11, which LLaMA-Factory 0.9.5
+requires (``make test-min`` runs on Python 3.10), and the skip says so.
 """
 
 from __future__ import annotations
@@ -22,17 +27,25 @@ import importlib.util
 import json
 import math
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+LLAMAFACTORY_PYTHON = (3, 11)  # LLaMA-Factory 0.9.5's Requires-Python
+if sys.version_info < LLAMAFACTORY_PYTHON:
+    pytest.skip(f"LLaMA-FACTORY TESTS NOT RUN: LLaMA-Factory 0.9.5 requires Python >= 3.11 and this is Python "
+                f"{sys.version.split()[0]}, so it cannot be installed here; `make test` runs them on Python 3.11",
+                allow_module_level=True)
 
 
-def _load_example() -> Any:
+def _load_example() -> Tuple[Any, Optional[str]]:
+    """The example module, and why LLaMA-Factory does not import (None when it does)."""
     path = Path(__file__).resolve().parents[1] / "examples" / "llamafactory_sft.py"
     spec = importlib.util.spec_from_file_location("odb_example_llamafactory_sft", path)
     module = importlib.util.module_from_spec(spec)
@@ -40,18 +53,20 @@ def _load_example() -> Any:
     try:
         module.import_llamafactory()
     except ImportError as err:
-        pytest.skip(f"LLaMA-Factory does not import ({err}). Install it as the Makefile's venv step does: "
-                    f"pip install --no-deps -c constraints.txt llamafactory peft trl datasets ...",
-                    allow_module_level=True)
-    return module
+        return module, (f"LLaMA-Factory does not import ({type(err).__name__}: {err}), so its integration is "
+                        f"untested: a failed install fails these tests instead of skipping them. Fix: `make venv` "
+                        f"installs it (pip install --no-deps -c constraints.txt llamafactory peft trl datasets "
+                        f"...: see the Makefile), or repair that install")
+    return module, None
 
 
-example = _load_example()
+example, IMPORT_ERROR = _load_example()
 
-from llamafactory.data import SFTDataCollatorWith4DAttentionMask, get_dataset, get_template_and_fix_tokenizer  # noqa
-from llamafactory.hparams import get_train_args  # noqa: E402
-from llamafactory.model import load_model, load_tokenizer  # noqa: E402
-from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer  # noqa: E402
+if IMPORT_ERROR is None:
+    from llamafactory.data import SFTDataCollatorWith4DAttentionMask, get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model import load_model, load_tokenizer
+    from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
 from torch.utils.data import DataLoader  # noqa: E402
 from transformers import LlamaForCausalLM, TrainerCallback  # noqa: E402
 
@@ -59,6 +74,13 @@ import odb  # noqa: E402
 from odb.integrations import llamafactory as odb_lf  # noqa: E402
 
 pytestmark = [pytest.mark.llamafactory, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def llamafactory_imports() -> None:
+    """Fail every test of this module (before its other fixtures) where LLaMA-Factory does not import."""
+    if IMPORT_ERROR is not None:
+        pytest.fail(IMPORT_ERROR, pytrace=False)
 
 BUDGET = 512
 CUTOFF = 128
@@ -268,6 +290,134 @@ def test_own_loop_with_llamafactorys_collator_has_exact_gradients(setup):
     # float64 model; averaging the micro-batch means instead (scale 1/micro_steps) is off by ~10 here
 
 
+# ---- neat_packing: odb's packed rows ---------------------------------------------------------------
+NEAT = dict(neat_packing=False, train_on_prompt=True, max_grad_norm=0.0, gradient_accumulation_steps=2, seed=5)
+# train_on_prompt: each sample's first label is a real token, so a row that did not mask it (or leaked attention
+# between samples) would train on other samples' tokens; max_grad_norm=0: no clipping between step and reference
+
+
+def build_neat(setup: Dict[str, Any], name: str, **changes: Any) -> Dict[str, Any]:
+    """build_sft with the dataset unpacked and the collator of `neat_packing: true` (as run_exp builds them)."""
+    parts = build_sft(setup, name, **{**NEAT, **changes})
+    parts["collator"].neat_packing = parts["collator"].block_diag_attn = True
+    return parts
+
+
+class StepGradients(TrainerCallback):
+    """Every forward's (rows, length, position restarts) and, at each optimizer step before it runs, the
+    gradients and the sample ids of the step on this rank."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer, self.forwards, self.steps = trainer, [], []
+
+    def hook(self, module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+        if module.training:
+            ids, positions = kwargs["input_ids"], kwargs.get("position_ids")
+            starts = -1 if positions is None else int(positions.eq(0).sum())
+            self.forwards.append((int(ids.shape[0]), int(ids.shape[1]), starts, kwargs.get("attention_mask")))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        ids = [i for info in self.trainer.odb_step_infos for i in info.sample_ids]
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        self.steps.append((ids, grads))
+
+
+def reference_gradients(parts: Dict[str, Any], state: Dict[str, torch.Tensor], ids: List[int]) -> Dict[str, Any]:
+    """The gradient of the token mean over samples ``ids``, each run alone (float64)."""
+    reference = LlamaForCausalLM(parts["model"].config).double()
+    reference.load_state_dict(state)
+    dataset, total = parts["dataset_module"]["train_dataset"], 0
+    for i in ids:
+        ids_, labels = (torch.tensor([dataset[i][k]]) for k in ("input_ids", "labels"))
+        n = int(labels[:, 1:].ne(-100).sum())
+        logits = reference(input_ids=ids_).logits[0, :-1].double()
+        torch.nn.functional.cross_entropy(logits, labels[0, 1:], ignore_index=-100, reduction="sum").backward()
+        total += n
+    return {n: p.grad / total for n, p in reference.named_parameters()}
+
+
+def assert_close_gradients(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], bound: float) -> None:
+    worst = max(float((got[n].double() - want[n]).abs().max() / want[n].abs().max()) for n in want)
+    assert worst < bound, worst
+
+
+def test_neat_packing_trains_odb_packed_rows_and_one_step_equals_the_reference(setup):
+    parts = build_neat(setup, "neat", max_steps=1)
+    state = {k: v.detach().clone().double() for k, v in parts["model"].state_dict().items()}
+    trainer = odb_lf.enable_odb(trainer=make_trainer(parts), token_budget=BUDGET, buffer_size=16)
+    assert trainer.odb_config.layout == "packed" and trainer.odb_config.pad_to_multiple_of == 1
+    assert isinstance(trainer.data_collator, odb.PackedCollate)
+    recorder = StepGradients(trainer)
+    trainer.add_callback(recorder)
+    trainer.train()
+
+    assert len(recorder.steps) == 1 and len(recorder.forwards) == 2  # one step of two packed rows
+    ids, grads = recorder.steps[0]
+    lengths = dataset_lengths(parts)
+    for (rows, length, starts, mask), info in zip(recorder.forwards, trainer.odb_step_infos):
+        # one padding-free row, positions restarting at every sample, no attention mask (transformers builds the
+        # block-diagonal mask from position_ids)
+        assert (rows, length, starts, mask) == (1, int(lengths[list(info.sample_ids)].sum()), len(info.sample_ids),
+                                                None)
+        assert length <= BUDGET and len(info.sample_ids) > 1
+    assert_close_gradients(grads, reference_gradients(parts, state, ids), 1e-4)
+
+
+def test_run_exp_maps_neat_packing_onto_packed_rows_of_unpacked_samples(setup):
+    seen: List[Any] = []
+
+    class Rows(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, train_dataloader: Any = None,
+                           **kwargs: Any) -> None:
+            seen.append(train_dataloader)
+            model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["position_ids"]), with_kwargs=True)
+
+    args = sft_args(setup, "run_exp_neat", num_train_epochs=1, neat_packing=True)
+    odb_lf.run_exp(args, callbacks=[Rows()], token_budget=BUDGET, buffer_size=16)
+
+    loader, rows = seen[0], seen[1:]
+    assert loader.odb_config.layout == "packed"
+    assert len(loader.dataset) == len(json.load(open(os.path.join(args["dataset_dir"], "chats.json"))))  # unpacked
+    assert rows and all(r.shape[0] == 1 and r.shape[1] <= BUDGET for r in rows)
+    samples = sum(int(r.eq(0).sum()) for r in rows)
+    assert samples == len(loader.dataset), "every sample once, each starting a new position run"
+    with open(os.path.join(args["output_dir"], "train_results.json")) as f:
+        assert math.isfinite(json.load(f)["train_loss"])
+
+
+def neat_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
+    """One rank of dist_harness.run_ranks: LLaMA-Factory's SFT trainer with neat_packing, one optimizer step."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")  # the harness joined gloo already; accelerate reads these
+    parts = build_neat(p, "neat_ranks", max_steps=1)
+    state = {k: v.detach().clone() for k, v in parts["model"].state_dict().items()}
+    trainer = odb_lf.enable_odb(trainer=make_trainer(parts), token_budget=BUDGET, buffer_size=8)
+    recorder = StepGradients(trainer)
+    trainer.add_callback(recorder)
+    trainer.train()
+    ids, grads = recorder.steps[0]
+    return {"ids": ids, "grads": grads, "state": state, "layout": trainer.odb_config.layout,
+            "rows": [f[0] for f in recorder.forwards]}
+
+
+@pytest.mark.dist
+def test_two_ranks_neat_packing_step_equals_the_single_process_reference(setup, tmp_path):
+    from dist_harness import run_ranks
+
+    ranks = run_ranks("test_llamafactory:neat_ranks", 2, setup, tmp_path, deadline_s=200)
+    assert all(r["layout"] == "packed" and set(r["rows"]) == {1} for r in ranks)
+    ids = ranks[0]["ids"] + ranks[1]["ids"]
+    assert len(set(ids)) == len(ids) and ranks[0]["ids"] and ranks[1]["ids"], "the ranks share the step's samples"
+    parts = build_neat(setup, "neat_reference")
+    state = {k: v.double() for k, v in ranks[0]["state"].items()}
+    want = reference_gradients(parts, state, ids)
+    for r in ranks:  # DDP averaged the ranks' gradients: each equals the token mean over both ranks' samples
+        assert_close_gradients(r["grads"], want, 1e-4)
+
+
 # ---- what is refused -----------------------------------------------------------------------------
 def test_refuses_settings_that_break_odb_batches(setup):
     parts = build_sft(setup, "errors")
@@ -291,18 +441,69 @@ def test_refuses_settings_that_break_odb_batches(setup):
     sequential = build_sft(setup, "sequential", disable_shuffling=True, train_sampling_strategy="sequential")
     odb_lf.enable_odb(trainer=make_trainer(sequential), token_budget=BUDGET)
 
-    packed = SFTDataCollatorWith4DAttentionMask(template=parts["collator"].template, pad_to_multiple_of=8,
-                                                neat_packing=True, attn_implementation="flash_attention_2",
-                                                **parts["tokenizer_module"])
-    loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=1, collate_fn=packed)
-    with pytest.raises(ValueError, match="neat_packing: false"):
-        odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET)
-    neat = SFTDataCollatorWith4DAttentionMask(template=parts["collator"].template, pad_to_multiple_of=8,
-                                              neat_packing=True, attn_implementation="sdpa",
-                                              **parts["tokenizer_module"])
-    loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=1, collate_fn=neat)
-    with pytest.warns(UserWarning, match=r"neat_packing=True: .*odb gains nothing.*Fix: set `neat_packing: false`"):
+    # neat_packing: odb's packed rows, or a refusal naming the fix
+    flash = SFTDataCollatorWith4DAttentionMask(template=parts["collator"].template, pad_to_multiple_of=8,
+                                               neat_packing=True, attn_implementation="flash_attention_2",
+                                               **parts["tokenizer_module"])
+    loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=1, collate_fn=flash)
+    handle = odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET)  # was refused before packed rows
+    assert handle.config.layout == "packed" and handle.config.pad_to_multiple_of == 1
+    row = next(iter(loader))
+    assert row["input_ids"].shape[0] == 1 and "attention_mask" not in row and row["position_ids"].eq(0).sum() > 1
+
+    prepacked = build_sft(setup, "prepacked", neat_packing=True)  # LLaMA-Factory packed the dataset at get_dataset
+    with pytest.raises(ValueError, match=r"already packed into rows by LLaMA-Factory.*Fix: use "
+                                         r"odb.integrations.llamafactory.run_exp"):
+        odb_lf.enable_odb(trainer=make_trainer(prepacked), token_budget=BUDGET)
+    with pytest.raises(ValueError, match="already packed into rows"):  # packing: true (cross-attending rows) too
+        odb_lf.enable_odb(trainer=make_trainer(build_sft(setup, "packing", packing=True)), token_budget=BUDGET)
+    neat = build_neat(setup, "neat_errors")
+    with pytest.raises(ValueError, match=r"layout='padded' but SFTDataCollatorWith4DAttentionMask has "
+                                         r"neat_packing=True.*Fix: leave layout out"):
+        odb_lf.enable_odb(trainer=make_trainer(neat), token_budget=BUDGET, layout="padded")
+    with pytest.raises(ValueError, match=r"pad_to_multiple_of=8 with neat_packing.*Fix: leave pad_to_multiple_of"):
+        odb_lf.enable_odb(trainer=make_trainer(neat), token_budget=BUDGET, pad_to_multiple_of=8)
+    with pytest.raises(ValueError, match=r"ignore_index=-1 with packed rows"):
+        odb_lf.enable_odb(trainer=make_trainer(neat), token_budget=BUDGET, ignore_index=-1)
+    trainer = make_trainer(neat)
+    collator = trainer.data_collator
+    with pytest.raises(ValueError, match=r"sample \d+ has \d+ tokens"):  # a failed enable leaves the collator
+        odb_lf.enable_odb(trainer=trainer, token_budget=16)
+    assert trainer.data_collator is collator
+
+    from transformers import OPTConfig, OPTForCausalLM  # OPT's attention ignores packed-row boundaries
+
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                   num_attention_heads=2, max_position_embeddings=256))
+    mixing = SFTDataCollatorWith4DAttentionMask(template=parts["collator"].template, model=opt, neat_packing=True,
+                                                attn_implementation="sdpa", **parts["tokenizer_module"])
+    loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=1, collate_fn=mixing)
+    with pytest.raises(odb.PackedLayoutError, match=r"neat_packing: true trains on odb's packed rows, and odb "
+                                                    r"refuses layout='packed' for OPTForCausalLM.*set `neat_packing: "
+                                                    r"false`"):
         odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET)
 
     with pytest.raises(ValueError, match="stage='pt'"):
         odb_lf.run_exp(sft_args(setup, "pt", stage="pt"), token_budget=BUDGET)
+
+
+# ---- a failed install ----------------------------------------------------------------------------
+def test_a_failed_install_fails_these_tests_instead_of_skipping_them(tmp_path):
+    broken = tmp_path / "site" / "llamafactory"  # shadows the installed package, as a broken install would
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('simulated: a dependency of LLaMA-Factory is missing')\n")
+    path = [str(broken.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+                           "-k", "not a_failed_install", __file__], cwd=str(Path(__file__).resolve().parents[1]),
+                          env=env, capture_output=True, text=True, timeout=200)
+    out = proc.stdout + proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 1, out[-3000:]
+    # every test ends in an error of the fixture above: none passed, none was skipped
+    errors = re.search(r"(\d+) errors?", summary)
+    others = [name for name in globals() if name.startswith("test_") and "a_failed_install" not in name]
+    assert errors and int(errors.group(1)) == len(others) and not re.search(r"passed|skipped", summary), \
+        out[-3000:]
+    assert "LLaMA-Factory does not import (ImportError: simulated: a dependency of LLaMA-Factory is missing)" in out
+    assert "Fix: `make venv` installs it" in out

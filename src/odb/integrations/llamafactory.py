@@ -20,9 +20,18 @@ What is read from LLaMA-Factory rather than asked of you:
   an early check that every sample fits the budget;
 - ``finetuning_args.disable_shuffling`` must agree with ``train_sampling_strategy``, and
   labels must be padded with ``IGNORE_INDEX`` (``ignore_pad_token_for_loss: true``) for the
-  exact loss; ``neat_packing`` with FlashAttention-2 (one row per batch) is refused, and
-  without it warned about (the samples odb sees are already packed rows of about
-  ``cutoff_len`` tokens, so a token budget has nothing left to group).
+  exact loss;
+- ``neat_packing: true`` (the collator's ``neat_packing=True``) becomes odb's
+  ``layout="packed"``: LLaMA-Factory's offline packing does not run (``run_exp`` builds
+  the dataset unpacked), odb packs the samples online into one row per batch of at most
+  ``token_budget`` tokens, collated by ``odb.PackedCollate`` (``position_ids`` restarting
+  at each sample, each sample's first label masked, no attention mask: transformers
+  turns the positions into the block-diagonal causal mask LLaMA-Factory's collator
+  builds for sdpa/eager, and FlashAttention-2 reads them as LLaMA-Factory's own
+  neat-packing path does). The model is probed once (``odb.check_packed_model``). A
+  dataset LLaMA-Factory has already packed (``packing``/``neat_packing`` at
+  ``get_dataset``: its rows carry ``position_ids``) is refused, as are multimodal
+  templates and mrope models with neat packing.
 
 Example:
     >>> from odb.integrations.llamafactory import enable_odb          # doctest: +SKIP
@@ -35,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -45,6 +53,7 @@ from ..apply import ODBHandle, apply
 from ..config import ODBConfig
 from ..cost import CostModel
 from ..loader import make_config
+from ..packed_collate import PackedCollate
 
 __all__ = ["enable_odb", "run_exp"]
 
@@ -116,7 +125,8 @@ def run_exp(args: Any = None, callbacks: Optional[List[Any]] = None, *, token_bu
         built.append(self)
 
     trainer_cls = type(base.__name__, (base,), {"__init__": init, "__module__": __name__})
-    with _swapped(workflow, "CustomSeq2SeqTrainer", trainer_cls):
+    with _swapped(workflow, "CustomSeq2SeqTrainer", trainer_cls), \
+            _swapped(workflow, "get_dataset", _unpacked_get_dataset(workflow.get_dataset)):
         tuner.run_exp(parsed, callbacks)
     if not built:
         raise RuntimeError("odb.integrations.llamafactory.run_exp finished without building a CustomSeq2SeqTrainer, "
@@ -141,19 +151,29 @@ def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config:
                          f"sequential sampler is not used). Fix: add `train_sampling_strategy: sequential` to the "
                          f"config, or drop disable_shuffling.")
     collator = getattr(trainer, "data_collator", None)
-    options = _collator_options(collator, config, options)
+    packed = _packed_rows(collator, getattr(trainer, "train_dataset", None), config, options)
+    options = _packed_options(options) if packed else _collator_options(collator, config, options)
     cfg = make_config(config, token_budget, dict(options), "enable_odb")
     if lengths is None and cfg.length_fn is None:
         lengths = _dataset_lengths(getattr(trainer, "train_dataset", None))
     _check_fits(lengths, cfg)
-    return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, **options)
+    if not packed:
+        return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, **options)
+    _check_packed_model(getattr(trainer, "model", None))
+    trainer.data_collator = PackedCollate(ignore_index=IGNORE_INDEX)  # odb's row replaces LLaMA-Factory's packing
+    try:
+        return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, **options)
+    except BaseException:
+        trainer.data_collator = collator
+        raise
 
 
 # ---- a loader of your own ------------------------------------------------------------------
 def _enable_loader(loader: DataLoader, training_args: Any, token_budget: Any, config: Optional[ODBConfig],
                    lengths: Optional[Sequence[int]], options: Dict[str, Any]) -> ODBHandle:
     collator = getattr(loader, "collate_fn", None)
-    options = _collator_options(collator, config, options)
+    packed = _packed_rows(collator, getattr(loader, "dataset", None), config, options)
+    options = _packed_options(options) if packed else _collator_options(collator, config, options)
     if training_args is not None:
         if "gradient_accumulation_steps" not in options and config is None:
             options["gradient_accumulation_steps"] = int(training_args.gradient_accumulation_steps)
@@ -166,6 +186,9 @@ def _enable_loader(loader: DataLoader, training_args: Any, token_budget: Any, co
     if lengths is None and cfg.length_fn is None:
         lengths = _dataset_lengths(getattr(loader, "dataset", None))
     _check_fits(lengths, cfg)
+    if packed:
+        _check_packed_model(getattr(collator, "model", None))
+        options["collate_fn"] = PackedCollate(ignore_index=IGNORE_INDEX)
     return apply(loader, token_budget, config=config, lengths=lengths, **options)
 
 
@@ -176,18 +199,6 @@ def _collator_options(collator: Any, config: Optional[ODBConfig], options: Dict[
     if collator is None:
         return out
     name = type(collator).__name__
-    if getattr(collator, "neat_packing", False) and getattr(collator, "attn_implementation", None) == \
-            "flash_attention_2":
-        raise ValueError(f"{name} has neat_packing=True with attn_implementation='flash_attention_2'. Rule: "
-                         f"LLaMA-Factory's collator then takes one packed row per batch, and odb batches several "
-                         f"rows. Fix: set `neat_packing: false` (odb replaces packing), or train without odb.")
-    if getattr(collator, "neat_packing", False):
-        warnings.warn(f"{name} has neat_packing=True: LLaMA-Factory packs the dataset into rows of about cutoff_len "
-                      f"tokens before odb sees it, so every sample odb batches is a full packed row and the token "
-                      f"budget has no short and long samples left to group: odb gains nothing over a fixed batch "
-                      f"size. Fix: set `neat_packing: false` (odb's token budget replaces packing), or train without "
-                      f"odb.",
-                      stacklevel=4)
     pad = getattr(collator, "pad_to_multiple_of", None) or 1
     # A config's pad_to_multiple_of=1 is its default, not a choice: the collator's value replaces it.
     given = out.get("pad_to_multiple_of", config.pad_to_multiple_of if config is not None else 1)
@@ -207,6 +218,73 @@ def _collator_options(collator: Any, config: Optional[ODBConfig], options: Dict[
                          f"loss_scaling={scaling!r} needs padding left out of the loss. Fix: set "
                          f"`ignore_pad_token_for_loss: true` (LLaMA-Factory's default), or pass loss_scaling='none'.")
     return out
+
+
+def _packed_rows(collator: Any, dataset: Any, config: Optional[ODBConfig], options: Dict[str, Any]) -> bool:
+    """Whether batches are odb's packed rows: the collator's neat_packing, or layout='packed'; checked."""
+    name = type(collator).__name__
+    neat = bool(getattr(collator, "neat_packing", False))
+    layout = options.get("layout", config.layout if config is not None else None)
+    _check_not_prepacked(dataset)
+    if neat and options.get("layout") == "padded":
+        raise ValueError(f"odb got layout='padded' but {name} has neat_packing=True. Rule: with odb, LLaMA-Factory's "
+                         f"neat_packing is odb's layout='packed' (one padding-free row per batch, filled to "
+                         f"token_budget). Fix: leave layout out, or set `neat_packing: false` for padded batches.")
+    if not (neat or layout == "packed"):
+        return False
+    plugin = getattr(getattr(collator, "template", None), "mm_plugin", None)
+    media = [t for t in ("image_token", "video_token", "audio_token") if getattr(plugin, t, None) is not None]
+    if media or getattr(collator, "get_rope_func", None) is not None:
+        what = f"a multimodal template ({', '.join(media)})" if media else "an mrope model (3-D position_ids)"
+        raise ValueError(f"odb cannot pack rows for {name} with {what}. Rule: odb's packed row "
+                         f"(odb.PackedCollate) holds token ids, labels and 1-D position_ids only, and LLaMA-Factory "
+                         f"computes media inputs and mrope positions inside its collator. Fix: set "
+                         f"`neat_packing: false` (odb pads each batch; the collator runs as usual).")
+    ignore = options.get("ignore_index", config.ignore_index if config is not None else IGNORE_INDEX)
+    if ignore != IGNORE_INDEX:
+        raise ValueError(f"odb got ignore_index={ignore} with packed rows. Rule: each sample's first label is set to "
+                         f"{IGNORE_INDEX}, the label the model's loss ignores. Fix: leave ignore_index out.")
+    return True
+
+
+def _packed_options(options: Dict[str, Any]) -> Dict[str, Any]:
+    """odb options for packed rows: layout='packed'; a packed row has no padding to round."""
+    pad = options.get("pad_to_multiple_of", 1)
+    if pad != 1:
+        raise ValueError(f"odb got pad_to_multiple_of={pad} with neat_packing (layout='packed'). Rule: a packed row "
+                         f"has no padding, and its cost is the sum of its samples' lengths. Fix: leave "
+                         f"pad_to_multiple_of out.")
+    return {**options, "layout": "packed"}
+
+
+def _check_not_prepacked(dataset: Any) -> None:
+    """Refuse a dataset that LLaMA-Factory's PackedSupervisedDatasetProcessor has packed into rows already."""
+    datasets = sys.modules.get("datasets")
+    if datasets is None or not isinstance(dataset, datasets.Dataset) or "position_ids" not in dataset.column_names:
+        return
+    raise ValueError("the training dataset is already packed into rows by LLaMA-Factory (its "
+                     "PackedSupervisedDatasetProcessor wrote a position_ids column: `packing` or `neat_packing` was "
+                     "true when get_dataset ran), so every sample odb sees is a row of about cutoff_len tokens and a "
+                     "token budget has nothing left to group. Rule: odb batches (and, for neat_packing, packs) the "
+                     "samples itself, online. Fix: use odb.integrations.llamafactory.run_exp (it builds the dataset "
+                     "unpacked for `neat_packing: true`), or run get_dataset with data_args.packing = "
+                     "data_args.neat_packing = False and keep neat_packing=True on the collator; replace "
+                     "`packing: true` by `neat_packing: true` (odb never lets packed samples attend to each other).")
+
+
+def _check_packed_model(model: Any) -> None:
+    """Refuse neat_packing for a model whose packed samples see each other (``odb.check_packed_model``)."""
+    if model is None:
+        return
+    from ..packed_models import PackedLayoutError, check_packed_model
+
+    try:
+        check_packed_model(model)
+    except PackedLayoutError as err:
+        raise PackedLayoutError(f"neat_packing: true trains on odb's packed rows, and {err} With LLaMA-Factory: set "
+                                f"`neat_packing: false` (odb then pads each batch to its longest sample), or load "
+                                f"the model with an attention implementation that isolates packed samples "
+                                f"(`flash_attn: fa2`).") from None
 
 
 def _shifts_labels(collator: Any) -> bool:
@@ -263,6 +341,28 @@ def _check_stage(parsed: Any, is_env_enabled: Any) -> None:
                          f"{', '.join(extra)}. Rule: it runs LLaMA-Factory's plain SFT workflow, whose "
                          f"CustomSeq2SeqTrainer it switches to odb. Fix: use stage: sft without Ray/mcore_adapter/"
                          f"hyper_parallel, or call enable_odb(trainer=...) on the trainer of your own workflow.")
+
+
+def _unpacked_get_dataset(get_dataset: Any) -> Any:
+    """LLaMA-Factory's get_dataset, building the dataset unpacked for ``neat_packing: true`` (odb packs online).
+
+    ``DataArguments`` turns ``neat_packing`` into ``packing`` and takes one token off
+    ``cutoff_len`` for its packed rows; both are undone while the dataset is built (each
+    sample is truncated to the ``cutoff_len`` of the config) and restored afterwards, so
+    the collator built next still sees ``neat_packing=True``.
+    """
+
+    def unpacked(template: Any, model_args: Any, data_args: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(data_args, "neat_packing", False):
+            return get_dataset(template, model_args, data_args, *args, **kwargs)
+        packing, cutoff = data_args.packing, data_args.cutoff_len
+        data_args.packing, data_args.neat_packing, data_args.cutoff_len = False, False, cutoff + 1
+        try:
+            return get_dataset(template, model_args, data_args, *args, **kwargs)
+        finally:
+            data_args.packing, data_args.neat_packing, data_args.cutoff_len = packing, True, cutoff
+
+    return unpacked
 
 
 @contextlib.contextmanager
