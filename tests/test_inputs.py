@@ -166,6 +166,13 @@ def test_tuple_budget_without_length_fn_points_at_seq2seq_lengths():
     assert len(ids_of(odb.ODBDataLoader(pairs(), token_budget=(64, 128), collate_fn=list, lengths=known))) > 1
 
 
+def test_seq2seq_lengths_names_the_fields_it_reads():
+    assert odb.seq2seq_lengths({"input_ids": torch.ones(1, 5), "labels": [1, 2, 3]}) == (5, 3)
+    with pytest.raises(SampleLengthError, match=r"got a sample with \['input_ids'\]: it reads 'input_ids' "
+                                                r"\(source\) and 'labels' \(target\).*length_fn"):
+        odb.seq2seq_lengths({"input_ids": [1, 2]})
+
+
 # ---- arguments ---------------------------------------------------------------------------------
 
 
@@ -221,6 +228,17 @@ def test_batch_order_follows_the_samplers_shuffle():
     kept = odb.ODBDataLoader(data, sampler=sampler, shuffle=False, **one_window)
     firsts = first_positions(kept, list(sampler))
     assert firsts == sorted(firsts)
+
+
+def test_a_seeded_sampler_makes_the_batch_order_repeat():
+    # No odb seed: it comes from the sampler's, so two runs (or a resumed one) order batches alike.
+    data = LengthDataset(known_lengths(120, 1, 20, seed=2))
+    runs = [ids_of(odb.ODBDataLoader(data, sampler=odb.ShardSampler(data, 1, 0, shuffle=True, seed=5),
+                                     token_budget=40, collate_fn=pad_collate)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = ids_of(odb.ODBDataLoader(data, sampler=odb.ShardSampler(data, 1, 0, shuffle=True, seed=5),
+                                     token_budget=40, collate_fn=pad_collate, seed=9))
+    assert other != runs[0]  # an odb seed of its own orders them otherwise
 
 
 def test_in_order_false_is_refused_before_anything_changes():

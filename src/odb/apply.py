@@ -91,7 +91,7 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
                                                           or loader.collate_fn is default_collate):
         collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
     group_collate, transform = group_collate_for(loader, collate_fn)
-    seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator)
+    seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator, loader.sampler)
     loader.__class__ = _odb_class(type(loader))
     loader._odb_setup(cfg, shuffle=shuffles(loader) if shuffle is None else bool(shuffle), seed=seed,
                       group_collate=group_collate, sample_transform=transform, own_sampler=None, lengths=lengths,

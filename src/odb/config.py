@@ -72,8 +72,9 @@ class ODBConfig:
         max_image_patches: cap on the sum of image patches in one batch.
         oversize: what to do with one sample that alone costs more than the budget:
             "error" (default), "alone" (its own batch) or "skip" (counted, warned).
-        seed: seed of shuffling and batch order; None draws one from the
-            DataLoader's ``generator`` or torch's global RNG when the loader is built.
+        seed: seed of shuffling and batch order; None takes the DataLoader's
+            ``generator``'s, else the sampler's own ``seed`` (DistributedSampler,
+            odb.ShardSampler), else draws one from torch's global RNG when the loader is built.
         loss_scaling: "exact", "approx", "sample" or "none" (see docs/algorithm.md).
         label_key: the sample field with labels, for loss tokens.
         ignore_index: label value that is not supervised.

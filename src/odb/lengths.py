@@ -116,7 +116,8 @@ def seq2seq_lengths(sample: Mapping) -> Tuple[int, int]:
         raise SampleLengthError(
             f"seq2seq_lengths got a sample with {fields}: it reads 'input_ids' (source) and 'labels' (target). "
             f"Fix: let the dataset return both (e.g. tokenizer(text, text_target=target)), or pass a length_fn "
-            f"of your own.")
+            f"of your own (odb.integrations.hf.enable_odb uses seq2seq_lengths for encoder-decoder models unless "
+            f"given length_fn or lengths).")
     return (sequence_length(sample["input_ids"], "the sample's 'input_ids'"),
             sequence_length(sample["labels"], "the sample's 'labels'"))
 
