@@ -277,7 +277,7 @@ def hf_trainer(hf, tmp_path, model="llama", **args):
 
 
 def test_enable_odb_arguments(hf, tmp_path):
-    from odb.integrations.hf import enable_odb
+    from odb.integrations.hf import configure_trainer, enable_odb
 
     with pytest.raises(ValueError, match=r"^enable_odb got batch_size=8: odb decides each batch's size"):
         enable_odb(hf_trainer(hf, tmp_path), token_budget=64, batch_size=8)
@@ -286,6 +286,9 @@ def test_enable_odb_arguments(hf, tmp_path):
         enable_odb(hf_trainer(hf, tmp_path), token_budget=64, max_batchsize=4)
     with pytest.raises(ValueError, match=r"dataloader_in_order=False.*fix: True"):
         enable_odb(hf_trainer(hf, tmp_path, dataloader_in_order=False), token_budget=64)
+    fixed = hf_trainer(hf, tmp_path, dataloader_in_order=False)
+    fixed.args = configure_trainer(fixed.args)  # the fix the message names
+    assert enable_odb(fixed, token_budget=64).args.dataloader_in_order is True
     with pytest.raises(ValueError, match=r"token_budget=\(64, 32\).*length_fn=odb.seq2seq_lengths"):
         enable_odb(hf_trainer(hf, tmp_path), token_budget=(64, 32))
 

@@ -75,7 +75,8 @@ def configure_trainer(args: TrainingArguments, **changes: Any) -> TrainingArgume
     ``per_device_train_batch_size=1`` (the Trainer's logged batch sizes then count
     micro-batches), ``auto_find_batch_size=False`` (lower ``token_budget`` instead) and
     ``train_sampling_strategy="random"`` in place of the length-grouping strategies that
-    odb replaces. ``enable_odb`` refuses those settings rather than changing them.
+    odb replaces, and ``dataloader_in_order=True`` (odb reads samples in sampler order).
+    ``enable_odb`` refuses those settings rather than changing them.
 
     Example:
         >>> args = configure_trainer(TrainingArguments("out", per_device_train_batch_size=8),
@@ -86,6 +87,8 @@ def configure_trainer(args: TrainingArguments, **changes: Any) -> TrainingArgume
     fixed: Dict[str, Any] = {"per_device_train_batch_size": 1, "auto_find_batch_size": False}
     if getattr(args, "train_sampling_strategy", None) in _GROUPING:
         fixed["train_sampling_strategy"] = "random"
+    if getattr(args, "dataloader_in_order", True) is False:
+        fixed["dataloader_in_order"] = True
     fixed.update(changes)
     return dataclasses.replace(args, **fixed)
 
