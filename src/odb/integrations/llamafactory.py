@@ -99,7 +99,9 @@ def run_exp(args: Any = None, callbacks: Optional[List[Any]] = None, *, token_bu
     ``args`` is what LLaMA-Factory's ``run_exp`` takes: a dict, an argv-style list, or None
     (then ``sys.argv[1]`` names a YAML/JSON config). While it runs, the SFT workflow builds
     ``CustomSeq2SeqTrainer`` through a subclass that calls ``enable_odb(trainer=...)``
-    right after construction; the name is restored afterwards. Under ``torchrun`` call
+    right after construction; the name is restored afterwards. With ``neat_packing: true``
+    the workflow's ``get_dataset`` builds the dataset unpacked (odb packs the samples into
+    rows online). Under ``torchrun`` call
     this from your script on every rank (``llamafactory-cli`` starts its own processes,
     which do not see it).
 
