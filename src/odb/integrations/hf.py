@@ -41,7 +41,7 @@ from ..config import CONFIG_FIELDS, ODBConfig
 from ..lengths import check_length_dims, seq2seq_lengths
 from ..loader import ODBDataLoader, make_config
 from ..step_info import ODBStepInfo
-from .hf_data import build_train_loader, estimate_micro_steps, read_state, write_state
+from .hf_data import build_train_loader, epoch_emitted, estimate_micro_steps, read_state, write_state
 from .hf_progress import SampleProgress, schedule_by_samples
 from .hf_setup import ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, loss_shifts_labels
 from .hf_steps import StepFiller, check_loss_tokens, next_step, pad_step, zero_loss
@@ -164,7 +164,7 @@ class ODBTrainerMixin:
                              f"saved by an odb Trainer, or load the weights with from_pretrained and start afresh.")
         progress = run.progress
         progress.load_state_dict(saved["progress"])
-        if progress.in_epoch and saved["loader"]["run"] is None:
+        if progress.in_epoch and epoch_emitted(saved["loader"]):
             progress.end_epoch()  # the loader had emitted the whole epoch: the next one starts afresh
         if progress.reached():
             return math.ceil(progress.target_epochs), 0
@@ -210,7 +210,11 @@ class ODBTrainerMixin:
             self.control.should_epoch_stop = True
             return [], None
         batches, infos = got
-        check_loss_tokens(batches, infos, run.cfg, run.shift)
+        try:
+            check_loss_tokens(batches, infos, run.cfg, run.shift)
+        except ValueError as err:
+            run.loader.odb_abort(err)  # the other ranks stop at their next exchange instead of waiting there
+            raise
         run.infos.update((id(b), i) for b, i in zip(batches, infos))
         run.step_infos = tuple(infos)
         run.window.add(infos)

@@ -100,24 +100,46 @@ def read_state(checkpoint_dir: str, rank: int, world_size: int, strict: bool = T
 
     ``strict=False`` (the data is not resumed mid-epoch) only needs the sample progress,
     which is the same on every rank: any rank's file will do, whatever the world size.
+    When the checkpoint was saved by another number of processes, ``"loader"`` is the list
+    of every saved rank's loader state, which ``ODBDataLoader.load_state_dict``
+    re-partitions over this run's ranks (elastic resume).
     """
-    path = state_file(checkpoint_dir, rank)
-    if not strict and not os.path.exists(path):
-        path = state_file(checkpoint_dir, 0)
-    if not os.path.exists(path):
-        if any(name.startswith("odb_state_rank") for name in os.listdir(checkpoint_dir)):
-            raise ValueError(f"checkpoint {checkpoint_dir} holds odb state of other ranks but none for rank {rank} "
-                             f"(this run has {world_size} ranks): odb resumes mid-epoch only with the world size it "
-                             f"saved with. Fix: resume with the same number of processes, or pass "
-                             f"ignore_data_skip=True to start the epoch's data afresh.")
+    saved = sorted(int(name[len("odb_state_rank"):-len(".json")]) for name in os.listdir(checkpoint_dir)
+                   if name.startswith("odb_state_rank") and name.endswith(".json"))
+    if not saved:
         return None
+    state = _read_file(state_file(checkpoint_dir, saved[0]))  # rank 0's: it names the saved world size
+    saved_world = state.get("world_size")
+    if not strict:
+        return state
+    if saved_world == world_size:
+        if rank not in saved:
+            raise ValueError(f"checkpoint {checkpoint_dir} holds odb states of ranks {saved} but none for rank "
+                             f"{rank} of {world_size}: a file is missing. Fix: copy every odb_state_rank*.json "
+                             f"of the checkpoint, or pass ignore_data_skip=True to start the epoch's data afresh.")
+        return state if rank == saved[0] else _read_file(state_file(checkpoint_dir, rank))
+    missing = [r for r in range(saved_world) if r not in saved] if isinstance(saved_world, int) else saved
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint_dir} was saved by {saved_world!r} rank(s) but has no odb state of "
+                         f"rank(s) {missing}: resuming on {world_size} rank(s) re-partitions the epoch and needs "
+                         f"every saved rank's state. Fix: copy every odb_state_rank*.json of the checkpoint, or "
+                         f"pass ignore_data_skip=True to start the epoch's data afresh.")
+    # files of ranks >= saved_world are left over from an earlier run that saved into the same folder
+    states = [state if r == state.get("rank") else _read_file(state_file(checkpoint_dir, r))
+              for r in range(saved_world)]
+    return dict(state, loader=[s["loader"] for s in states])
+
+
+def epoch_emitted(loader_state: Any) -> bool:
+    """Whether a saved loader state (one rank's, or the list of every saved rank's) had emitted its whole epoch."""
+    states = loader_state if isinstance(loader_state, list) else [loader_state]
+    return all(s["run"] is None for s in states)
+
+
+def _read_file(path: str) -> Dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         state = json.load(f)
     if state.get("odb_hf_state_version") != STATE_VERSION:
         raise ValueError(f"{path} has odb state version {state.get('odb_hf_state_version')!r}; this odb reads "
                          f"version {STATE_VERSION}. Fix: resume with the odb version that saved it.")
-    if strict and state.get("world_size") != world_size:
-        raise ValueError(f"{path} was saved by {state.get('world_size')} rank(s); this run has {world_size}. "
-                         f"Rule: odb resumes mid-epoch only with the world size it saved with. Fix: resume with the "
-                         f"same number of processes, or pass ignore_data_skip=True to start the epoch's data afresh.")
     return state

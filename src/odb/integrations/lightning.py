@@ -49,11 +49,12 @@ try:  # the unified package first; the standalone pytorch_lightning package othe
 except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl
 
+from ..dist import world
 from ..loader import ODBLoaderMixin
 from ..loss import scale_loss as exact_scale
 from ..step_info import ODBStepInfo, pop_step_info
 from .checks import check_accumulation, check_odb_loader, check_sharding
-from .states import gather_states, restore_rank_state
+from .states import gather_states, restore_rank_state, saved_elsewhere
 
 __all__ = ["ODBCallback", "ODBLightningLoader", "scale_loss"]
 _END = object()
@@ -70,7 +71,9 @@ class ODBLightningLoader:
     wrapper keeps an odb state taken every ``snapshot_every`` batches and the number of
     batches trained since; a resume restores it and replays (loads and drops) those
     batches. ``snapshot_every=1`` replays nothing but takes ``loader.state_dict()`` (a
-    few ms for a large ``buffer_size``) before every batch.
+    few ms for a large ``buffer_size``) before every batch; it is also what a checkpoint
+    needs to resume on another number of processes (elastic resume: the batches to replay
+    belong to the saved ranks' shares), which a mid-epoch checkpoint with a replay refuses.
 
     Example::
 
@@ -152,9 +155,17 @@ class ODBLightningLoader:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Give the odb loader this rank's entry of ``state_dict()``; the next iteration replays the rest."""
         self._pending.clear()
-        restore_rank_state(self.loader, state.get("odb_rank_states") if isinstance(state, dict) else None,
-                           "ODBLightningLoader.load_state_dict")
-        self._replay = int(state.get("replay", 0))
+        states = state.get("odb_rank_states") if isinstance(state, dict) else None
+        replay = int(state.get("replay", 0)) if isinstance(state, dict) else 0
+        if replay and isinstance(states, list) and states and saved_elsewhere(states):
+            raise ValueError(f"ODBLightningLoader.load_state_dict got a checkpoint of {len(states)} processes whose "
+                             f"odb states were taken {replay} batch(es) before it (snapshot_every > 1): those "
+                             f"batches can be replayed only by as many processes as trained them, so it resumes "
+                             f"on {len(states)} processes, not {world()[1]}. Fix: resume with {len(states)} "
+                             f"processes, or save with ODBLightningLoader(loader, snapshot_every=1) to resume on "
+                             f"another number.")
+        restore_rank_state(self.loader, states, "ODBLightningLoader.load_state_dict")
+        self._replay = replay
 
 
 def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ Accelerate (``register_for_checkpointing``) and Lightning (loader states in the 
 loop) save an object's state from the main process only, while each rank's odb loader
 has its own. ``gather_states`` collects them through odb's metadata exchange (the states
 are plain data and travel as JSON: nothing is unpickled); ``restore_rank_state`` gives a
-rank its own entry.
+rank its own entry, or, on another number of processes, the whole list to re-partition
+the interrupted epoch (elastic resume, docs/resume.md).
 
 Example:
     >>> import torch, odb
@@ -38,14 +39,31 @@ def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[st
 
 
 def restore_rank_state(loader: ODBLoaderMixin, states: Any, who: str) -> None:
-    """Load this rank's entry of ``gather_states`` into ``loader``, and set its sampler's epoch."""
+    """Load this rank's entry of ``gather_states`` into ``loader``, and set its sampler's epoch.
+
+    When ``states`` were saved by another number of processes (elastic resume), the whole
+    list goes to ``loader.load_state_dict``, which re-partitions the interrupted epoch over
+    this run's ranks (map-style data, ``odb.ShardSampler`` or ``DistributedSampler``).
+    """
     rank, size = world()
-    if not isinstance(states, list) or len(states) != size:
-        found = len(states) if isinstance(states, list) else "no"
-        raise ValueError(f"{who} got {found} rank states for {size} processes: odb resumes with the world size it "
-                         f"saved. Fix: resume with {found} processes, or restart the epoch without the "
-                         f"checkpoint's loader state.")
-    loader.load_state_dict(states[rank])
-    # odb restores its own epoch; a sampler of the user's (ShardSampler, DistributedSampler) learns it here, or a
-    # fresh loader would skip the consumed prefix of epoch 0's order instead of the saved epoch's
-    loader.set_epoch(int(states[rank]["epoch"]))
+    if not isinstance(states, list) or not states:
+        raise ValueError(f"{who} got {type(states).__name__} where it expects the list of every saved rank's odb "
+                         f"state (as state_dict() writes it under 'odb_rank_states'): the checkpoint was not "
+                         f"saved by this integration. Fix: resume from a checkpoint it saved, or restart the "
+                         f"epoch without the checkpoint's loader state.")
+    if not saved_elsewhere(states):
+        loader.load_state_dict(states[rank])
+        # odb restores its own epoch; a sampler of the user's (ShardSampler, DistributedSampler) learns it here, or
+        # a fresh loader would skip the consumed prefix of epoch 0's order instead of the saved epoch's
+        loader.set_epoch(int(states[rank]["epoch"]))
+        return
+    try:  # this rank's share of what no saved rank emitted; load_state_dict sets the sampler's epoch
+        loader.load_state_dict(states)
+    except ValueError as err:
+        raise ValueError(f"{who} got {len(states)} saved rank states for {size} processes and cannot re-partition "
+                         f"them: {err}") from err
+
+
+def saved_elsewhere(states: List[Dict[str, Any]]) -> bool:
+    """Whether ``states`` (every saved rank's) come from another number of processes than this run's."""
+    return len(states) != world()[1]
