@@ -138,6 +138,20 @@ def test_pieces_without_supervised_tokens_add_nothing_and_no_nan():
     assert out.passes == 3 and torch.isfinite(got).all() and rel_error(got, ref) < 1e-12
 
 
+def test_a_micro_batch_without_supervised_tokens_adds_an_exact_zero():
+    # No supervised token in the whole micro-batch: the token mean is 0 / 0 = NaN and its scale 0. The step must
+    # leave the accumulated gradient as it was and report a zero loss, not NaN (NaN x 0 is NaN).
+    batch = lm_batch()
+    batch["labels"][:] = IGNORE
+    info = odb.ODBStepInfo(0, 0, 8, 8, 0, 5, 1, 1, 0.0, False)
+    model = OOMLM(0, 10**6, "forward")
+    with_prior_grads(model)
+    before = flat_grads(model).clone()
+    out = train_step_with_oom_fallback(lambda b: token_mean_loss(model, b), batch, info, model=model)
+    assert torch.equal(flat_grads(model), before)
+    assert out.loss is not None and float(out.loss) == 0.0
+
+
 def test_padded_splitter_selects_rows_trims_padding_and_weighs_tokens():
     batch = {"input_ids": torch.tensor([[1, 2, 3, 0], [4, 0, 0, 0], [5, 6, 0, 0]]),
              "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]]),

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .batch_split import BatchSplitter, PaddedBatchSplitter
 from .dist import RankExchange, world
+from .loss import zero_loss
 from .step_info import ODBStepInfo
 
 OOMPolicy = Literal["split", "skip"]
@@ -241,7 +242,8 @@ class _Run:
             before = self._grad_state()
             scaled = None
             try:
-                scaled = loss * scale
+                # A piece that adds nothing (no supervised token, a ghost) may have a NaN mean: an exact zero instead.
+                scaled = zero_loss(loss) if scale == 0 else loss * scale
                 self.backward(scaled)
                 if not item.ghost:
                     self.losses.append(scaled.detach())
