@@ -60,7 +60,8 @@ MISSING_FIX = {
                  "training_step (odb.integrations.lightning; references/lightning.md)",
     "unknown": "build the training loader with odb.ODBDataLoader(dataset, token_budget=...) (SKILL.md)",
 }
-_HF = ("integrations.hf.enable_odb", "integrations.hf.ODBTrainer", "integrations.hf.ODBTrainerMixin")
+_HF = ("integrations.hf.enable_odb", "integrations.hf.ODBTrainer", "integrations.hf.ODBTrainerMixin",
+       "integrations.trl.enable_odb")  # TRL's SFTTrainer is a transformers Trainer
 ENABLERS = {  # the integration calls that switch odb on (an import alone does not)
     "hf_trainer": _HF, "seq2seq_trainer": _HF,
     "llamafactory": ("integrations.llamafactory.enable_odb", "integrations.llamafactory.run_exp"),

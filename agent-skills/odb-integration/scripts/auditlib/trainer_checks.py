@@ -70,7 +70,8 @@ def _hf_entry_calls(ctx: Context) -> List[ast.Call]:
     out = []
     for call in ctx.index.calls():
         q = ctx.index.qualname(call.func) or ""
-        if q in ("odb.integrations.hf.enable_odb", "odb.integrations.hf.ODBTrainer") or (
+        if q in ("odb.integrations.hf.enable_odb", "odb.integrations.hf.ODBTrainer",
+                 "odb.integrations.trl.enable_odb") or (
                 isinstance(call.func, ast.Name) and call.func.id in odb_classes):
             out.append(call)
     return out
