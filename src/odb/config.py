@@ -101,6 +101,10 @@ class ODBConfig:
             end, ``position_ids`` restarting at each sample; ``odb.PackedCollate``), costs
             the sum of its samples' lengths (+ L^2 / quadratic_length each), and the
             planner packs rows close to the budget. See docs/packing.md.
+        distributed: True (default): under torch.distributed the loader aligns its steps
+            with the other ranks (docs/distributed.md). False: the loader stays on this
+            process (evaluation or generation on rank 0 only): no group, no exchange; give
+            it a sampler that does not shard.
     """
 
     token_budget: Union[int, Tuple[int, ...]]
@@ -132,6 +136,7 @@ class ODBConfig:
     probe_worst_case: bool = False
     ready_batches: int = 4
     layout: Layout = "padded"
+    distributed: bool = True
 
     def __post_init__(self) -> None:
         budgets = self.token_budget if isinstance(self.token_budget, tuple) else (self.token_budget,)
@@ -199,6 +204,10 @@ class ODBConfig:
         self._check_layout()
         if not isinstance(self.probe_worst_case, bool):
             _fail("probe_worst_case", self.probe_worst_case, "must be a bool", "pass True or False", TypeError)
+        if not isinstance(self.distributed, bool):
+            _fail("distributed", self.distributed, "must be a bool",
+                  "pass True (align ranks under torch.distributed) or False (a loader of this process only)",
+                  TypeError)
         for name in ("label_key", "step_info_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 _fail(name, getattr(self, name), "must be a non-empty str", "pass a field name", TypeError)

@@ -191,8 +191,10 @@ class EpochRun:
     # ---- emitting ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Tuple[Any, Cursor]]:
         k = self.cfg.gradient_accumulation_steps
+        held: List[Tuple[Any, Cursor]] = []  # batches made, not yet confirmed by every rank
         while True:
             if self.chunk_pos >= len(self.chunk):
+                yield from self._confirmed(held)  # before planning: the next exchange may be a header
                 planned = False
                 while len(self.pending) < k and not self.aligner.all_done:
                     self.pending.extend(self._plan_next_window())
@@ -207,10 +209,19 @@ class EpochRun:
             self.chunk_pos += 1
             plan, ids = self.chunk[j]
             batch = self._make_batch(plan, ids, [p for p, _ in self.chunk], j)
-            self.aligner.confirm(f"epoch {self.epoch}, step {self.step - 1}")  # every rank made this step's batch
             self._since += 1
-            yield batch, Cursor(self.snapshot, self._since, dataclasses.replace(self.stats))
+            held.append((batch, Cursor(self.snapshot, self._since, dataclasses.replace(self.stats))))
+            if len(held) >= self.aligner.confirm_every:
+                yield from self._confirmed(held)
+        yield from self._confirmed(held)
         self._warn_at_end()
+
+    def _confirmed(self, held: List[Tuple[Any, Cursor]]) -> Iterator[Tuple[Any, Cursor]]:
+        """The held batches, once every rank has made its own (one exchange for them all); empties ``held``."""
+        if held:
+            self.aligner.confirm(len(held), f"epoch {self.epoch}, steps {self.step - len(held)}-{self.step - 1}")
+            out, held[:] = list(held), []
+            yield from out
 
     def _warn_at_end(self) -> None:
         fill = self.stats.padded_tokens / max(self.stats.steps * sum(self.cfg.token_budgets), 1)

@@ -5,9 +5,9 @@ from the carry, re-balance the last window, split, or add ghosts; exchange per-s
 summaries and order the steps identically on every rank. Works on the window planner
 (carry) and the sample pool (lengths, loss tokens) it is given.
 
-Every step is confirmed once it is made (``confirm``), so a rank whose batch failed
-stops every rank at that step; ``announce`` joins the next exchange with a failure or a
-stop. The header and the confirmation have the same size (status, 4 header fields, the
+Steps are confirmed once made, ``CONFIRM_STEPS`` at a time (``confirm``), before any of
+them reaches the training loop, so a rank whose batch failed stops every rank at the same
+step; ``announce`` joins the next exchange with a failure or a stop. The header and the confirmation have the same size (status, 4 header fields, the
 plan options' fingerprint), so a rank that fails anywhere but between a header and its
 summaries knows the shape the others expect.
 """
@@ -27,6 +27,7 @@ from .stats import EpochStats
 from .window import WindowPlanner
 
 Step = Tuple[StepPlan, Optional[np.ndarray]]
+CONFIRM_STEPS = 4  # steps confirmed by one exchange (the same on every rank: it shapes the protocol)
 
 
 class RankAligner:
@@ -86,12 +87,18 @@ class RankAligner:
         return [(s, None if s.group is None else ranked[s.group])
                 for s in global_steps(everyone, ex.rank, order, slots)]
 
-    def confirm(self, where: str) -> None:
-        """Tell every rank this rank made its batch of the current step (and learn that they made theirs)."""
+    @property
+    def confirm_every(self) -> int:
+        """Batches to make before they are confirmed together (1: nothing to confirm, deliver at once)."""
+        return 1 if self.local_only else CONFIRM_STEPS
+
+    def confirm(self, steps: int, where: str) -> None:
+        """Tell every rank this rank made its batches of the last ``steps`` steps (and learn that they
+        made theirs)."""
         if self.local_only or self.unconfirmed <= 0:
             return
         self._exchange([0, 0, 0, 0], where)
-        self.unconfirmed -= 1
+        self.unconfirmed -= steps
 
     @property
     def finished(self) -> bool:
