@@ -219,7 +219,9 @@ class EpochRun:
     def _confirmed(self, held: List[Tuple[Any, Cursor]]) -> Iterator[Tuple[Any, Cursor]]:
         """The held batches, once every rank has made its own (one exchange for them all); empties ``held``."""
         if held:
-            self.aligner.confirm(len(held), f"epoch {self.epoch}, steps {self.step - len(held)}-{self.step - 1}")
+            first, last = self.step - len(held), self.step - 1
+            steps = f"{first}-{last}" if last > first else f"{first}"
+            self.aligner.confirm(len(held), f"epoch {self.epoch}, step {steps}")
             out, held[:] = list(held), []
             yield from out
 

@@ -7,9 +7,10 @@ summaries and order the steps identically on every rank. Works on the window pla
 
 Steps are confirmed once made, ``CONFIRM_STEPS`` at a time (``confirm``), before any of
 them reaches the training loop, so a rank whose batch failed stops every rank at the same
-step; ``announce`` joins the next exchange with a failure or a stop. The header and the confirmation have the same size (status, 4 header fields, the
-plan options' fingerprint), so a rank that fails anywhere but between a header and its
-summaries knows the shape the others expect.
+step; ``announce`` joins the next exchange with a failure or a stop. The header and the
+confirmation have the same size (status, 4 header fields, the plan options'
+fingerprint), so a rank that fails anywhere but between a header and its summaries knows
+the shape the others expect.
 """
 
 from __future__ import annotations
