@@ -155,7 +155,7 @@ class ODBLoaderMixin(ResumableLoader):
             return self._odb_known_wait
         return self._odb_pipeline.wait_s if self._odb_pipeline is not None else default
 
-    def odb_abort(self, reason: Any) -> None:
+    def odb_abort(self, reason: "BaseException | str") -> None:
         """Stop this epoch because of ``reason`` (an exception or a message) found on the training thread,
         and tell the other ranks: they raise ``odb.dist.ODBRankFailed`` naming this rank and the reason at
         their next exchange, instead of waiting for this rank. Then raise your error as usual.
