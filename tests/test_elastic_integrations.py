@@ -89,3 +89,40 @@ def test_hf_trainer_resumes_a_checkpoint_on_another_number_of_processes(tmp_path
     once(done + [i for r in rest for i in epoch_of(r["steps"], 0)], 32,
          f"epoch 0 saved by {before} and resumed by {after} processes")
     once([i for r in rest for i in epoch_of(r["steps"], 1)], 32, "epoch 1")
+
+
+# ---- Lightning ----------------------------------------------------------------------------------
+
+
+def lightning_fit(tmp_path, monkeypatch, world: int, **overrides: Any) -> List[Dict[str, Any]]:
+    """Trainer.fit with ddp_spawn on ``world`` CPU processes (integration_workers.LitLM over a ShardSampler)."""
+    pytest.importorskip("lightning")
+    import integration_workers as iw
+    from dist_harness import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out = tmp_path / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    p = dict(world=world, lengths=LENGTHS, budget=96, buffer=12, seed=4, lr=0.5, epochs=2, accumulation=2,
+             out=str(out), snapshot_every=1)
+    p.update(overrides)
+    iw.lightning_fit(p)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def test_lightning_checkpoint_resumes_on_another_number_of_processes(tmp_path, monkeypatch):
+    ckpt = str(tmp_path / "mid.ckpt")
+    first = lightning_fit(tmp_path / "first", monkeypatch, 2, max_steps=2, checkpoint_at=2, checkpoint=ckpt)
+    rest = lightning_fit(tmp_path / "rest", monkeypatch, 1, resume_from=ckpt)
+    done = [i for r in first for m in r["micro"] for i in m["ids"]]
+    assert 0 < len(done) < len(LENGTHS)
+    once(done + [i for m in rest[0]["micro"] if m["epoch"] == 0 for i in m["ids"]], len(LENGTHS),
+         "epoch 0 saved by 2 and resumed by 1 process")
+    once([i for m in rest[0]["micro"] if m["epoch"] == 1 for i in m["ids"]], len(LENGTHS), "epoch 1")
+    # with snapshot_every > 1 the checkpoint holds batches to replay, which only the saved ranks can
+    ckpt3 = str(tmp_path / "replay.ckpt")
+    lightning_fit(tmp_path / "first3", monkeypatch, 2, max_steps=2, checkpoint_at=2, checkpoint=ckpt3,
+                  snapshot_every=3)
+    with pytest.raises(Exception, match=r"resumes on 2 processes, not 1\. Fix: .*snapshot_every=1"):
+        lightning_fit(tmp_path / "rest3", monkeypatch, 1, resume_from=ckpt3, snapshot_every=3)
