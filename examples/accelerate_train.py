@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 examples/accelerate_train.py
     accelerate launch --multi_gpu --num_processes=2 examples/accelerate_train.py   # same (CPU: cpu=True below)
     python examples/accelerate_train.py                                            # one process
+    python examples/accelerate_train.py --samples 64 --checkpoint /tmp/ckpt       # a quick run
 
 The loader is built after ``Accelerator()`` (so ``odb.ShardSampler`` sees the process
 group), wrapped by ``configure_accelerator`` and passed through ``accelerator.prepare``
@@ -13,6 +14,7 @@ must be exactly the batches the first run trained after the checkpoint.
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from typing import Any, List, Tuple
@@ -25,15 +27,14 @@ from _common import SyntheticSFT, pad_collate, tiny_llama
 from odb.integrations.accelerate import configure_accelerator, scale_loss
 
 ACCUMULATION = 2
-DATA = SyntheticSFT(n=300)
 
 
-def setup() -> Tuple[Accelerator, Any, Any, Any]:
+def setup(data: SyntheticSFT) -> Tuple[Accelerator, Any, Any, Any]:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
     torch.manual_seed(0)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = odb.ODBDataLoader(DATA, token_budget=4096, sampler=odb.ShardSampler(DATA, seed=0), num_workers=1,
+    loader = odb.ODBDataLoader(data, token_budget=4096, sampler=odb.ShardSampler(data, seed=0), num_workers=1,
                                collate_fn=pad_collate, buffer_size=128, seed=0, shift_labels=True,  # HF LMs shift
                                gradient_accumulation_steps=ACCUMULATION)
     loader = configure_accelerator(accelerator, loader)  # checks, device placement, save_state registration
@@ -62,17 +63,23 @@ def train(accelerator: Accelerator, model: Any, optimizer: Any, loader: Any, tit
 
 
 def main() -> None:
-    accelerator, model, optimizer, loader = setup()
-    checkpoint = os.path.join(tempfile.gettempdir(), "odb_accelerate_example")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--save-after", type=int, default=4, help="batches of epoch 1 before the checkpoint")
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "odb_accelerate_example"))
+    opts = parser.parse_args()
+    data = SyntheticSFT(n=opts.samples)
+    accelerator, model, optimizer, loader = setup(data)
+    checkpoint = opts.checkpoint
     for epoch in range(2):
         loader.set_epoch(epoch)
         after = train(accelerator, model, optimizer, loader, f"epoch {epoch}", checkpoint if epoch == 1 else "",
-                      save_after=4)
+                      save_after=opts.save_after)
     accelerator.wait_for_everyone()  # the checkpoint is on disk before anyone reads it
 
-    accelerator, model, optimizer, loader = setup()  # as after a restart
-    accelerator.load_state(checkpoint)  # model, optimizer, RNG and odb loader: epoch 1 after batch 4
-    resumed = train(accelerator, model, optimizer, loader, "epoch 1, resumed after batch 4")
+    accelerator, model, optimizer, loader = setup(data)  # as after a restart
+    accelerator.load_state(checkpoint)  # model, optimizer, RNG and odb loader: epoch 1 after the checkpoint
+    resumed = train(accelerator, model, optimizer, loader, f"epoch 1, resumed after batch {opts.save_after}")
     print(f"rank {accelerator.process_index}: the resumed run trained the same {len(resumed)} batches as the first "
           f"run after its checkpoint: {resumed == after}")
 

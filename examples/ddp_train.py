@@ -1,9 +1,12 @@
 """DDP on CPU (gloo) with odb: every rank runs the same number of steps, loss scaled exactly.
 
     torchrun --nproc_per_node=2 examples/ddp_train.py
+    torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --samples 48 --epochs 1   # a quick run
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.distributed as dist
@@ -15,16 +18,21 @@ from _common import SyntheticSFT, pad_collate, tiny_llama
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
+    opts = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DistributedDataParallel(tiny_llama())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = SyntheticSFT(n=400)
+    data = SyntheticSFT(n=opts.samples)
     sampler = DistributedSampler(data, shuffle=True, seed=0)
-    loader = odb.ODBDataLoader(data, token_budget=4096, sampler=sampler, num_workers=1, collate_fn=pad_collate,
-                               buffer_size=128)
-    for epoch in range(2):
+    loader = odb.ODBDataLoader(data, token_budget=4096, sampler=sampler, num_workers=opts.workers,
+                               collate_fn=pad_collate, buffer_size=128)
+    for epoch in range(opts.epochs):
         loader.set_epoch(epoch)  # also reaches the DistributedSampler
         seen = 0
         for batch in loader:

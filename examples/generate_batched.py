@@ -1,6 +1,7 @@
 """Batched generation under a token budget with odb: a tiny encoder-decoder (T5, random init) on CPU.
 
     python examples/generate_batched.py
+    python examples/generate_batched.py --inputs 40   # a quick run
 
 Inputs of very different lengths are grouped by length so that every call to
 ``generate`` costs at most rows x (longest input + max_new_tokens) <= token_budget;
@@ -10,6 +11,7 @@ A batch that runs out of memory is halved and retried (odb.generation).
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -20,11 +22,14 @@ from odb.generation import generate_batched, plan_generation_batches
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--inputs", type=int, default=200)
+    opts = parser.parse_args()
     torch.manual_seed(0)
     cfg = T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, initializer_factor=10.0)
     model = T5ForConditionalGeneration(cfg).eval()
-    lengths = lognormal_lengths(40, 0.6, 200, 0).clip(2, 256)
+    lengths = lognormal_lengths(40, 0.6, opts.inputs, 0).clip(2, 256)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randint(2, cfg.vocab_size, (int(n),), generator=gen).tolist() for n in lengths]
     budget, max_new = 2048, 16

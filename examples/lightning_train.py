@@ -2,6 +2,7 @@
 
     python examples/lightning_train.py                       # 2 CPU processes (strategy="ddp", gloo)
     python examples/lightning_train.py --resume PATH.ckpt    # continue from a checkpoint, mid-epoch exactly
+    python examples/lightning_train.py --samples 61 --epochs 1  # a quick run
 
 The loader is built in ``train_dataloader()`` (torch.distributed is up there, so
 ``odb.ShardSampler`` shards by rank), wrapped in ``ODBLightningLoader``; ``ODBCallback``
@@ -26,11 +27,11 @@ ACCUMULATION = 2
 
 
 class LitLM(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, samples: int = 301) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = tiny_llama()
-        self.data = SyntheticSFT(n=301)  # odd: the ranks' shards differ by one sample
+        self.data = SyntheticSFT(n=samples)  # odd: the ranks' shards differ by one sample
 
     def train_dataloader(self) -> ODBLightningLoader:
         loader = odb.ODBDataLoader(self.data, token_budget=4096, sampler=odb.ShardSampler(self.data, seed=0),
@@ -50,11 +51,16 @@ class LitLM(L.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--resume", default=None, help="a checkpoint written by this script")
+    parser.add_argument("--samples", type=int, default=301)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2, help="CPU processes")
+    parser.add_argument("--root-dir", default=None, help="where lightning_logs/ goes (default: here)")
     args = parser.parse_args()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2,
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs,
                         accumulate_grad_batches=ACCUMULATION, log_every_n_steps=5, enable_progress_bar=False,
+                        default_root_dir=args.root_dir,
                         callbacks=[ODBCallback(), ModelCheckpoint(every_n_train_steps=5, save_top_k=-1)])
-    trainer.fit(LitLM(), ckpt_path=args.resume)
+    trainer.fit(LitLM(args.samples), ckpt_path=args.resume)
     if trainer.is_global_zero:
         metrics = {k: round(float(v), 3) for k, v in trainer.callback_metrics.items() if k.endswith("_epoch")
                    or k == "odb/ghost_steps"}

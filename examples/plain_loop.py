@@ -1,9 +1,12 @@
 """Plain PyTorch loop with odb: one process, CPU by default.
 
     python examples/plain_loop.py
+    python examples/plain_loop.py --samples 40 --workers 0   # a quick run (tests/test_examples.py)
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -12,10 +15,16 @@ from _common import SyntheticSFT, pad_collate, tiny_llama
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--token-budget", type=int, default=4096)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    opts = parser.parse_args()
     torch.manual_seed(0)
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = odb.ODBDataLoader(SyntheticSFT(n=400), token_budget=4096, shuffle=True, num_workers=2,
+    loader = odb.ODBDataLoader(SyntheticSFT(n=opts.samples), token_budget=opts.token_budget, shuffle=True,
+                               num_workers=opts.workers,
                                collate_fn=pad_collate, buffer_size=256, gradient_accumulation_steps=2)
     seen = 0
     for batch in loader:

@@ -3,7 +3,8 @@
 Accelerate workers run under dist_harness (``run_ranks("integration_workers:<fn>", ...)``):
 the harness has joined a gloo group; the worker sets the environment variables that a
 launcher would (Accelerate reads them to pick MULTI_CPU), builds ``Accelerator(cpu=True)``
-on that group and returns plain values. The Lightning pieces (module, data, recorder)
+on that group and returns plain values. With world 1 they run as a plain ``python train.py``
+would: no process group, no launcher variables. The Lightning pieces (module, data, recorder)
 are module-level so that ddp_spawn can pickle them by reference.
 """
 
@@ -47,8 +48,9 @@ def reference_run(lengths: Sequence[int], steps: List[List[int]], seed: int, lr:
 
 
 def _accelerator(rank: int, world: int, accumulation: int) -> Any:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1")
+    if world > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     from accelerate import Accelerator
 
     return Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
@@ -60,7 +62,8 @@ def accelerate_train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]
 
     accelerator = _accelerator(rank, world, p["accumulation"][0])
     ds = LengthDataset(p["lengths"])
-    out: Dict[str, Any] = {"num_processes": accelerator.num_processes, "runs": {}}
+    out: Dict[str, Any] = {"num_processes": accelerator.num_processes, "runs": {},
+                           "distributed_type": accelerator.distributed_type.value}
     for k in p["accumulation"]:
         accelerator.gradient_accumulation_steps = k
         loader = odb.ODBDataLoader(ds, token_budget=p["budget"], sampler=odb.ShardSampler(ds, seed=3),

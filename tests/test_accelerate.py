@@ -1,15 +1,20 @@
-"""odb under Hugging Face Accelerate: 2 real gloo processes (dist_harness), Accelerator(cpu=True).
+"""odb under Hugging Face Accelerate, Accelerator(cpu=True): one plain process (no process group,
+as ``python train.py``) and 2 real gloo processes (dist_harness).
 
 The gradient check: with gradient accumulation 1 and 2, every optimizer step of the
-2-process run (accelerator.prepare, accumulate, backward) leaves the float64 parameters
-equal to a single process that steps over the union of that step's samples (ids from
+run (accelerator.prepare, accumulate, backward) leaves the float64 parameters equal to a
+single process that steps over the union of that step's samples (ids from
 info.sample_ids) with the token-mean loss.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -24,10 +29,13 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
 LENGTHS = known_lengths(45, 3, 30, seed=7)
 
 
-def test_prepare_keeps_odb_batches_and_the_gradient_is_exact_with_accumulation(tmp_path):
-    p = dict(lengths=LENGTHS, budget=96, buffer=12, seed=4, lr=0.5, epochs=2, accumulation=[1, 2])
-    results = run_ranks("integration_workers:accelerate_train", 2, p, tmp_path, deadline_s=120)
-    assert [r["num_processes"] for r in results] == [2, 2]
+TRAIN = dict(lengths=LENGTHS, budget=96, buffer=12, seed=4, lr=0.5, epochs=2, accumulation=[1, 2])
+
+
+def check_training(results: List[Dict[str, Any]], p: Dict[str, Any]) -> int:
+    """Every rank's record of accelerate_train against the single-process reference; returns how many
+    epochs ended in a shorter accumulation window."""
+    world = len(results)
     partial_windows = 0
     for k in p["accumulation"]:
         runs = [r["runs"][k] for r in results]
@@ -36,7 +44,8 @@ def test_prepare_keeps_odb_batches_and_the_gradient_is_exact_with_accumulation(t
         for epoch in range(p["epochs"]):
             per_rank = [run["epochs"][epoch] for run in runs]
             micro = [e["micro"] for e in per_rank]
-            assert len(micro[0]) == len(micro[1]) > 0, "ranks ran different numbers of micro-batches"
+            assert len({len(m) for m in micro}) == 1 and len(micro[0]) > 0, \
+                "ranks ran different numbers of micro-batches"
             for rank_micro in micro:
                 # accelerate.accumulate steps the optimizer exactly where odb's optimizer step ends
                 assert [m["sync"] for m in rank_micro] == [m["last"] for m in rank_micro]
@@ -49,12 +58,13 @@ def test_prepare_keeps_odb_batches_and_the_gradient_is_exact_with_accumulation(t
                 assert e["sampler_epoch"] == epoch
                 assert sorted(e["sampler_order"]) == sorted(i for m in e["micro"] for i in m["ids"])
             steps = [e["steps"] for e in per_rank]
-            assert len(steps[0]) == len(steps[1])
-            for s0, s1 in zip(*steps):
-                for a, b in zip(s0["params"], s1["params"]):
-                    assert torch.equal(a, b), "DDP replicas diverged"
-                reference_steps.append(sorted(s0["ids"] + s1["ids"]))
-                odb_params.append(s0["params"])
+            assert len({len(rank_steps) for rank_steps in steps}) == 1
+            for step in zip(*steps):
+                for other in step[1:]:
+                    for a, b in zip(step[0]["params"], other["params"]):
+                        assert torch.equal(a, b), "DDP replicas diverged"
+                reference_steps.append(sorted(i for rank_step in step for i in rank_step["ids"]))
+                odb_params.append(step[0]["params"])
         assert runs[0]["epochs"][0]["sampler_order"] != runs[0]["epochs"][1]["sampler_order"]
         reference = iw.reference_run(LENGTHS, reference_steps, p["seed"], p["lr"])
         before = [q.detach() for q in iw.lm_model(p["seed"]).parameters()]
@@ -63,10 +73,39 @@ def test_prepare_keeps_odb_batches_and_the_gradient_is_exact_with_accumulation(t
             update = max(float((r - b).abs().max()) for r, b in zip(ref, before))
             error = max(error, max(float((g - r).abs().max()) for g, r in zip(got, ref)) / update)
             before = ref
-        print(f"accelerate, 2 processes, gradient_accumulation_steps={k}: {len(reference)} optimizer steps, "
-              f"max relative parameter-update error {error:.2e}")
+        print(f"accelerate, {world} process(es), gradient_accumulation_steps={k}: {len(reference)} optimizer "
+              f"steps, max relative parameter-update error {error:.2e}")
         assert error < 1e-6
-    assert partial_windows > 0, "no epoch ended in a shorter accumulation window: the data does not test it"
+    return partial_windows
+
+
+def test_prepare_keeps_odb_batches_and_the_gradient_is_exact_with_accumulation(tmp_path):
+    results = run_ranks("integration_workers:accelerate_train", 2, TRAIN, tmp_path, deadline_s=120)
+    assert [r["num_processes"] for r in results] == [2, 2]
+    assert check_training(results, TRAIN) > 0, \
+        "no epoch ended in a shorter accumulation window: the data does not test it"
+
+
+def run_one_process(worker: str, p: Dict[str, Any], tmp: Path) -> Any:
+    """``integration_workers.<worker>(0, 1, p)`` in a fresh interpreter with no process group and no launcher
+    variables, as ``python train.py`` runs."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "params.json").write_text(json.dumps(p))
+    code = ("import json, sys, torch, integration_workers as iw; "
+            f"torch.save(iw.{worker}(0, 1, json.loads(open(sys.argv[1]).read())), sys.argv[2])")
+    launcher = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp / "params.json"), str(tmp / "result.pt")],
+                          cwd=str(Path(__file__).resolve().parent), env=dict(env, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{worker} in one process failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+    return torch.load(tmp / "result.pt", weights_only=False)
+
+
+def test_one_process_prepare_keeps_odb_batches_and_the_gradient_is_exact_with_accumulation(tmp_path):
+    result = run_one_process("accelerate_train", TRAIN, tmp_path)
+    assert (result["num_processes"], result["distributed_type"]) == (1, "NO")
+    check_training([result], TRAIN)
 
 
 def test_resume_skip_first_batches_and_clear_errors(tmp_path):

@@ -326,3 +326,18 @@ def test_hf_datasets_dataset_with_lengths_and_unused_columns(tmp_path):
     trainer.train()
     assert sorted(i for (_, _, ids, _) in rec.steps for i in ids) == list(range(20))
     assert trainer.state.epoch == 1.0
+
+
+def test_a_transformers_that_divides_the_loss_twice_is_refused_with_the_fix(tmp_path, monkeypatch):
+    # transformers 5.3.0-5.5.3 divide each micro-batch's loss by gradient_accumulation_steps in the Trainer and
+    # again in the Accelerator (tests/test_hf.py fails there by exactly that factor); 5.5.4 fixed it.
+    import transformers
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
+    trainer = Trainer(model=W.llama(), args=args, train_dataset=W.causal_dataset(8), data_collator=W.pad_collate)
+    monkeypatch.setattr(transformers, "__version__", "5.5.3")
+    with pytest.raises(RuntimeError, match=r"needs transformers>=5\.5\.4: transformers 5\.5\.3 divides the loss by "
+                                           r"gradient_accumulation_steps twice.*Fix: install transformers>=5\.5\.4"):
+        enable_odb(trainer, token_budget=64)
+    monkeypatch.setattr(transformers, "__version__", "5.5.4")
+    assert enable_odb(trainer, token_budget=64) is trainer

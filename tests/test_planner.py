@@ -1,6 +1,6 @@
 """Property and example tests of the pure planning core (planner.py, window.py).
 
-Feasibility is re-checked here from the definitions in DESIGN.md (B x padded L per
+Feasibility is re-checked here from the definitions in docs/algorithm.md (B x padded L per
 dimension, optional L * (1 + L / q) weight, batch size cap, image patch cap), with
 exact integer arithmetic, so a planner that trusts a wrong count is caught.
 """

@@ -22,6 +22,9 @@ _LOOP_API = {"_run_epoch": {"epoch", "train_dataloader", "steps_in_epoch", "num_
              "_init_training_state": {"resume_from_checkpoint"}, "get_batch_samples": {"epoch_iterator"},
              "set_initial_training_values": {"dataloader"}, "_save_checkpoint": {"trial"},
              "_load_rng_state": {"checkpoint"}}
+# transformers 5.3.0-5.5.3 also hand gradient_accumulation_steps to the Accelerator, so every micro-batch's loss
+# is divided by it twice (fixed in 5.5.4): the gradient would not be odb's exact token mean.
+MIN_TRANSFORMERS = "5.5.4"
 
 
 class ODBRun:
@@ -132,6 +135,14 @@ def check_args(trainer: Trainer) -> None:
 
 
 def check_loop_api() -> None:
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(
+            f"odb.integrations.hf needs transformers>={MIN_TRANSFORMERS}: transformers {transformers.__version__} "
+            f"divides the loss by gradient_accumulation_steps twice (in its Trainer and in its Accelerator), so "
+            f"the gradient would not be odb's exact token mean. Fix: install transformers>={MIN_TRANSFORMERS} "
+            f"(tested with {MIN_TRANSFORMERS} and 5.23), or use odb.ODBDataLoader in your own training loop.")
     for name, needed in _LOOP_API.items():
         method = getattr(Trainer, name, None)
         params = sorted(inspect.signature(method).parameters) if method is not None else []
@@ -140,4 +151,5 @@ def check_loop_api() -> None:
             raise RuntimeError(
                 f"odb.integrations.hf needs Trainer.{name}({', '.join(sorted(needed))}) of the transformers 5 "
                 f"training loop; transformers {transformers.__version__} has {found}. Fix: install "
-                f"transformers>=5.3 (tested with 5.23), or use odb.ODBDataLoader in your own training loop.")
+                f"transformers>={MIN_TRANSFORMERS} (tested with {MIN_TRANSFORMERS} and 5.23), or use "
+                f"odb.ODBDataLoader in your own training loop.")
