@@ -145,7 +145,7 @@ def test_valid_configs_keep_their_values(kwargs) -> None:
 def test_defaults() -> None:
     cfg = ODBConfig(token_budget=16384)
     assert (cfg.window_budgets, cfg.buffer_size, cfg.max_carry, cfg.pad_to_multiple_of,
-            cfg.batch_size_multiple) == (64, 16384, None, 1, 1)
+            cfg.batch_size_multiple) == (64, 32768, None, 1, 1)
     assert cfg.window_tokens == 64 * 16384 and cfg.ready_batches == 4
     assert ODBConfig(token_budget=(100, 50), window_budgets=2).window_tokens == 300
     assert ODBConfig(token_budget=100, window_budgets=None).window_tokens is None

@@ -50,7 +50,8 @@ class ODBConfig:
             long samples alike see many batches' worth per window. None: windows are
             counted in samples only (``buffer_size``).
         buffer_size: the most processed samples in one planning window (a cap on the
-            token-sized window; the window size itself when window_budgets is None).
+            token-sized window, set so that 64 budgets of 16,384 tokens of short pairs
+            of ~36 tokens still fit; the window size itself when window_budgets is None).
         first_window_size: the first window of an epoch holds at most this many samples
             and each next one 1.5 times as many, up to the full window, so the first batch
             does not wait for a full window (set it to buffer_size to disable the ramp).
@@ -109,7 +110,7 @@ class ODBConfig:
 
     token_budget: Union[int, Tuple[int, ...]]
     window_budgets: Optional[int] = 64
-    buffer_size: int = 16384
+    buffer_size: int = 32768
     first_window_size: int = 64
     max_carry: Optional[int] = None
     pack_efficiency: float = 0.95

@@ -142,8 +142,7 @@ class EpochRun:
     def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
         cfg = self.cfg
         patches = self.pool.patches(ids) if cfg.image_patches_key else None
-        planned = self.planner.plan(np.array(ids, dtype=np.int64), self.pool.lengths(ids), patches, final=final,
-                                    remaining=self._remaining())
+        planned = self.planner.plan(np.array(ids, dtype=np.int64), self.pool.lengths(ids), patches, final=final)
         self.stats.windows += 1
         groups = list(planned.groups)
         for sid in planned.oversize.tolist():

@@ -69,9 +69,9 @@ def estimate_steps(lengths: np.ndarray, n_samples: int, cfg: ODBConfig, *, world
         >>> estimate_steps(x, 5000, cfg)   # all lengths known: the loader's plan, simulated
         611
         >>> estimate_steps(x[:512], 5000, cfg)   # a probe of 512, bootstrapped to 5000
-        603
+        605
         >>> estimate_steps(x, 2500, cfg, world_size=2)   # per rank, 2 ranks of 2500 samples
-        311
+        312
     """
     lengths = _as_2d(lengths)
     n, m = int(n_samples), len(lengths)

@@ -60,15 +60,9 @@ class WindowPlanner:
         return self._carry_ids
 
     def plan(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray] = None,
-             final: bool = False, carry_limit: Optional[int] = None,
-             remaining: Optional[int] = None) -> PlannedWindow:
-        """Pool the new samples with the carry and plan; keeps the new carry.
-
-        The carry holds at most ``carry_limit`` samples (default: half a full window at the
-        mean length seen so far) and, when ``remaining`` (samples of the epoch still to come
-        after these) is known, at most that many: towards the end of an epoch the windows
-        shrink, and so does what is carried, so the pool planned after the data ends is
-        small and no sample is re-planned many times over."""
+             final: bool = False, carry_limit: Optional[int] = None) -> PlannedWindow:
+        """Pool the new samples with the carry and plan; keeps the new carry (at most ``carry_limit``
+        samples; default: half a full window at the mean length seen so far)."""
         ids = np.asarray(ids, dtype=np.int64)
         new_samples = len(ids)
         self._seen += len(ids)
@@ -83,8 +77,6 @@ class WindowPlanner:
                 patches = np.concatenate((self._carry_patches, patches))
         if carry_limit is None:
             carry_limit = self.cfg.carry_limit(self.full_window_samples())
-        if remaining is not None and False:
-            carry_limit = min(carry_limit, max(int(remaining), 0))
         if self._emitted == 0 and lengths.sum() >= self.cost.total_budget:
             # Nothing emitted yet and the pool holds a budget's worth: emit a batch however it packs, so
             # the first step does not wait for more windows (short samples rarely pack well this early).
@@ -211,7 +203,7 @@ def plan_stream(lengths: np.ndarray, cfg: ODBConfig,
         stop = start + window_cut(tokens[start:], *window_limits(cfg, k, n - start, len(wp.carried_ids)))
         sl = slice(start, stop)
         yield wp.plan(np.arange(start, stop), lengths[sl], None if patches is None else patches[sl],
-                      final=stop >= n, remaining=n - stop)
+                      final=stop >= n)
         start, k = stop, k + 1
 
 
