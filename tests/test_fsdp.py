@@ -19,6 +19,10 @@ import fsdp_workers as F
 from dist_harness import run_ranks
 
 pytestmark = pytest.mark.dist
+# fully_shard on CPU ranks fails inside torch 2.6 itself (its CPU stream has no record_event), with or without
+# odb; sharded training under odb is tested on torch 2.13 (make test).
+old_torch = pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13), reason=(
+    f"FSDP2 NOT TESTED: torch {torch.__version__}'s fully_shard does not run on CPU ranks (tested on torch 2.13)"))
 
 FLOAT64 = 1e-12  # relative; the sharded and the reference gradient differ only by summation order
 
@@ -29,6 +33,7 @@ def rel_error(got, ref) -> float:
 
 @pytest.mark.parametrize("world, known", [(2, False), pytest.param(3, False, marks=pytest.mark.slow),
                                           pytest.param(2, True, marks=pytest.mark.slow)])
+@old_torch
 def test_fully_shard_gradients_equal_the_single_process_reference(tmp_path, world, known):
     # rank 0: 48 long samples; rank 1: 5 short ones (fewer than the steps: ghosts); rank 2: 24 medium
     p = dict(counts=[48, 5, 24], budget=256, buffer=16, seed=0, lr=0.5, accumulation=[1, 5], known=known)
@@ -53,6 +58,7 @@ def test_fully_shard_gradients_equal_the_single_process_reference(tmp_path, worl
     assert len({tuple(r) for r in rows}) > 1, f"expected uneven parameter shards, got {rows}"
 
 
+@old_torch
 def test_hf_trainer_on_a_model_sharded_by_fsdp2(tmp_path):
     # TrainingArguments(fsdp=...) does not shard on CPU (accelerate keeps MULTI_CPU as DDP); transformers'
     # own FSDP2 sharding at load time does, and the Trainer then trains the DTensor model as it is.

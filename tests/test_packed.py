@@ -278,6 +278,9 @@ def test_packed_collate_backends_agree(specs, flash, seq_idx, start) -> None:
         s = make_sample(k, n)
         samples.append({"input_ids": s["input_ids"], **({"labels": s["labels"]} if with_labels else {})})
     options = dict(return_flash_attn_kwargs=flash, return_seq_idx=seq_idx, position_ids_start=start)
+    if PackedCollate(backend="auto", **options)._flatten is None:
+        pytest.skip("TRANSFORMERS BACKEND NOT COMPARED: this transformers' DataCollatorWithFlattening lacks "
+                    "position_ids_start (transformers 5.23 has it; make test runs this comparison)")
     a = PackedCollate(backend="transformers", **options)(samples)
     b = PackedCollate(backend="torch", **options)(samples)
     assert a.keys() == b.keys()

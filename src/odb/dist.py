@@ -154,6 +154,7 @@ class RankExchange:
         if self.owns_group and self.group is not None:
             release_group(self.group)
             self.group = None
+            self.dead = True  # a released exchange takes no more collectives (None would mean the default group)
 
     def all_gather(self, values: np.ndarray, where: str, status: int = OK, reason: str = ""
                    ) -> Optional[np.ndarray]:

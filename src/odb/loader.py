@@ -243,6 +243,8 @@ class ODBLoaderMixin(ResumableLoader):
         sampler = inner.batch_sampler
         sampler.plan = self._odb_pipeline
         sampler.infos.clear()
+        if isinstance(self._odb_step_exchange, RankExchange) and self._odb_pipeline_done:
+            self._odb_step_exchange.release()  # an epoch left early: every rank has started this one
         steps = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group) if exchange is not None else None
         self._odb_step_exchange = steps
         resume_totals = run_state["step_tokens"] if run_state is not None else None  # a step split by the resume
@@ -275,6 +277,16 @@ class ODBLoaderMixin(ResumableLoader):
                 f"so every rank iterates all of it. Fix: pass sampler=odb.ShardSampler(dataset) or a "
                 f"DistributedSampler.", stacklevel=3)
         return ex
+
+    def _odb_release_exchanges(self) -> None:
+        """Let go of odb's groups once this rank's epoch has run to its end (its last exchange is over on
+        every rank: each returns only after all have joined it), not at the next epoch: a gloo group still
+        alive when the interpreter exits or after ``destroy_process_group()`` can abort or hang the process."""
+        if not self._odb_pipeline_done:
+            return
+        for ex in (self._odb_exchange, self._odb_step_exchange):
+            if isinstance(ex, RankExchange):
+                ex.release()
 
     def _odb_world(self) -> tuple:
         """(rank, world size) without creating anything (no collective)."""
@@ -311,6 +323,7 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
         self._odb_last_steps = run.step
         self._odb_last_steps_epoch = run.epoch
+        self._odb_release_exchanges()
 
     def _odb_epoch_total(self) -> Optional[int]:
         """Samples of an epoch on this rank, when the sampler knows (windows ramp down towards the end)."""
@@ -337,6 +350,7 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
         self._odb_last_steps = run.step
         self._odb_last_steps_epoch = run.epoch
+        self._odb_release_exchanges()
 
     def _odb_known_lengths(self) -> Optional[np.ndarray]:
         """(n, D) lengths when odb plans from known lengths (workers then collate whole batches)."""

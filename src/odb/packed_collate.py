@@ -62,9 +62,10 @@ class PackedCollate:
         self.backend = backend
         self._flatten = _transformers_collator(self) if backend != "torch" else None
         if backend == "transformers" and self._flatten is None:
-            raise ImportError("PackedCollate(backend='transformers') needs transformers with "
-                              "DataCollatorWithFlattening (return_seq_idx, position_ids_start). Fix: pip install "
-                              "'transformers>=4.56', or pass backend='auto' / 'torch'.")
+            raise ImportError("PackedCollate(backend='transformers') needs a transformers whose "
+                              "DataCollatorWithFlattening takes return_seq_idx and position_ids_start (5.23 does; "
+                              f"{_transformers_version()} does not). Fix: upgrade transformers, or pass "
+                              "backend='auto' (falls back to odb's torch collate, which gives the same rows) or 'torch'.")
 
     def __call__(self, samples: Sequence[Any]) -> Dict[str, Any]:
         features = [_feature(k, s) for k, s in enumerate(samples)]
@@ -95,6 +96,14 @@ class PackedCollate:
         if self.return_seq_idx:
             batch["seq_idx"] = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), sizes)[None]
         return batch
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return "no installed transformers"
+    return f"transformers {transformers.__version__}"
 
 
 def _transformers_collator(c: PackedCollate) -> Any:

@@ -61,7 +61,7 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
         dataset, config=cfg, sampler=sampler, shuffle=None if sampler is not None else shuffle,  # as the sampler
         collate_fn=collator, num_workers=workers,
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers and workers > 0,
-        multiprocessing_context=args.dataloader_multiprocessing_context if workers > 0 else None,
+        multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None) if workers > 0 else None,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
         drop_last=args.dataloader_drop_last, lengths=lengths,
         worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index), **options)

@@ -31,10 +31,13 @@ def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[st
         return [state]
     raw = json.dumps(state).encode()
     exchange = RankExchange(loader.odb_config.exchange_timeout_s)
-    sizes = exchange.all_gather(np.array([len(raw)]), "checkpoint (state sizes)")[:, 0]
-    local = np.zeros(-(-int(sizes.max()) // 8), dtype=np.int64)
-    local.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    rows = exchange.all_gather(local, "checkpoint (states)")
+    try:
+        sizes = exchange.all_gather(np.array([len(raw)]), "checkpoint (state sizes)")[:, 0]
+        local = np.zeros(-(-int(sizes.max()) // 8), dtype=np.int64)
+        local.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        rows = exchange.all_gather(local, "checkpoint (states)")
+    finally:
+        exchange.release()  # its own group: no gloo group outlives its use
     return [json.loads(rows[r].tobytes()[:int(sizes[r])]) for r in range(len(rows))]
 
 
