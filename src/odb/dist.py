@@ -18,6 +18,7 @@ naming the rank, so no rank waits for ``exchange_timeout_s``.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
 from typing import Any, List, Optional, Sequence, Tuple
@@ -67,6 +68,28 @@ def release_group(group: Any) -> None:
         dist.destroy_process_group(group)
     except Exception:  # the default group may already be gone (shutdown); nothing to release then
         pass
+
+
+# Exchanges whose group odb made and has not released yet, oldest first. A group is released only once
+# every rank is known to be done with it (a later collective, e.g. the next epoch's new_group); the last
+# ones are released at exit, after a short barrier on each: a gloo group still alive while the interpreter
+# finalizes can abort the process ("terminate called without an active exception", pytorch issue 190489).
+_LIVE: List["RankExchange"] = []
+EXIT_BARRIER_S = 10.0
+
+
+@atexit.register
+def release_at_exit() -> None:
+    """Release the groups odb still holds, each after a barrier of every rank at exit (when one does not
+    arrive within EXIT_BARRIER_S, e.g. still saving a checkpoint or gone, the group is left as it is)."""
+    for ex in list(_LIVE):
+        try:
+            if not (dist.is_available() and dist.is_initialized()) or ex.dead:
+                continue
+            dist.monitored_barrier(group=ex.group, timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
+        except Exception:  # a rank that is not exiting with us: leave this group (and the rest) alone
+            return
+        ex.release()
 
 
 def encode_reason(text: str) -> np.ndarray:
@@ -148,6 +171,7 @@ class RankExchange:
         self.dead = False
         if self.owns_group and self.world_size > 1:
             self.group = new_metadata_group(timeout_s)
+            _LIVE.append(self)
 
     def release(self) -> None:
         """Release the group, if this exchange made it (call once its exchanges are over)."""
@@ -155,6 +179,8 @@ class RankExchange:
             release_group(self.group)
             self.group = None
             self.dead = True  # a released exchange takes no more collectives (None would mean the default group)
+            if self in _LIVE:
+                _LIVE.remove(self)
 
     def all_gather(self, values: np.ndarray, where: str, status: int = OK, reason: str = ""
                    ) -> Optional[np.ndarray]:

@@ -278,16 +278,6 @@ class ODBLoaderMixin(ResumableLoader):
                 f"DistributedSampler.", stacklevel=3)
         return ex
 
-    def _odb_release_exchanges(self) -> None:
-        """Let go of odb's groups once this rank's epoch has run to its end (its last exchange is over on
-        every rank: each returns only after all have joined it), not at the next epoch: a gloo group still
-        alive when the interpreter exits or after ``destroy_process_group()`` can abort or hang the process."""
-        if not self._odb_pipeline_done:
-            return
-        for ex in (self._odb_exchange, self._odb_step_exchange):
-            if isinstance(ex, RankExchange):
-                ex.release()
-
     def _odb_world(self) -> tuple:
         """(rank, world size) without creating anything (no collective)."""
         if not self._odb_cfg.distributed:
@@ -323,7 +313,6 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
         self._odb_last_steps = run.step
         self._odb_last_steps_epoch = run.epoch
-        self._odb_release_exchanges()
 
     def _odb_epoch_total(self) -> Optional[int]:
         """Samples of an epoch on this rank, when the sampler knows (windows ramp down towards the end)."""
@@ -350,7 +339,6 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
         self._odb_last_steps = run.step
         self._odb_last_steps_epoch = run.epoch
-        self._odb_release_exchanges()
 
     def _odb_known_lengths(self) -> Optional[np.ndarray]:
         """(n, D) lengths when odb plans from known lengths (workers then collate whole batches)."""

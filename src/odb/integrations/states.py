@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -25,19 +25,23 @@ from ..dist import RankExchange, world
 from ..loader import ODBLoaderMixin
 
 
+_previous: Optional[RankExchange] = None  # the last gather's exchange, released by the next (or at exit)
+
+
 def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[str, Any]]:
     """Every rank's ``state`` in rank order (call on all ranks at once: two small all_gathers)."""
     if world()[1] == 1:
         return [state]
     raw = json.dumps(state).encode()
-    exchange = RankExchange(loader.odb_config.exchange_timeout_s)
-    try:
-        sizes = exchange.all_gather(np.array([len(raw)]), "checkpoint (state sizes)")[:, 0]
-        local = np.zeros(-(-int(sizes.max()) // 8), dtype=np.int64)
-        local.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        rows = exchange.all_gather(local, "checkpoint (states)")
-    finally:
-        exchange.release()  # its own group: no gloo group outlives its use
+    global _previous
+    exchange = RankExchange(loader.odb_config.exchange_timeout_s)  # new_group: every rank is past the last gather
+    if _previous is not None:
+        _previous.release()
+    _previous = exchange
+    sizes = exchange.all_gather(np.array([len(raw)]), "checkpoint (state sizes)")[:, 0]
+    local = np.zeros(-(-int(sizes.max()) // 8), dtype=np.int64)
+    local.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    rows = exchange.all_gather(local, "checkpoint (states)")
     return [json.loads(rows[r].tobytes()[:int(sizes[r])]) for r in range(len(rows))]
 
 
