@@ -98,7 +98,7 @@ def check_accelerate_resume(out: str, ranks: int, samples: int) -> None:
     epochs = re.findall(r"\bepoch (\d): \d+ batches per rank, (\d+) samples \(all ranks\)", out, re.M)
     assert epochs[:2] == [("0", str(samples)), ("1", str(samples))], out[-3000:]
     resumed = re.findall(r"rank (\d): the resumed run trained the same (\d+) batches as the first run after its "
-                         r"checkpoint: (\w+)", out, re.M)
+                         r"checkpoint: (True|False)", out, re.M)
     assert sorted(rank for rank, _, _ in resumed) == [str(r) for r in range(ranks)], out[-3000:]
     assert all(int(n) > 0 and same == "True" for _, n, same in resumed), resumed
 
@@ -138,9 +138,9 @@ def test_lightning_train_on_two_processes(tmp_path):
 def test_hf_trainer_examples_on_two_processes(tmp_path, name):
     out = run_example(TORCHRUN + [script(name), "--samples", "48", "--epochs", "1", "--workers", "0",
                                   "--out", str(tmp_path / "out")], tmp_path, 180)
-    found = re.search(r"\b(\d+) optimizer steps, train loss (\S+)", out, re.M)
+    found = re.search(r"\b(\d+) optimizer steps, train loss (nan|[\d.]+)", out, re.M)
     assert found and int(found.group(1)) > 0, out[-3000:]
-    assert found.group(2).rstrip(",") != "nan"
+    assert found.group(2) != "nan"
 
 
 @pytest.mark.dist
@@ -150,7 +150,7 @@ def test_trl_sft_on_two_processes(tmp_path, flags):
     pytest.importorskip("trl")
     out = run_example(TORCHRUN + [script("trl_sft.py"), "--samples", "48", "--epochs", "1",
                                   "--out", str(tmp_path / "out")] + flags, tmp_path, 180)
-    found = re.search(r"\b(\d+) optimizer steps, train loss (\S+)", out, re.M)
+    found = re.search(r"\b(\d+) optimizer steps, train loss (nan|[\d.]+)", out, re.M)
     assert found and int(found.group(1)) > 0 and found.group(2) != "nan", out[-3000:]
     assert f"layout {'packed' if flags else 'padded'!r}" in out, out[-3000:]
 
