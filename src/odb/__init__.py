@@ -13,9 +13,9 @@ from .apply import ODBHandle, apply
 from .config import ODBConfig
 from .lengths import count_loss_tokens, default_length, seq2seq_lengths
 from .loader import ODBDataLoader
+from .loss import scale_loss
 from .packed_collate import PackedCollate
 from .packed_models import PackedLayoutError, check_packed_model
-from .loss import scale_loss
 from .sampling import ShardSampler
 from .schedule import linear_budget_ramp
 from .step_info import ODBStepInfo, attach_step_info, pop_step_info

@@ -30,10 +30,10 @@ _previous: Optional[RankExchange] = None  # the last gather's exchange, released
 
 def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[str, Any]]:
     """Every rank's ``state`` in rank order (call on all ranks at once: two small all_gathers)."""
+    global _previous
     if world()[1] == 1:
         return [state]
     raw = json.dumps(state).encode()
-    global _previous
     exchange = RankExchange(loader.odb_config.exchange_timeout_s)  # new_group: every rank is past the last gather
     if _previous is not None:
         _previous.release()
