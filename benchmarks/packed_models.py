@@ -19,7 +19,7 @@ import warnings
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from odb import PackedLayoutError, check_packed_model
+from odb import PackedLayoutError, check_packed_model, register_varlen_attention
 
 ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2", "gemma3_text",
                  "granite", "olmo", "phi", "stablelm", "starcoder2", "cohere", "gpt2", "gpt_neox", "opt", "bloom",
@@ -40,13 +40,16 @@ def verdict(model_type: str, attn: str) -> str:
     except PackedLayoutError as err:
         diff = str(err).split("alone by ")[1].split(" ")[0]
         return f"refused: {'a KV cache' if 'KV cache' in str(err) else 'samples mix'} (max diff {diff})"
+    except ValueError as err:  # odb_varlen refuses a layer it cannot compute (soft-capping, attention sinks)
+        return f"refused: {str(err).split(' asks for ')[1].split('=')[0]}" if " asks for " in str(err) else repr(err)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("types", nargs="*", default=list(ARCHITECTURES))
-    ap.add_argument("--attn", nargs="*", default=["sdpa", "eager"])
+    ap.add_argument("--attn", nargs="*", default=["sdpa", "eager", "odb_varlen"])
     args = ap.parse_args()
+    register_varlen_attention()
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     logging.disable(logging.WARNING)

@@ -5,12 +5,12 @@
 The model is the training benchmark's tiny Llama (odb.bench.training.MODEL, random
 weights, CPU). For B samples of L tokens each, the padded batch is (B, L) with an
 all-ones attention mask; the packed row is (1, B x L) with position_ids restarting at
-every sample, which transformers turns into a block-diagonal causal mask. With sdpa and
-eager on CPU that mask is dense: the row's attention costs (B x L)^2, not B x L^2, so a
-packed row is only as cheap as the padded batch when the row is not much longer than
-its samples. Varlen kernels (flash-attention on a GPU) pay B x L^2 for the packed row
-and no padding; they are not available here. Prints the median of --repeats timings
-per shape and the ratio packed / padded.
+every sample. With --attn (sdpa or eager) transformers turns the restarting positions
+into a block-diagonal causal mask, dense on CPU: the row's attention costs (B x L)^2,
+not B x L^2. With odb's "odb_varlen" (the same weights; odb.register_varlen_attention)
+the row's attention runs per sample and costs B x L^2, as flash-attention's varlen
+kernel does on a GPU. Prints the median of --repeats timings per shape and the ratios
+to the padded batch.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Dict
 
 import torch
 
+from odb import register_varlen_attention
 from odb.bench.training import MODEL, VOCAB
 
 
@@ -41,19 +42,22 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=8192, **{**MODEL, "attn_implementation": args.attn}))
-    print(f"tiny Llama ({args.attn}, CPU, {torch.get_num_threads()} threads): forward + backward, median of "
-          f"{args.repeats}")
-    print(f"{'B x L':>10} {'row':>6} {'padded s':>9} {'packed s':>9} {'packed / padded':>16}")
+    def build(attn: str) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(max_position_embeddings=8192, **{**MODEL, "attn_implementation": attn}))
+
+    model, varlen = build(args.attn), build(register_varlen_attention())
+    print(f"tiny Llama (CPU, {torch.get_num_threads()} threads): forward + backward, median of {args.repeats}")
+    print(f"{'B x L':>10} {'row':>6} {'padded s':>9} {'packed s':>9} {'varlen s':>9} {'packed/padded':>14} "
+          f"{'varlen/padded':>14}")
     for b, length in ((4, 256), (8, 128), (16, 256), (4, 1024), (32, 128)):
         ids = torch.randint(1, VOCAB, (b, length))
         padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         row = ids.reshape(1, -1)
         packed = {"input_ids": row, "position_ids": torch.arange(length).repeat(b)[None], "labels": row}
         a, p = step_s(model, padded, args.repeats), step_s(model, packed, args.repeats)
-        print(f"{f'{b} x {length}':>10} {b * length:>6} {a:>9.3f} {p:>9.3f} {p / a:>16.2f}")
-
+        v = step_s(varlen, packed, args.repeats)
+        print(f"{f'{b} x {length}':>10} {b * length:>6} {a:>9.3f} {p:>9.3f} {v:>9.3f} {p / a:>14.2f} {v / a:>14.2f}")
 
 if __name__ == "__main__":
     main()

@@ -22,9 +22,11 @@ VOCAB = 50  # helpers.make_sample draws ids below 50
 
 
 def tiny_llama(attn: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """A 2-layer Llama with random weights (from a config: nothing is downloaded)."""
+    """A 2-layer Llama with random weights (from a config: nothing is downloaded); attn may be "odb_varlen"."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if attn == "odb_varlen":
+        odb.register_varlen_attention()
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -1,6 +1,6 @@
 """Proof that the samples of a packed row stay apart, with a real HF Llama on CPU.
 
-- float32, ``sdpa`` and ``eager``: each sample's logits and loss inside a packed row
+- float32, ``sdpa``, ``eager`` and odb's ``odb_varlen``: each sample's logits and loss inside a packed row
   built by odb's loader equal those of the sample run alone (max abs diff < 1e-4), and
   the row's loss times its supervised tokens (``ODBStepInfo.local_loss_tokens``) is
   the sum of the samples' token losses;
@@ -11,7 +11,7 @@
   step's gradient equals the single-process reference of the same samples run alone
   (relative error < 1e-6), ghost steps included. The loss is computed from the logits in
   float64 (transformers' own loss upcasts logits to float32 only); ``sdpa`` then agrees
-  to ~1e-15, ``eager`` to ~1e-8 (its softmax runs in float32).
+  to ~1e-15, ``eager`` to ~1e-8 (its softmax runs in float32), ``odb_varlen`` as ``sdpa``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from helpers import IGNORE, LengthDataset, known_lengths, make_sample  # noqa: E
 from odb.packed_models import PackedLayoutError, check_packed_model  # noqa: E402
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "odb_varlen"])
 def test_packed_logits_and_losses_equal_each_sample_alone(attn: str) -> None:
     model = packed_workers.tiny_llama(attn).eval()
     lengths = known_lengths(60, 3, 40, seed=2)
@@ -66,12 +66,15 @@ def test_packed_logits_and_losses_equal_each_sample_alone(attn: str) -> None:
     assert worst_logit < 1e-4 and worst_loss < 1e-4
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "odb_varlen"])
 def test_check_packed_model_accepts_llama_and_names_a_kv_cache(attn: str) -> None:
     model = packed_workers.tiny_llama(attn).train()
     assert check_packed_model(model) < 1e-4
     assert model.training  # the probe restores the mode
     assert model.config.use_cache  # Llama's default: without use_cache=False in the batch, samples would mix
+    if attn == "odb_varlen":  # it reads the boundaries from position_ids whatever the cache, as flash-attention does
+        assert check_packed_model(model, odb.PackedCollate(use_cache=None)) < 1e-4
+        return
     with pytest.raises(PackedLayoutError) as info:
         check_packed_model(model, odb.PackedCollate(use_cache=None))
     msg = str(info.value)
@@ -108,7 +111,7 @@ def test_check_packed_model_refuses_a_forward_without_position_ids() -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_ddp_packed_gradient_equals_the_single_process_reference(tmp_path) -> None:
-    params = {"seed": 0, "counts": [30, 5], "budget": 128, "runs": [["sdpa", 1], ["sdpa", 2], ["eager", 2]]}
+    params = {"seed": 0, "counts": [30, 5], "budget": 128, "runs": [["sdpa", 1], ["sdpa", 2], ["eager", 2], ["odb_varlen", 2]]}
     results = run_ranks("packed_workers:packed_grads", 2, params, tmp_path, deadline_s=200)
     for key in results[0]:
         attn, k = key.split("-")[0], int(key.split("-")[1])

@@ -19,10 +19,12 @@ from .packed_models import PackedLayoutError, check_packed_model
 from .sampling import ShardSampler
 from .schedule import linear_budget_ramp
 from .step_info import ODBStepInfo, attach_step_info, pop_step_info
+from .varlen_attention import register_varlen_attention, varlen_causal_attention
 
 __all__ = [
     "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "PackedCollate", "PackedLayoutError",
     "check_packed_model", "apply", "attach_step_info", "count_loss_tokens",
-    "default_length", "pop_step_info", "scale_loss", "seq2seq_lengths", "ShardSampler", "linear_budget_ramp",
+    "default_length", "pop_step_info", "register_varlen_attention", "scale_loss", "seq2seq_lengths", "ShardSampler",
+    "linear_budget_ramp", "varlen_causal_attention",
 ]
 __version__ = "0.1.0"

@@ -21,9 +21,13 @@ and within 0.01 of trl-bfd.
 
 Training (CPU, the tiny Llama of the training benchmark, budget 4,096, the same samples
 for every arm, arms interleaved step by step): ``odb-padded`` (the padded layout, as in
-the training benchmark), ``odb-packed``, ``fixed-count`` and ``trl-bfd`` (the packed
-rows of ``trl.pack_dataset``, one row per step, TRL's own padding-free collator). Real
-tokens per second of wall time, data loading included. Goal: odb-packed >= odb-padded.
+the training benchmark, ``sdpa``), ``odb-packed``, ``fixed-count`` and ``trl-bfd`` (the
+packed rows of ``trl.pack_dataset``, one row per step, TRL's own padding-free collator),
+the packed arms with ``attn_implementation="odb_varlen"`` (causal attention per sample:
+what flash-attention's varlen kernel does on CUDA), and ``odb-packed-sdpa``: odb's packed
+rows with ``sdpa``, whose dense block-diagonal mask costs a row's attention as one sample
+of the row's length. Real tokens per second of wall time, data loading included. Goal:
+odb-packed >= odb-padded.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from .planning import load_workloads, odb_loader_run, time_planner
 from .training import VOCAB, Arm, _warm_up, run_arms, training_lengths
 
 FILL_MIN, VS_TRL_MAX_GAP = 0.98, 0.01
+PACKED_ATTN = "odb_varlen"  # the packed arms' attention: per-sample causal attention (odb.varlen_attention)
 
 
 def _totals(lengths: np.ndarray) -> np.ndarray:
@@ -165,18 +170,24 @@ def packing_training(samples: int, *, budget: int = 4096, max_len: int = 1024, d
     dataset = FixedTokens(lengths)
     fixed_b = max(1, budget // int(lengths.max()))
     _warm_up(dev, max_len)
+    _warm_up(dev, max_len, PACKED_ATTN)
+    packed = {"layout": "packed", "token_budget": budget, "shuffle": True, "seed": 0}
     loaders: Dict[str, DataLoader] = {
         "odb-padded": odb.ODBDataLoader(dataset, token_budget=budget, shuffle=True, seed=0, collate_fn=_pad_collate),
-        "odb-packed": odb.ODBDataLoader(dataset, token_budget=budget, shuffle=True, seed=0, layout="packed"),
+        "odb-packed": odb.ODBDataLoader(dataset, **packed),
+        "odb-packed-sdpa": odb.ODBDataLoader(dataset, **packed),
         "fixed-count": DataLoader(dataset, batch_size=fixed_b, shuffle=True, collate_fn=_flatten_collate(),
                                   generator=torch.Generator().manual_seed(0)),
         "trl-bfd": _trl_loader(dataset, budget, seed=0),
     }
-    arms = [Arm(name, loader, dev, max_len, name.startswith("odb")) for name, loader in loaders.items()]
+    attn = {"odb-padded": "sdpa", "odb-packed-sdpa": "sdpa"}
+    arms = [Arm(name, loader, dev, max_len, name.startswith("odb"), attn.get(name, PACKED_ATTN))
+            for name, loader in loaders.items()]
     run_arms(arms, dev.type == "cpu", progress)
     res = {arm.name: arm.result() for arm in arms}
     ratio = res["odb-packed"]["real_tokens_per_s"] / res["odb-padded"]["real_tokens_per_s"]
     return {"device": str(dev), "samples": samples, "token_budget": budget, "max_len": max_len,
+            "attn": {arm.name: arm.attn for arm in arms},
             "mean_length": float(lengths.mean()), "fixed_batch_size": fixed_b, "arms": list(res), **res,
             "packed_vs_padded": ratio,
             "vs": {k: res["odb-packed"]["real_tokens_per_s"] / r["real_tokens_per_s"]

@@ -238,8 +238,8 @@ def packing_tables(pk: Dict[str, Any], markdown: bool = False) -> str:
              "ceil(tokens / budget)", _table(header, rows, markdown)]
     tr = pk.get("training")
     if tr:
-        head = ["arm", "steps", "samples/step", "real tokens/s", "token eff.", "final loss"]
-        trows = [[a, str(tr[a]["steps"]), f"{tr[a]['mean_batch_size']:.1f}", f"{tr[a]['real_tokens_per_s']:.0f}",
+        head = ["arm", "attention", "steps", "samples/step", "real tokens/s", "token eff.", "final loss"]
+        trows = [[a, tr.get("attn", {}).get(a, "sdpa"), str(tr[a]["steps"]), f"{tr[a]['mean_batch_size']:.1f}", f"{tr[a]['real_tokens_per_s']:.0f}",
                   f"{tr[a]['token_efficiency']:.3f}", f"{tr[a]['final_loss']:.3f}"] for a in tr["arms"]]
         parts += ["", f"Training ({tr['device']}, {tr['samples']} samples, budget {tr['token_budget']}, "
                       f"fixed-count B={tr['fixed_batch_size']})", _table(head, trows, markdown), "",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from odb import ODBDataLoader, pop_step_info
+from odb import ODBDataLoader, pop_step_info, register_varlen_attention
 
 from .loader_speed import LengthDataset, pad_collate
 from .planning import REBALANCE_GRAD_ACCUM, BatchRebalanceSampler, LengthGroupedSampler
@@ -46,11 +46,14 @@ def training_lengths(n: int, max_len: int = 1024, seed: int = 0) -> np.ndarray:
     return np.clip(-(-lognormal_lengths(900.0, 1.0, n, seed) // 4), 16, max_len)
 
 
-def build_model(device: torch.device, max_len: int, seed: int = 0) -> torch.nn.Module:
+def build_model(device: torch.device, max_len: int, seed: int = 0, attn: str = "sdpa") -> torch.nn.Module:
+    """The benchmark's Llama; ``attn`` its attention implementation (``"odb_varlen"`` is registered here)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if attn == "odb_varlen":
+        register_varlen_attention()
     torch.manual_seed(seed)
-    config = LlamaConfig(max_position_embeddings=max_len, **MODEL)
+    config = LlamaConfig(max_position_embeddings=max_len, **{**MODEL, "attn_implementation": attn})
     return LlamaForCausalLM(config).to(device=device, dtype=torch.float32)
 
 
@@ -67,8 +70,9 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Dict[str, t
 class Arm:
     """One training arm: its own model, optimizer and loader; steps timed one by one."""
 
-    def __init__(self, name: str, loader: DataLoader, device: torch.device, max_len: int, use_odb: bool) -> None:
-        self.name, self.device, self.use_odb, self.max_len = name, device, use_odb, max_len
+    def __init__(self, name: str, loader: DataLoader, device: torch.device, max_len: int, use_odb: bool,
+                 attn: str = "sdpa") -> None:
+        self.name, self.device, self.use_odb, self.max_len, self.attn = name, device, use_odb, max_len, attn
         self.model: Optional[torch.nn.Module] = None  # built at the first step, dropped after the last
         self.opt: Optional[torch.optim.Optimizer] = None
         self.batches = iter(loader)
@@ -82,7 +86,7 @@ class Arm:
         """Fetch one batch and train on it; False at the end of the epoch. Time includes loading."""
         cuda = self.device.type == "cuda"
         if self.model is None:
-            self.model = build_model(self.device, self.max_len)
+            self.model = build_model(self.device, self.max_len, attn=self.attn)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -145,13 +149,17 @@ def run_arms(arms: Sequence[Arm], interleave: bool, progress: Callable[..., Any]
         pass
 
 
-def _warm_up(device: torch.device, max_len: int) -> None:
+def _warm_up(device: torch.device, max_len: int, attn: str = "sdpa") -> None:
     # First-call costs (kernel selection, allocator growth) must not land on either arm.
-    model = build_model(device, max_len, seed=1)
+    model = build_model(device, max_len, seed=1, attn=attn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for b, n in ((4, max_len // 4), (16, 64)):
         ids = torch.randint(1, VOCAB, (b, n))
         _step(model, opt, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, device, 1.0)
+    if attn != "sdpa":  # a packed row too: the attention's own path
+        ids = torch.randint(1, VOCAB, (1, max_len))
+        positions = torch.arange(max_len).remainder(max_len // 4)[None]
+        _step(model, opt, {"input_ids": ids, "position_ids": positions, "labels": ids}, device, 1.0)
 
 
 ARM_ORDER = ("fixed", "length_grouped", "batch_rebalance", "odb")
