@@ -2,6 +2,7 @@
 
     python examples/trl_sft.py
     python examples/trl_sft.py --padding-free                   # one padding-free row per batch
+    python examples/trl_sft.py --padding-free --attn sdpa       # the same rows through a dense mask (slower)
     torchrun --nproc_per_node=2 examples/trl_sft.py            # DDP; on CPU the ranks talk over gloo
 
 TRL does its own data preparation (tokenization, EOS, truncation to max_length, the
@@ -9,6 +10,8 @@ completion mask of prompt-completion data) and builds the labels in its own coll
 only the completion is trained on. ``enable_odb`` switches the trainer's training loader
 to token-budget batches, counts the supervised tokens exactly as TRL's labels hold them,
 scales the loss exactly, and counts epochs and the learning-rate schedule in samples.
+With ``--padding-free`` the model attends per sample of each row with odb's
+``odb_varlen`` (use ``flash_attention_2`` on CUDA where flash-attn is installed).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl import SFTConfig, SFTTrainer
 
+import odb
 from _hf_text import sentences, train_tokenizer
 from odb.integrations.hf import configure_trainer
 from odb.integrations.trl import enable_odb
@@ -38,15 +42,20 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=2)
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--padding-free", action="store_true", help="TRL's padding_free=True (odb's packed rows)")
+    parser.add_argument("--attn", default=None, help="attn_implementation (default: odb_varlen with --padding-free, "
+                        "else sdpa)")
     parser.add_argument("--out", default="out/trl_sft")
     opts = parser.parse_args()
 
     texts = sentences(opts.samples)
     tokenizer = train_tokenizer(texts)
+    # Packed rows cost what their samples cost only with an attention that works per sample.
+    attn = opts.attn or (odb.register_varlen_attention() if opts.padding_free else "sdpa")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                         attn_implementation=attn))
     args = configure_trainer(SFTConfig(
         opts.out, use_cpu=not torch.cuda.is_available(), num_train_epochs=opts.epochs, learning_rate=3e-3,
         lr_scheduler_type="cosine", warmup_steps=0.1, gradient_accumulation_steps=2, logging_steps=10,

@@ -145,3 +145,15 @@ def test_logit_softcapping_is_refused_with_the_fix() -> None:
                                            attn_implementation=name))
     with pytest.raises(ValueError, match=r"causal softmax attention only.*softcap=50.*Fix: use 'flash_attention_2'"):
         model(input_ids=torch.randint(1, 50, (1, 10)))
+
+
+def test_check_packed_model_names_the_faster_attention_once_for_a_dense_mask() -> None:
+    model = _llama("sdpa")
+    with pytest.warns(UserWarning, match=r"dense block-diagonal mask.*'odb_varlen'.*register_varlen_attention"):
+        assert odb.check_packed_model(model) < 1e-4
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        odb.check_packed_model(model)  # once per model
+        odb.check_packed_model(_llama(odb.register_varlen_attention()))  # no dense mask: nothing to say

@@ -13,11 +13,16 @@ samples alone and refuses it, with the reason, when the logits differ.
 from __future__ import annotations
 
 import inspect
+import warnings
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from .packed_collate import PackedCollate
+
+
+_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models already told that their mask is dense
 
 
 class PackedLayoutError(ValueError):
@@ -32,7 +37,9 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
     ``PackedCollate()``, as the loader builds rows), runs the model on it and on each
     sample alone (``eval()`` and ``no_grad``; the training mode is restored), and
     compares each sample's logits. Costs a forward of ``sum(lengths)`` tokens plus one
-    per sample. Call it once before training with ``layout="packed"``.
+    per sample. Call it once before training with ``layout="packed"``. A model that is
+    exact only through a dense mask of the whole row (``sdpa``, ``eager``) passes with a
+    ``UserWarning`` (once per model) naming the faster implementations.
 
     Args:
         model: a causal LM taking ``input_ids`` and ``position_ids`` and returning ``logits``.
@@ -52,6 +59,7 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
         ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> model.set_attn_implementation("eager")   # exact, but a dense mask: a UserWarning says so
         >>> check_packed_model(model) < 1e-4
         True
         >>> check_packed_model(model, PackedCollate(use_cache=None))   # Llama's config.use_cache=True
@@ -67,6 +75,7 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
                                 f"cannot tell where the samples of a packed row begin. Fix: use layout='padded'.")
     diff, tol = _probe(model, collate, atol, lengths, seed)
     if diff <= tol:
+        _warn_dense_mask(model, name)
         return diff
     reason = ("the model does not turn the restarting position_ids into sample boundaries: its tokens see the "
               "samples before them in the row (through attention, or a recurrent state)")
@@ -82,6 +91,19 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
             fix = "keep PackedCollate(use_cache=False) (the default) or set model.config.use_cache = False"
     raise PackedLayoutError(f"odb refuses layout='packed' for {name}: a packed sample's logits differ from its "
                             f"logits alone by {diff:.3g} (tolerance {tol:.3g}). Reason: {reason}. Fix: {fix}.")
+
+
+def _warn_dense_mask(model: Any, name: str) -> None:
+    """Exact but slow: sdpa and eager attend over a dense mask of the whole row (a UserWarning, once per model)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl in ("sdpa", "eager") and model not in _WARNED:
+        warnings.warn(f"odb: {name} keeps packed samples apart, but through a dense block-diagonal mask over the "
+                      f"whole row: a row of T tokens costs T^2 in attention, whatever its samples (a padded batch "
+                      f"of the same samples is then faster). For packed rows that cost what their samples cost, use "
+                      f"attn_implementation='flash_attention_2' (CUDA, flash-attn installed) or odb's "
+                      f"'odb_varlen' (any device): model.set_attn_implementation(odb.register_varlen_attention()).",
+                      UserWarning, stacklevel=3)
+        _WARNED.add(model)
 
 
 def _describe(model: Any) -> str:
