@@ -101,7 +101,8 @@ def headline_section(results: Dict[str, Any]) -> List[str]:
                    f"offline best-fit-decreasing packing >= {gap:+.3f}.")
         tr = pk.get("training")
         if tr:
-            out.append(f"- Training the tiny Llama on {tr['device']} with packed rows: odb packed "
+            attn = tr.get("attn", {}).get("odb-packed", "sdpa")
+            out.append(f"- Training the tiny Llama on {tr['device']} with packed rows (attention `{attn}`): odb packed "
                        + ", ".join(f"{v:.2f}x {k}" for k, v in tr["vs"].items()) + " in real tokens/s.")
     loader = results.get("loader")
     if loader:
