@@ -95,6 +95,17 @@ def test_one_step_equals_single_process_reference(tmp_path, kind, padding_free):
         assert all(i["padded_tokens"] <= p["budget"] for i in r["infos"])
 
 
+def test_padding_free_with_odb_varlen_attention_is_exact(tmp_path):
+    # The per-sample attention a padding-free row needs to be fast (docs/packing.md), in TRL's own pipeline.
+    p = params(kind="assistant", padding_free=True, attn="odb_varlen", out=str(tmp_path / "run"))
+    r = W.train_ranks(0, 1, p)
+    assert r["layout"] == "packed" and set(r["rows"]) == {1}
+    assert sum(i["local_samples"] for i in r["infos"]) >= 4
+    ref = W.reference(W.build_trainer(dict(p, attn=None), str(tmp_path / "ref")), r["ids"], p["lr"])
+    assert sum(i["local_loss_tokens"] for i in r["infos"]) == ref["tokens"]
+    assert rel_error(r["delta"], ref["delta"]) < EXACT
+
+
 # ---- epochs and schedule in samples, resume ----------------------------------------------------------
 
 

@@ -81,9 +81,14 @@ def build_trainer(p: Dict[str, Any], out: str) -> Any:
 
     from odb.integrations.trl import enable_odb
 
+    model = H.llama(p.get("model_seed", 0))
+    if p.get("attn"):  # e.g. "odb_varlen"
+        import odb
+
+        model.set_attn_implementation(odb.register_varlen_attention() if p["attn"] == "odb_varlen" else p["attn"])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Pp]adding-free.*")  # TRL's advice for flash attention
-        trainer = SFTTrainer(model=H.llama(p.get("model_seed", 0)), args=sft_config(p, out),
+        trainer = SFTTrainer(model=model, args=sft_config(p, out),
                              train_dataset=raw_dataset(p["kind"], p["n"], p.get("data_seed", 0)),
                              processing_class=tokenizer())
     options = dict(token_budget=p["budget"], buffer_size=p.get("buffer", 16))
