@@ -177,9 +177,11 @@ def test_packing_figures(bench):
         assert 0.0 < f["fill"] <= o["fill"] <= 1.0 and 0.0 < t["fill"] <= 1.0, name
         assert o["fill"] == pytest.approx(w["tokens"] / (o["rows"] * budget))
     tr = pk["training"]
-    assert set(tr["arms"]) == {"odb-padded", "odb-packed", "fixed-count", "trl-bfd"}
+    assert set(tr["arms"]) == {"odb-padded", "odb-packed", "odb-packed-sdpa", "fixed-count", "trl-bfd"}
+    assert tr["attn"] == {"odb-padded": "sdpa", "odb-packed": "odb_varlen", "odb-packed-sdpa": "sdpa",
+                          "fixed-count": "odb_varlen", "trl-bfd": "odb_varlen"}
     for arm in tr["arms"]:
         assert tr[arm]["samples"] == tr["samples"], arm
         assert tr[arm]["real_tokens"] == tr["odb-padded"]["real_tokens"], arm
-    for arm in ("odb-packed", "fixed-count", "trl-bfd"):
+    for arm in ("odb-packed", "odb-packed-sdpa", "fixed-count", "trl-bfd"):
         assert tr[arm]["token_efficiency"] == 1.0, arm  # padding-free rows
