@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import pickle
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
@@ -18,8 +17,9 @@ from .collate_check import PaddingHint
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
 from .engine import EpochRun
-from .estimate import DEFAULT_PROBE, estimate_steps, probe_size
+from .estimate import estimate_steps
 from .known import GroupCollate, PlannedBatchSampler, known_epoch, known_records
+from .length_probe import Workers, meter_for_workers, probe_lengths
 from .lengths import LabelBudgetCheck, check_length_dims
 from .loader_state import ResumableLoader
 from .packed_collate import PackedCollate
@@ -372,26 +372,12 @@ class ODBLoaderMixin(ResumableLoader):
     def _odb_is_iterable(self) -> bool:
         return isinstance(self.dataset, IterableDataset)
 
-    def _odb_meter_for_workers(self, meter: SampleMeter) -> Optional[SampleMeter]:
-        """The meter, when workers can run it (it must pickle for spawn/forkserver workers)."""
-        if self.num_workers == 0:
-            return None
-        ctx = self.multiprocessing_context
-        method = ctx.get_start_method() if ctx is not None else torch.multiprocessing.get_start_method()
-        if method == "fork":
-            return meter
-        try:
-            pickle.dumps(meter)
-        except Exception:  # e.g. a lambda length_fn: measure in the main process instead
-            return None
-        return meter
-
     def _odb_inner_loader(self) -> DataLoader:
         if self._odb_inner is not None:
             return self._odb_inner
         cfg = self._odb_cfg
         iterable = self._odb_is_iterable()
-        self._odb_worker_meter = self._odb_meter_for_workers(SampleMeter(cfg))
+        self._odb_worker_meter = meter_for_workers(SampleMeter(cfg), self._odb_workers())
         collate = ChunkCollate(self._odb_worker_meter, indexed=not iterable, pack=self.num_workers > 0)
         kwargs: Dict[str, Any] = dict(
             num_workers=self.num_workers, collate_fn=collate, pin_memory=False, timeout=self.timeout,
@@ -460,39 +446,11 @@ class ODBLoaderMixin(ResumableLoader):
         if lengths is None and isinstance(columns, list) and "length" in columns:
             lengths = np.asarray(self.dataset["length"])  # a datasets.Dataset with a length column
         if lengths is None:
-            lengths = self._odb_probe_lengths(total)
+            lengths = probe_lengths(self.dataset, self._odb_transform, cfg, self._odb_workers())
         return max(1, estimate_steps(np.asarray(lengths), n, cfg, world_size=world_size))
 
-    def _odb_probe_lengths(self, total: int) -> np.ndarray:
-        """Lengths of evenly spaced samples: DEFAULT_PROBE of them, more while their spread asks for it."""
-        read: Dict[int, tuple] = {}
-        want = min(DEFAULT_PROBE, total)
-        while True:
-            indices = np.unique(np.linspace(0, total - 1, want).astype(np.int64))
-            self._odb_measure([int(i) for i in indices if int(i) not in read], read)
-            lengths = np.array([read[i] for i in sorted(read)], dtype=np.int64)
-            need = probe_size(lengths, total, self._odb_cfg)
-            if need <= len(read) or want >= total:
-                return lengths
-            want = need
-
-    def _odb_measure(self, indices: Sequence[int], out: Dict[int, tuple]) -> None:
-        """Lengths of the given samples, measured in the loader's workers when it has any."""
-        if not indices:
-            return
-        meter = SampleMeter(self._odb_cfg)
-        worker_meter = self._odb_meter_for_workers(meter)
-        dataset = IndexedDataset(self.dataset, self._odb_transform)
-        if worker_meter is None:
-            for i in indices:
-                out[i] = meter(i, dataset[i][2])[0]
-            return
-        chunks = [list(indices[k:k + 64]) for k in range(0, len(indices), 64)]
-        probe = DataLoader(dataset, batch_sampler=chunks, collate_fn=ChunkCollate(worker_meter, True, False, True),
-                           num_workers=self.num_workers, multiprocessing_context=self.multiprocessing_context,
-                           worker_init_fn=self.worker_init_fn)
-        for _, ids, metas, _, _ in probe:  # (positions, indices, metas, samples, tag) of ChunkCollate
-            out.update((i, m[0]) for i, m in zip(ids, metas))
+    def _odb_workers(self) -> Workers:
+        return Workers(self.num_workers, self.multiprocessing_context, self.worker_init_fn)
 
 
 def _is_sharded(sampler: Any) -> bool:
