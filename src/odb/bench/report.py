@@ -239,8 +239,10 @@ def packing_tables(pk: Dict[str, Any], markdown: bool = False) -> str:
     tr = pk.get("training")
     if tr:
         head = ["arm", "attention", "steps", "samples/step", "real tokens/s", "token eff.", "final loss"]
-        trows = [[a, tr.get("attn", {}).get(a, "sdpa"), str(tr[a]["steps"]), f"{tr[a]['mean_batch_size']:.1f}", f"{tr[a]['real_tokens_per_s']:.0f}",
-                  f"{tr[a]['token_efficiency']:.3f}", f"{tr[a]['final_loss']:.3f}"] for a in tr["arms"]]
+        attn = tr.get("attn", {})
+        trows = [[a, attn.get(a, "sdpa"), str(tr[a]["steps"]), f"{tr[a]['mean_batch_size']:.1f}",
+                  f"{tr[a]['real_tokens_per_s']:.0f}", f"{tr[a]['token_efficiency']:.3f}", f"{tr[a]['final_loss']:.3f}"]
+                 for a in tr["arms"]]
         parts += ["", f"Training ({tr['device']}, {tr['samples']} samples, budget {tr['token_budget']}, "
                       f"fixed-count B={tr['fixed_batch_size']})", _table(head, trows, markdown), "",
                   "odb-packed real tokens/s / " + ", ".join(f"{k} x{v:.2f}" for k, v in tr["vs"].items())]
