@@ -59,5 +59,6 @@ def main() -> None:
         v = step_s(varlen, packed, args.repeats)
         print(f"{f'{b} x {length}':>10} {b * length:>6} {a:>9.3f} {p:>9.3f} {v:>9.3f} {p / a:>14.2f} {v / a:>14.2f}")
 
+
 if __name__ == "__main__":
     main()

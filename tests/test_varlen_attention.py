@@ -59,14 +59,10 @@ def test_bad_boundaries_are_refused_with_the_rule(bounds: list) -> None:
 transformers = pytest.importorskip("transformers")
 
 
-def _llama(attn: str, seed: int = 0):  # type: ignore[no-untyped-def]
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama(attn: str):  # type: ignore[no-untyped-def]
+    from packed_workers import tiny_llama  # the isolation tests' 2-layer Llama (grouped-query heads)
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         attn_implementation=attn)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(attn).eval()
 
 
 def test_register_is_idempotent_and_returns_the_name() -> None:
