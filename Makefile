@@ -1,4 +1,5 @@
-# `make demo` (the benchmark), `make test` (the whole suite, pinned by constraints.txt) and
+# `make demo` (the benchmark; writes under out/ only), `make publish` (README and docs/benchmarks.md
+# regenerated from that run's results), `make test` (the whole suite, pinned by constraints.txt) and
 # `make test-min` (the suite on the oldest Python, torch, numpy, transformers, accelerate and
 # Lightning that pyproject.toml declares, pinned by constraints-min.txt).
 # Each creates its virtual environment (.venv/, .venv-min/) when it is missing.
@@ -12,7 +13,7 @@ VENV_MIN := .venv-min
 PY_MIN := $(VENV_MIN)/bin/python
 STAMP_MIN := $(VENV_MIN)/.odb-installed
 
-.PHONY: demo test test-fast test-min venv venv-min clean
+.PHONY: demo publish test test-fast test-min venv venv-min clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,9 +28,21 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# The benchmark: prints its tables and writes results.json, summary.md and the plots under out/bench.
+# It changes no tracked file.
 demo: $(STAMP)
 	$(PY) -m odb.bench --out out/bench
-	$(PY) scripts/update_readme.py out/bench/results.json
+	@echo "make demo: tables in out/bench/summary.md, plots in out/bench/*.png, every figure in out/bench/results.json"
+	@echo "make demo: 'make publish' copies them into docs/results/ and regenerates README.md and docs/benchmarks.md"
+
+# Publish the last `make demo`: its results file and plots become the repository's (docs/results/,
+# docs/img/), and README.md's and docs/benchmarks.md's generated sections are rewritten from them.
+publish: $(STAMP)
+	@test -f out/bench/results.json || { echo "make publish: no out/bench/results.json. Fix: run make demo first"; exit 1; }
+	mkdir -p docs/results
+	cp out/bench/results.json docs/results/bench.json
+	for f in out/bench/*.png; do cp "$$f" docs/img/; done
+	$(PY) scripts/update_readme.py docs/results/bench.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q

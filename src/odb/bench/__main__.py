@@ -41,6 +41,9 @@ SIZES: Dict[str, tuple] = {
 
 
 def _progress() -> Callable[..., Any]:
+    """tqdm bars on a terminal; none when stderr is a file or a pipe (a log would fill with redraws)."""
+    if not sys.stderr.isatty():
+        return lambda it, **kw: it
     try:
         from tqdm.auto import tqdm
     except ImportError:
