@@ -130,3 +130,29 @@ def test_import_odb_does_not_import_the_frameworks():
             "print(sorted(m for m in ('accelerate', 'lightning', 'pytorch_lightning') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["same-batch", "moved-to-device"])
+def test_a_forgotten_pop_under_accelerate_is_warned_once_with_the_fix(device, recwarn):
+    """The wrapper takes the info off and puts it on the batch it yields (a device copy): the loop must pop it."""
+    import odb
+    from helpers import LengthDataset, pad_collate
+    from odb.integrations.accelerate import ODBAcceleratedLoader
+    from odb.step_info import StepInfoNotPoppedWarning
+
+    def run(pop: bool) -> List[Any]:
+        recwarn.clear()
+        loader = odb.ODBDataLoader(LengthDataset(LENGTHS), token_budget=96, buffer_size=12, collate_fn=pad_collate)
+        wrapped = ODBAcceleratedLoader(loader, None if device is None else torch.device(device))
+        for epoch in range(2):
+            wrapped.set_epoch(epoch)
+            for batch in wrapped:
+                assert "odb_step_info" in batch
+                if pop:
+                    odb.pop_step_info(batch)
+        return [w for w in recwarn.list if issubclass(w.category, StepInfoNotPoppedWarning)]
+
+    [warning] = run(pop=False)
+    assert "info = odb.pop_step_info(batch)" in str(warning.message)
+    assert "odb.integrations.accelerate.scale_loss(accelerator, loss, info)" in str(warning.message)
+    assert run(pop=True) == []

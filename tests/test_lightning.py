@@ -179,3 +179,30 @@ def test_loader_state_is_the_first_untrained_batch_while_one_batch_is_fetched_ah
         want = epochs[0][trained:] if trained < n else epochs[1]
         assert done == epochs[0][:trained] and rest == want, f"after {trained} trained batches"
         assert state["replay"] == (trained % 3 if trained < n else 0)
+
+
+def test_a_training_step_without_scale_loss_is_warned_once_with_the_fix(tmp_path, recwarn):
+    import lightning.pytorch as pl
+
+    from odb.integrations.lightning import ODBCallback
+    from odb.step_info import StepInfoNotPoppedWarning
+
+    class Unscaled(iw.LitLM):
+        def training_step(self, batch, batch_idx):
+            return iw.lm_loss(self.model, batch)  # the batch's mean loss, never scaled by odb
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            pass  # LitLM's records need its training_step
+
+    def run(module: Any) -> List[Any]:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[ODBCallback()], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        recwarn.clear()
+        trainer.fit(module)
+        return [w for w in recwarn.list if issubclass(w.category, StepInfoNotPoppedWarning)]
+
+    p = dict(lengths=LENGTHS, budget=96, buffer=12, seed=4, lr=0.5, accumulation=1, out=str(tmp_path))
+    [warning] = run(Unscaled(p))
+    assert "Unscaled.training_step trained a batch (epoch 0, step 0) without calling" in str(warning.message)
+    assert "return scale_loss(self, self.model(**batch).loss)" in str(warning.message)
+    assert run(iw.LitLM(p)) == [], "a training_step that scales its loss is not warned about"

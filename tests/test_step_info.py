@@ -106,3 +106,61 @@ def test_fields_count_the_batch():
         assert info.padding_ratio == pytest.approx(1 - info.real_tokens / info.padded_tokens)
         infos.append(info)
     assert sorted(i for info in infos for i in info.sample_ids) == list(range(N))
+
+
+# ---- a forgotten pop_step_info is reported ---------------------------------------------------------------------
+def not_popped(seen):
+    return [w for w in seen if issubclass(w.category, odb.step_info.StepInfoNotPoppedWarning)]
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["online", "known-lengths"])
+def test_forgotten_pop_is_warned_once_with_the_fix(known):
+    """model(**batch) swallows the key (HF forwards take **kwargs): the next batch reports it, once per loader."""
+    data = loader(pad_collate, lengths=LENGTHS if known else None)
+    with pytest.warns(odb.step_info.StepInfoNotPoppedWarning) as seen:
+        for epoch in range(2):
+            data.set_epoch(epoch)
+            for step, batch in enumerate(data):
+                if epoch == step == 0:
+                    assert not not_popped(seen), "the first batch cannot have been forgotten yet"
+                model_kwargs = dict(batch)  # what model(**batch) would receive, odb_step_info included
+                assert "odb_step_info" in model_kwargs
+    [warning] = not_popped(seen)
+    text = str(warning.message)
+    assert "batch['odb_step_info'] still in it" in text and "step 0" in text
+    assert "info = odb.pop_step_info(batch)" in text and "odb.scale_loss(model(**batch).loss, info)" in text
+    assert warning.filename == __file__, "the warning points at the training loop"
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["online", "known-lengths"])
+def test_last_batch_of_an_epoch_is_checked_too(known):
+    data = odb.ODBDataLoader(LengthDataset([5, 6]), token_budget=64, collate_fn=pad_collate,
+                             lengths=[5, 6] if known else None)
+    with pytest.warns(odb.step_info.StepInfoNotPoppedWarning, match="epoch 0, step 0"):
+        assert len(list(data)) == 1
+
+
+def test_popped_batches_and_attribute_carriers_warn_nothing(recwarn):
+    for batch in loader(pad_collate):
+        odb.pop_step_info(batch)
+    for batch in loader(padded):  # a tensor carries the info as an attribute: read it any way you like
+        assert batch.odb_step_info.local_samples == batch.shape[0]
+    for batch in loader(pad_collate, step_info_key="meta"):
+        odb.pop_step_info(batch, key="meta")
+    data = loader(pad_collate)
+    for batch in data:  # a loop that stops early leaves its last batch behind: not a forgotten pop
+        odb.pop_step_info(batch)
+        break
+    batch = next(iter(data))
+    odb.pop_step_info(batch)
+    assert not not_popped(recwarn.list)
+
+
+def test_a_reattached_info_must_be_popped_again():
+    """An integration that takes the info off and puts it back (Accelerate's device copy) leaves the pop to the loop."""
+    info = odb.pop_step_info(next(iter(loader(pad_collate))))
+    check = odb.step_info.UnpoppedCheck()
+    copy = odb.attach_step_info({"input_ids": torch.ones(1, 2)}, info)
+    check.handed_out(copy, info)
+    with pytest.warns(odb.step_info.StepInfoNotPoppedWarning):
+        check.finished()

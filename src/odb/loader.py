@@ -29,6 +29,7 @@ from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, Transfo
 from .source import ChunkCollate, SampleMeter, SampleSource, stream_records, unpack_records
 from .stream_state import StatefulStream, StreamMarks, has_own_state
 from .stats import EpochStats
+from .step_info import UnpoppedCheck
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
 # The other arguments of ODBDataLoader (suggested for misspelt options).
@@ -114,6 +115,7 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_step_exchange: Any = False  # False: online mode; None or a RankExchange: known lengths
         self._odb_known_wait = 0.0
         self._odb_known_loss = 0
+        self._odb_pop_check = UnpoppedCheck(cfg.step_info_key)  # warns once when a loop forgets pop_step_info
         self._odb_known_lengths()  # refuses lengths that do not match the dataset, now
 
     # ---- public ----------------------------------------------------------------------
@@ -300,12 +302,16 @@ class ODBLoaderMixin(ResumableLoader):
 
     def _odb_epoch(self, run: EpochRun, pipeline: BatchPipeline) -> Iterator[Any]:
         key = self._odb_cfg.step_info_key
+        check = self._odb_pop_check
+        check.reset()
         try:
             for batch, cursor in pipeline:
                 self._odb_cursor = cursor
                 info = batch[key] if isinstance(batch, Mapping) else getattr(batch, key)
                 object.__setattr__(info, "loader_wait_s", pipeline.last_wait_s)  # not yet seen by anyone
+                check.handed_out(batch, info)
                 yield batch
+            check.finished()
         finally:
             if self._odb_pipeline is pipeline:
                 self._odb_stop()  # a `break` or an error: let go of the workers now
@@ -331,9 +337,17 @@ class ODBLoaderMixin(ResumableLoader):
     def _odb_known_epoch(self, run: EpochRun, pipeline: BatchPipeline, batches: Iterator[Any]) -> Iterator[Any]:
         self._odb_known_wait = 0.0
         self._odb_known_loss = 0
+        key, check = self._odb_cfg.step_info_key, self._odb_pop_check
+        check.reset()
         try:
-            yield from batches
+            for batch in batches:
+                check.handed_out(batch, batch[key] if isinstance(batch, Mapping) else getattr(batch, key))
+                yield batch
+            check.finished()
         finally:
+            close = getattr(batches, "close", None)
+            if close is not None:  # as `yield from` did: a loop that stopped early ends the steps' generator first
+                close()
             if self._odb_pipeline is pipeline:
                 self._odb_stop()
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+import weakref
 from collections.abc import MutableMapping
 from typing import Any, Dict, Optional, Tuple
 
 DEFAULT_KEY = "odb_step_info"
+
+# The step infos that pop_step_info handed to a training loop and that nobody attached to a batch again
+# since, keyed by id (a frozen dataclass compares by value; identity is what tells batches apart). The
+# entries die with their infos. UnpoppedCheck reads it; ODBStepInfo itself stays immutable.
+_popped: "weakref.WeakValueDictionary[int, ODBStepInfo]" = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +107,8 @@ def attach_step_info(batch: Any, info: ODBStepInfo, key: str = DEFAULT_KEY) -> A
     type (it still unpacks and compares as before) with an attribute; any other object
     gets an attribute.
     """
+    if _popped:  # an integration that took the info off re-attaches it: the training loop has yet to pop it
+        _popped.pop(id(info), None)
     if isinstance(batch, MutableMapping):
         batch[key] = info
         return batch
@@ -145,4 +154,71 @@ def pop_step_info(batch: Any, key: str = DEFAULT_KEY) -> ODBStepInfo:
             f"batch of type {type(batch).__name__} carries no ODBStepInfo under {key!r}: either it did not come "
             f"from an odb loader or its step info was already popped. Fix: call pop_step_info once per batch "
             f"from ODBDataLoader / odb.apply.")
+    _popped[id(info)] = info
     return info
+
+
+class StepInfoNotPoppedWarning(UserWarning):
+    """A dict batch reached the training loop and its step info was never popped (see ``UnpoppedCheck``)."""
+
+
+class UnpoppedCheck:
+    """Warns, once, when a dict batch an odb loader handed out was used without ``pop_step_info``.
+
+    HF models take ``**kwargs``, so ``model(**batch)`` with the ``odb_step_info`` key still in the
+    batch runs without complaint and the loss is never scaled. The loader tells this check of
+    every batch it hands out; when the next one is handed out (or the epoch ends), the previous
+    one's info must have gone through ``pop_step_info``. Only dict batches are checked: the key
+    is what a model swallows, while an attribute carrier (tuple, list, tensor) may be read as
+    ``batch.odb_step_info``. A warning, not an error: a loop that takes the key off another way
+    (``batch.pop("odb_step_info")``) trains correctly, and must keep running. The cost is one
+    dictionary lookup per batch.
+
+    Example:
+        >>> import warnings
+        >>> check = UnpoppedCheck()
+        >>> info = ODBStepInfo(0, 0, 1, 1, 1, 1, 1, 1, 1.0, False)
+        >>> check.handed_out(attach_step_info({"x": 1}, info), info)
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     check.finished()  # the epoch ended and nobody popped the info
+        >>> "info = odb.pop_step_info(batch)" in str(seen[0].message)
+        True
+    """
+
+    __slots__ = ("key", "warned", "_last")
+
+    def __init__(self, key: str = DEFAULT_KEY) -> None:
+        self.key = key
+        self.warned = False
+        self._last: Optional[ODBStepInfo] = None
+
+    def handed_out(self, batch: Any, info: ODBStepInfo, stacklevel: int = 3) -> None:
+        """``batch`` (carrying ``info``) goes to the training loop now; the previous batch is checked."""
+        self._check(stacklevel + 1)
+        self._last = info if not self.warned and isinstance(batch, MutableMapping) else None
+
+    def finished(self, stacklevel: int = 3) -> None:
+        """The epoch ended: check its last batch."""
+        self._check(stacklevel + 1)
+        self._last = None
+
+    def reset(self) -> None:
+        """A new iteration starts: forget a batch left behind by a loop that stopped early."""
+        self._last = None
+
+    def _check(self, stacklevel: int) -> None:
+        last = self._last
+        if last is None or self.warned or _popped.get(id(last)) is last:
+            return
+        self.warned = True
+        warnings.warn(
+            f"odb: a batch (epoch {last.epoch}, step {last.step}) went through the training loop with "
+            f"batch[{self.key!r}] still in it: odb.pop_step_info was not called on it. model(**batch) "
+            f"ignores the extra key (HF models take **kwargs), so the loss was not scaled by odb and the "
+            f"step's token mean is off. Fix: take the info off every batch before the model sees it, and "
+            f"scale the loss with it:\n"
+            f"    info = odb.pop_step_info(batch)\n"
+            f"    loss = odb.scale_loss(model(**batch).loss, info)\n"
+            f"(with Accelerate: odb.integrations.accelerate.scale_loss(accelerator, loss, info)). "
+            f"odb warns once per loader.", StepInfoNotPoppedWarning, stacklevel=stacklevel)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -52,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from ..dist import world
 from ..loader import ODBLoaderMixin
 from ..loss import scale_loss as exact_scale
-from ..step_info import ODBStepInfo, pop_step_info
+from ..step_info import ODBStepInfo, StepInfoNotPoppedWarning, pop_step_info
 from .checks import check_accumulation, check_odb_loader, check_sharding
 from .states import gather_states, restore_rank_state, saved_elsewhere
 
@@ -191,6 +192,7 @@ def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
                            f"Trainer(callbacks=[ODBCallback()]) and return an ODBLightningLoader from "
                            f"train_dataloader().")
     factor = pl_module.trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+    pl_module._odb_scaled_step_info = info  # ODBCallback checks, after the step, that this batch's loss was scaled
     return exact_scale(loss, info, factor)
 
 
@@ -206,7 +208,9 @@ class ODBCallback(pl.Callback):
     size), ``odb/samples_per_s_epoch``, ``odb/loader_wait_s_epoch``,
     ``odb/rank_imbalance_epoch``, and the sums ``odb/real_tokens_per_s_epoch`` and
     ``odb/ghost_steps`` (ghost steps of all ranks). Rates use the wall time between
-    consecutive training batches.
+    consecutive training batches. After each training batch it checks that ``training_step``
+    called ``scale_loss`` for it, and warns once (``StepInfoNotPoppedWarning``, with the fix)
+    when it did not: the loss then trained unscaled.
 
     Example::
 
@@ -220,6 +224,7 @@ class ODBCallback(pl.Callback):
         self.sync_dist = sync_dist
         self.loader: Optional[ODBLightningLoader] = None
         self.step_info: Optional[ODBStepInfo] = None
+        self._warned_unscaled = False
         self._last_end: Optional[float] = None
         self._epoch: Dict[str, float] = collections.defaultdict(float)
 
@@ -246,6 +251,10 @@ class ODBCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         info, now = self.step_info, time.perf_counter()
+        if info is not None and not self._warned_unscaled \
+                and getattr(pl_module, "_odb_scaled_step_info", None) is not info:
+            self._warned_unscaled = True
+            _warn_unscaled(info, type(pl_module).__name__)
         elapsed = now - self._last_end if self._last_end is not None else 0.0
         self._last_end = now
         if not self.log_metrics or info is None:
@@ -279,6 +288,16 @@ class ODBCallback(pl.Callback):
         for name, value in values.items():  # every rank logs the same names: the all-reduces line up
             pl_module.log(name, float(value), on_step=False, on_epoch=True, batch_size=1, sync_dist=True,
                           reduce_fx="sum" if name in self._EPOCH_SUMS else "mean")
+
+
+def _warn_unscaled(info: ODBStepInfo, module: str) -> None:
+    # The loss a training_step returns unscaled trains on, silently: the token mean of the step is off.
+    warnings.warn(f"odb: {module}.training_step trained a batch (epoch {info.epoch}, step {info.step}) without "
+                  f"calling odb.integrations.lightning.scale_loss, so its loss was not scaled by odb's loss_scale "
+                  f"and the step's token mean is off. Fix: return the scaled loss from training_step:\n"
+                  f"    return scale_loss(self, self.model(**batch).loss)\n"
+                  f"(manual optimisation: self.manual_backward(scale_loss(self, loss))). odb warns once per "
+                  f"ODBCallback.", StepInfoNotPoppedWarning, stacklevel=2)
 
 
 def _find_loader(train_dataloader: Any) -> ODBLightningLoader:
