@@ -164,3 +164,66 @@ def test_a_reattached_info_must_be_popped_again():
     check.handed_out(copy, info)
     with pytest.warns(odb.step_info.StepInfoNotPoppedWarning):
         check.finished()
+
+
+# ---- labels that need shift_labels -------------------------------------------------------------------------------
+def shift_warnings(seen):
+    return [w for w in seen if issubclass(w.category, odb.batch_checks.ShiftLabelsWarning)]
+
+
+def make_labels(samples):
+    """A collate that makes the labels, as DataCollatorForLanguageModeling(mlm=False): input_ids, pads ignored."""
+    return pad_collate([{**s, "labels": s["input_ids"]} for s in samples])  # padded with -100
+
+
+def test_causal_labels_without_shift_labels_are_warned_once_with_the_counts(recwarn):
+    """The quickstart without shift_labels: labels repeat input_ids, the HF loss drops each row's first one."""
+    for batch in loader(pad_collate):
+        info = odb.pop_step_info(batch)
+        if "first" not in locals():
+            first = (info.local_loss_tokens, int((batch["labels"][:, 1:] != -100).sum()), batch["labels"].shape[0])
+    [warning] = shift_warnings(recwarn.list)
+    counted, shifted, rows = first
+    assert counted != shifted
+    text = str(warning.message)
+    assert f"odb counted {counted} supervised tokens in the first batch ({rows} rows)" in text
+    assert f"averaging over {shifted}" in text and "Fix: ODBDataLoader(..., shift_labels=True)" in text
+    assert warning.filename == __file__
+
+
+@pytest.mark.parametrize("options", [dict(shift_labels=True), dict(shift_labels=False),
+                                     dict(loss_scaling="sample"), dict(lengths=LENGTHS, shift_labels=True)])
+def test_an_explicit_choice_is_not_warned_about(options, recwarn):
+    for batch in loader(pad_collate, **options):
+        info = odb.pop_step_info(batch)
+        if options.get("shift_labels"):  # and the count is the causal LM's
+            assert info.local_loss_tokens == int((batch["labels"][:, 1:] != -100).sum())
+    assert not shift_warnings(recwarn.list)
+
+
+def test_labels_of_another_kind_are_not_warned_about(recwarn):
+    def token_classes(samples):
+        batch = pad_collate(samples)
+        batch["labels"] = torch.where(batch["labels"] == -100, -100, batch["labels"] % 3)  # classes, not the ids
+        return batch
+
+    for batch in loader(token_classes):
+        odb.pop_step_info(batch)
+    assert not shift_warnings(recwarn.list)
+
+
+def test_labels_made_by_the_collator_name_loss_tokens_fn(recwarn):
+    """Samples without labels: shift_labels=True alone still counts every input token; the warning says so."""
+    unlabeled = [{k: v for k, v in s.items() if k != "labels"} for s in LengthDataset(LENGTHS)]
+    for batch in odb.ODBDataLoader(unlabeled, token_budget=BUDGET, buffer_size=16, collate_fn=make_labels,
+                                   shift_labels=True):
+        odb.pop_step_info(batch)
+    [warning] = shift_warnings(recwarn.list)
+    assert "the samples carry no 'labels' of their own" in str(warning.message)
+    assert "loss_tokens_fn=lambda s: len(s['input_ids']) - 1" in str(warning.message)
+    recwarn.clear()
+    for batch in odb.ODBDataLoader(unlabeled, token_budget=BUDGET, buffer_size=16, collate_fn=make_labels,
+                                   shift_labels=True, loss_tokens_fn=lambda s: len(s["input_ids"]) - 1):
+        info = odb.pop_step_info(batch)
+        assert info.local_loss_tokens == int((batch["labels"][:, 1:] != -100).sum())  # the fix is exact
+    assert not shift_warnings(recwarn.list)

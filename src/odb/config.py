@@ -79,7 +79,11 @@ class ODBConfig:
         loss_scaling: "exact", "approx", "sample" or "none" (see docs/algorithm.md).
         label_key: the sample field with labels, for loss tokens.
         ignore_index: label value that is not supervised.
-        shift_labels: count labels[1:] (the causal shift HF models apply).
+        shift_labels: True: count each sample's labels[1:], as HF causal LMs do (their loss shifts
+            the labels, so a row's first label is never predicted); set it for a causal LM. False:
+            count every label (encoder-decoder and token-classification models). None (default):
+            count every label, and warn once when the first batch's labels repeat its input_ids
+            at every supervised position (a causal LM's unshifted labels), naming the fix.
         loss_tokens_fn: ``fn(sample) -> int``, overrides the label count.
         gradient_accumulation_steps: micro-batches per optimizer step, for the
             denominator of exact loss scaling.
@@ -126,7 +130,7 @@ class ODBConfig:
     loss_scaling: LossScaling = "exact"
     label_key: str = "labels"
     ignore_index: int = -100
-    shift_labels: bool = False
+    shift_labels: Optional[bool] = None
     loss_tokens_fn: Optional[Callable[[Any], int]] = None
     gradient_accumulation_steps: int = 1
     join: bool = True
@@ -191,8 +195,9 @@ class ODBConfig:
         _check_int("transfer_chunk_size", self.transfer_chunk_size, 1, "pass e.g. 16")
         if not isinstance(self.join, bool):
             _fail("join", self.join, "must be a bool", "pass True or False", TypeError)
-        if not isinstance(self.shift_labels, bool):
-            _fail("shift_labels", self.shift_labels, "must be a bool", "pass True or False", TypeError)
+        if self.shift_labels is not None and not isinstance(self.shift_labels, bool):
+            _fail("shift_labels", self.shift_labels, "must be a bool or None",
+                  "pass True (causal LM) or False (every label counts)", TypeError)
         _check_int("ignore_index", self.ignore_index, -(2**62), "pass an int such as -100")
         if self.budget_schedule is not None:
             from .schedule import check_schedule

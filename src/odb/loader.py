@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
 from .arguments import check_in_order, check_options
+from .batch_checks import BatchChecks
 from .collate_check import PaddingHint
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
@@ -29,7 +30,6 @@ from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, Transfo
 from .source import ChunkCollate, SampleMeter, SampleSource, stream_records, unpack_records
 from .stream_state import StatefulStream, StreamMarks, has_own_state
 from .stats import EpochStats
-from .step_info import UnpoppedCheck
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
 # The other arguments of ODBDataLoader (suggested for misspelt options).
@@ -115,7 +115,7 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_step_exchange: Any = False  # False: online mode; None or a RankExchange: known lengths
         self._odb_known_wait = 0.0
         self._odb_known_loss = 0
-        self._odb_pop_check = UnpoppedCheck(cfg.step_info_key)  # warns once when a loop forgets pop_step_info
+        self._odb_checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
         self._odb_known_lengths()  # refuses lengths that do not match the dataset, now
 
     # ---- public ----------------------------------------------------------------------
@@ -302,7 +302,7 @@ class ODBLoaderMixin(ResumableLoader):
 
     def _odb_epoch(self, run: EpochRun, pipeline: BatchPipeline) -> Iterator[Any]:
         key = self._odb_cfg.step_info_key
-        check = self._odb_pop_check
+        check = self._odb_checks
         check.reset()
         try:
             for batch, cursor in pipeline:
@@ -337,7 +337,7 @@ class ODBLoaderMixin(ResumableLoader):
     def _odb_known_epoch(self, run: EpochRun, pipeline: BatchPipeline, batches: Iterator[Any]) -> Iterator[Any]:
         self._odb_known_wait = 0.0
         self._odb_known_loss = 0
-        key, check = self._odb_cfg.step_info_key, self._odb_pop_check
+        key, check = self._odb_cfg.step_info_key, self._odb_checks
         check.reset()
         try:
             for batch in batches:
