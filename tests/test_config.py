@@ -46,7 +46,6 @@ INVALID = [
     ("pack_efficiency", {"pack_efficiency": math.nan}, ValueError, _BAD),
     ("pack_efficiency", {"pack_efficiency": "0.9"}, TypeError, _BAD),
     ("pack_efficiency", {"pack_efficiency": True}, TypeError, _BAD),
-    ("pack_efficiency", {"pack_efficiency": None}, TypeError, _BAD),
     ("pad_to_multiple_of", {"pad_to_multiple_of": 0}, ValueError, _BAD),
     ("pad_to_multiple_of", {"pad_to_multiple_of": 8.0}, TypeError, _BAD),
     ("pad_to_multiple_of", {"pad_to_multiple_of": None}, TypeError, _BAD),
@@ -176,6 +175,13 @@ def test_token_budgets(budget, expected) -> None:
 
 
 @pytest.mark.parametrize("window_samples, max_carry, expected", [
-    (1024, None, 512), (1, None, 0), (7, None, 3), (1024, 0, 0), (16, 100, 100), (1024, 33, 33)])
+    (1024, None, 1024), (1, None, 1), (7, None, 7), (1024, 0, 0), (16, 100, 100), (1024, 33, 33)])
 def test_carry_limit(window_samples, max_carry, expected) -> None:
     assert ODBConfig(token_budget=100, max_carry=max_carry).carry_limit(window_samples) == expected
+
+
+@pytest.mark.parametrize("options, expected", [({}, 0.99), ({"layout": "packed"}, 0.95),
+                                               ({"pack_efficiency": 0.9}, 0.9),
+                                               ({"pack_efficiency": 0.9, "layout": "packed"}, 0.9)])
+def test_emit_efficiency_defaults_per_layout(options, expected) -> None:
+    assert ODBConfig(token_budget=100, **options).emit_efficiency == expected

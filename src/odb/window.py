@@ -49,7 +49,7 @@ class WindowPlanner:
     def full_window_samples(self) -> int:
         """Samples in a full window, at the mean length seen so far (ramp windows are smaller).
 
-        The carry may hold half of it, so the ramp does not shrink the carry."""
+        The carry may hold as many, so the ramp does not shrink the carry."""
         tokens = self.cfg.window_tokens
         if tokens is None or self._seen_tokens == 0:
             return self.cfg.buffer_size
@@ -62,7 +62,7 @@ class WindowPlanner:
     def plan(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray] = None,
              final: bool = False, carry_limit: Optional[int] = None) -> PlannedWindow:
         """Pool the new samples with the carry and plan; keeps the new carry (at most ``carry_limit``
-        samples; default: half a full window at the mean length seen so far)."""
+        samples; default: a full window at the mean length seen so far)."""
         ids = np.asarray(ids, dtype=np.int64)
         new_samples = len(ids)
         self._seen += len(ids)
@@ -81,7 +81,7 @@ class WindowPlanner:
             # Nothing emitted yet and the pool holds a budget's worth: emit a batch however it packs, so
             # the first step does not wait for more windows (short samples rarely pack well this early).
             carry_limit = min(carry_limit, max(len(ids) - 1, 0))
-        plan = plan_window(lengths, ids, self.cost, final=final, pack_efficiency=self.cfg.pack_efficiency,
+        plan = plan_window(lengths, ids, self.cost, final=final, pack_efficiency=self.cfg.emit_efficiency,
                            carry_limit=carry_limit, patches=patches)
         self._carry_ids = ids[plan.carry]
         self._carry_len = lengths[plan.carry]
