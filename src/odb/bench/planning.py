@@ -5,6 +5,14 @@ in emission order); ``batch_metrics`` scores them (definitions in docs/benchmark
 For two length dimensions (encoder-decoder) the budget bounds the sum over dimensions:
 a batch costs B x (max source + max target).
 
+Two figures compare every method like with like: *token efficiency* (real / padded
+tokens: how much of what a step computes is data) and *tokens per step against the
+cap* (mean real tokens per micro-batch / budget: how much of the memory cap a step
+uses; for a fixed batch size it is the same for every sampler, since they reorder the
+same batches' worth of samples). The oracle (``oracle_batches``) knows every length and
+is written here, independently of odb's planner: sort by decreasing padded length, cut
+greedily under the budget.
+
 The odb rows come from ``odb.ODBDataLoader`` itself: it iterates a dataset whose items
 carry only their lengths (``num_workers=0``, a collate that returns nothing), and the
 batches are read from each batch's ``ODBStepInfo``. The planner alone
@@ -23,13 +31,15 @@ import torch
 
 import odb
 from odb import ODBConfig
-from odb.window import oracle_groups, plan_stream
+from odb.window import plan_stream
 
 from .workloads import encoder_decoder_lengths, synthetic_workloads
 
 BUFFER_SIZES = (512, 2048)  # odb-N: windows of exactly N samples
 DEFAULT = "odb-default"  # odb at ODBConfig(token_budget=...) defaults
 REBALANCE_GRAD_ACCUM = 8  # micro-batches per optimizer step given to BatchRebalanceSampler
+SHORT_EPOCHS = (600, 2000)  # samples per epoch of the short-epoch table (the first windows' ramp-up)
+SHORT_SEEDS = (0, 1, 2)  # seeded subsamples per short epoch
 
 try:  # transformers is a bench extra; the samplers are compared only where installed
     from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -106,6 +116,7 @@ def batch_metrics(lengths: np.ndarray, batches: Sequence[np.ndarray], budget: in
     alone[flat[starts[sizes == 1]]] = True
     out: Dict[str, Any] = {
         "steps": int(len(batches)),
+        "tokens_per_step": real / len(batches),
         "useful_fill": real / (len(batches) * budget),
         "token_efficiency": real / float(costs.sum()),
         "budget_fill": float(costs.mean()) / budget,
@@ -122,6 +133,37 @@ def batch_metrics(lengths: np.ndarray, batches: Sequence[np.ndarray], budget: in
 
 
 # ---- methods -----------------------------------------------------------------------------
+def oracle_batches(lengths: np.ndarray, budget: int, pad_to_multiple_of: int = 1) -> List[np.ndarray]:
+    """The offline oracle: every length known, sorted by decreasing padded length (summed over
+    dimensions; ties by index), cut greedily: a batch takes the next sample while B x the sum
+    over dimensions of the batch's longest padded length stays within ``budget``.
+
+    Written apart from odb's planner so the benchmark does not measure odb against itself.
+    A sample that alone exceeds the budget gets a batch of its own.
+
+    Example:
+        >>> [b.tolist() for b in oracle_batches(np.array([50, 30, 20, 45, 55]), 100)]
+        [[4], [0, 3], [1, 2]]
+    """
+    x = np.asarray(lengths, dtype=np.int64).reshape(len(lengths), -1)
+    m = int(pad_to_multiple_of)
+    padded = -(-x // m) * m
+    order = np.lexsort((np.arange(len(x)), -padded.sum(axis=1)))
+    batches: List[np.ndarray] = []
+    current: List[int] = []
+    top = [0] * x.shape[1]
+    for i, row in zip(order.tolist(), padded[order].tolist()):
+        grown = [max(a, b) for a, b in zip(top, row)]
+        if current and (len(current) + 1) * sum(grown) > budget:
+            batches.append(np.asarray(current, dtype=np.int64))
+            current, grown = [], row
+        current.append(i)
+        top = grown
+    if current:
+        batches.append(np.asarray(current, dtype=np.int64))
+    return batches
+
+
 def fixed_batch_size(lengths: np.ndarray, budget: int) -> int:
     """Largest B whose worst case (B x the workload's max padded length) fits the budget."""
     return max(1, int(budget // int(lengths.max(axis=0).sum())))
@@ -192,6 +234,8 @@ WINDOW_FIELDS = ("buffer_size", "window_budgets", "first_window_size", "max_carr
 def window_settings(cfg: ODBConfig) -> Dict[str, Any]:
     """The window options of a config, as its fields say (only those the installed odb has)."""
     out = {k: getattr(cfg, k) for k in WINDOW_FIELDS if hasattr(cfg, k)}
+    if hasattr(cfg, "emit_efficiency"):  # pack_efficiency=None: the layout's default
+        out["pack_efficiency"] = cfg.emit_efficiency
     tokens = getattr(cfg, "window_tokens", None)
     if tokens is not None and not callable(tokens):
         out["window_tokens"] = tokens
@@ -263,6 +307,20 @@ def time_planner(lengths: np.ndarray, cfg: ODBConfig) -> Tuple[List[np.ndarray],
     return groups, times
 
 
+def reads_before_batches(lengths: np.ndarray, cfg: ODBConfig, ks: Sequence[int] = (1, 10)) -> Dict[str, Any]:
+    """How many samples the loader must have read before its k-th batch can be planned (k in ``ks``),
+    from ``plan_stream`` over lengths in arrival order: a measure of time to the first batches in
+    samples read, free of thread timing. None where the epoch has fewer than k batches."""
+    read, out, have = 0, {}, 0
+    for window in plan_stream(lengths, cfg):
+        read += window.new_samples
+        have += len(window.groups)
+        for k in ks:
+            if have >= k and f"reads_before_batch_{k}" not in out:
+                out[f"reads_before_batch_{k}"] = read
+    return {f"reads_before_batch_{k}": out.get(f"reads_before_batch_{k}") for k in ks}
+
+
 def _as_sets(batches: Sequence[np.ndarray]) -> List[Tuple[int, ...]]:
     return sorted(tuple(sorted(int(i) for i in b)) for b in batches)
 
@@ -289,17 +347,88 @@ def odb_method(lengths: np.ndarray, cfg: ODBConfig, budget: int, seed: int) -> D
         window_in_budgets=full_window_tokens(cfg, lengths) / budget,
         buffered_max=stats.get("buffered_max"), read_ahead_max=stats.get("read_ahead_max"),
         read_ahead_tokens_max=stats.get("read_ahead_tokens_max"), peak_held_samples=run["peak_held_samples"],
-        peak_held_tokens=run["peak_held_tokens"], window_settings=window_settings(cfg))
+        peak_held_tokens=run["peak_held_tokens"], window_settings=window_settings(cfg),
+        **reads_before_batches(arrived, cfg))
     return m
 
 
+def _baselines(lengths: np.ndarray, budget: int, seed: int) -> Dict[str, Dict[str, Any]]:
+    """Figures of the oracle and the fixed-size samplers on one length array."""
+    b = fixed_batch_size(lengths, budget)
+    t0 = time.perf_counter()
+    methods = {"oracle": batch_metrics(lengths, oracle_batches(lengths, budget), budget)}
+    methods["oracle"]["plan_s"] = time.perf_counter() - t0
+    del methods["oracle"]["order_spearman"]  # the oracle emits sorted by length
+    methods["fixed"] = batch_metrics(lengths, fixed_batches(lengths, b, seed), budget)
+    if LengthGroupedSampler is not None:
+        methods["length_grouped"] = batch_metrics(lengths, length_grouped_batches(lengths, b, seed), budget)
+    if BatchRebalanceSampler is not None:
+        t0 = time.perf_counter()
+        methods["batch_rebalance"] = batch_metrics(lengths, rebalance_batches(lengths, b, seed), budget)
+        methods["batch_rebalance"]["plan_s"] = time.perf_counter() - t0
+    return methods
+
+
+def _compare(methods: Dict[str, Dict[str, Any]]) -> None:
+    """Each method against the oracle (useful fill, token efficiency) and LengthGroupedSampler."""
+    oracle, grouped = methods["oracle"], methods.get("length_grouped")
+    for m in methods.values():
+        m["ratio_to_oracle"] = m["useful_fill"] / oracle["useful_fill"]
+        m["token_efficiency_vs_oracle"] = m["token_efficiency"] / oracle["token_efficiency"]
+        if grouped is not None:
+            m["token_efficiency_minus_length_grouped"] = m["token_efficiency"] - grouped["token_efficiency"]
+
+
+SHORT_KEYS = ("steps", "token_efficiency", "useful_fill", "ratio_to_oracle", "order_spearman",
+              "token_efficiency_minus_length_grouped")
+
+
+def short_epochs(lengths: np.ndarray, budget: int, sizes: Sequence[int] = SHORT_EPOCHS,
+                 seeds: Sequence[int] = SHORT_SEEDS) -> Dict[str, Any]:
+    """Epochs of ``sizes`` samples drawn from one workload (a seeded subsample per seed): the oracle,
+    the fixed-size samplers and odb at its defaults (``ODBDataLoader``). Per size: the mean of each
+    figure over the seeds, and the worst seed's odb-default token efficiency minus LengthGrouped's.
+
+    An epoch this short never reaches full windows: it measures the first windows' ramp-up.
+    """
+    cfg = ODBConfig(token_budget=budget)
+    out: Dict[str, Any] = {}
+    for n in sizes:
+        if n >= len(lengths):
+            continue
+        runs = []
+        for seed in seeds:
+            x = _subsample(lengths, n, seed)
+            methods = _baselines(x, budget, seed)
+            run = odb_loader_run(x, cfg, seed)
+            methods[DEFAULT] = batch_metrics(x, run["batches"], budget)
+            methods[DEFAULT].update(reads_before_batches(x[run["read_order"]], cfg))
+            _compare(methods)
+            runs.append(methods)
+        mean = {k: {key: float(np.mean([r[k][key] for r in runs])) for key in SHORT_KEYS + ("tokens_per_step",)
+                    if all(key in r[k] for r in runs)} for k in runs[0]}
+        entry: Dict[str, Any] = {"samples": n, "seeds": list(seeds), "methods": mean,
+                                 "fixed_batch_size": [fixed_batch_size(_subsample(lengths, n, s), budget)
+                                                      for s in seeds]}
+        entry["odb_reads_before_batch"] = {
+            str(k): (None if any(r[DEFAULT][f"reads_before_batch_{k}"] is None for r in runs)
+                     else float(np.mean([r[DEFAULT][f"reads_before_batch_{k}"] for r in runs]))) for k in (1, 10)}
+        if "length_grouped" in runs[0]:
+            entry["worst_token_efficiency_minus_length_grouped"] = float(
+                min(r[DEFAULT]["token_efficiency_minus_length_grouped"] for r in runs))
+        out[str(n)] = entry
+    return out
+
+
 def run_planning(workloads: Dict[str, np.ndarray], budget: int = 16384, buffer_sizes: Sequence[int] = BUFFER_SIZES,
-                 seed: int = 0, progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
-    """Plan every workload with every method; figures per workload and method."""
+                 seed: int = 0, progress: Callable[..., Any] = lambda it, **kw: it,
+                 short_sizes: Sequence[int] = SHORT_EPOCHS) -> Dict[str, Any]:
+    """Plan every workload with every method; figures per workload and method, and per short epoch."""
     configs = odb_configs(budget, buffer_sizes)
     result: Dict[str, Any] = {
         "token_budget": budget, "buffer_sizes": list(buffer_sizes), "seed": seed,
-        "rebalance_grad_accum": REBALANCE_GRAD_ACCUM,
+        "rebalance_grad_accum": REBALANCE_GRAD_ACCUM, "short_epoch_sizes": list(short_sizes),
+        "oracle": "odb.bench.planning.oracle_batches (sort by decreasing length, cut greedily; not odb's planner)",
         "transformers_samplers": {"LengthGroupedSampler": LengthGroupedSampler is not None,
                                   "BatchRebalanceSampler": BatchRebalanceSampler is not None},
         "odb_default_window": window_settings(configs[DEFAULT]),
@@ -307,30 +436,17 @@ def run_planning(workloads: Dict[str, np.ndarray], budget: int = 16384, buffer_s
     }
     for name in progress(list(workloads), desc="planning", unit="workload"):
         lengths = workloads[name]
-        b = fixed_batch_size(lengths, budget)
-        methods: Dict[str, Any] = {}
-        t0 = time.perf_counter()
-        oracle = oracle_groups(lengths, ODBConfig(token_budget=budget))
-        methods["oracle"] = batch_metrics(lengths, oracle, budget)
-        methods["oracle"]["plan_s"] = time.perf_counter() - t0
-        del methods["oracle"]["order_spearman"]  # the oracle emits sorted by length
-        methods["fixed"] = batch_metrics(lengths, fixed_batches(lengths, b, seed), budget)
-        if LengthGroupedSampler is not None:
-            methods["length_grouped"] = batch_metrics(lengths, length_grouped_batches(lengths, b, seed), budget)
-        if BatchRebalanceSampler is not None:
-            t0 = time.perf_counter()
-            methods["batch_rebalance"] = batch_metrics(lengths, rebalance_batches(lengths, b, seed), budget)
-            methods["batch_rebalance"]["plan_s"] = time.perf_counter() - t0
+        methods = _baselines(lengths, budget, seed)
         for key, cfg in configs.items():
             methods[key] = odb_method(lengths, cfg, budget, seed)
-        for m in methods.values():
-            m["ratio_to_oracle"] = m["useful_fill"] / methods["oracle"]["useful_fill"]
+        _compare(methods)
         totals = lengths.sum(axis=1)
         result["workloads"][name] = {
             "samples": int(len(lengths)), "dims": int(lengths.shape[1]),
             "mean_length": [float(v) for v in lengths.mean(axis=0)],
             "max_length": [int(v) for v in lengths.max(axis=0)],
             "median_length": float(np.median(totals)), "p99_length": float(np.percentile(totals, 99)),
-            "fixed_batch_size": b, "methods": methods,
+            "fixed_batch_size": fixed_batch_size(lengths, budget), "methods": methods,
+            "short_epochs": short_epochs(lengths, budget, short_sizes),
         }
     return result

@@ -11,13 +11,13 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 PLAN_COLUMNS = [
-    ("method", None), ("steps", "{:d}"), ("useful fill", "{:.3f}"), ("/ oracle", "{:.3f}"),
-    ("token eff.", "{:.3f}"), ("budget fill", "{:.3f}"), ("single", "{:.4f}"), ("over budget", "{:.3f}"),
-    ("order rho", "{:+.3f}"), ("mean abs disp.", "{:.0f}"), ("window/budget", "{:.1f}"), ("plan ms/window", "{:.1f}"),
-    ("plan us/sample", "{:.1f}"), ("peak held", "{:d}"),
+    ("method", None), ("steps", "{:d}"), ("token eff.", "{:.3f}"), ("tokens/step / cap", "{:.3f}"),
+    ("useful fill / oracle", "{:.3f}"), ("padded/step / cap", "{:.3f}"), ("single", "{:.4f}"),
+    ("over budget", "{:.3f}"), ("order rho", "{:+.3f}"), ("mean abs disp.", "{:.0f}"), ("window/budget", "{:.1f}"),
+    ("plan ms/window", "{:.1f}"), ("plan us/sample", "{:.1f}"), ("peak held", "{:d}"),
 ]
-_PLAN_KEYS = {"steps": "steps", "useful fill": "useful_fill", "/ oracle": "ratio_to_oracle",
-              "token eff.": "token_efficiency", "budget fill": "budget_fill", "single": "single_sample_fraction",
+_PLAN_KEYS = {"steps": "steps", "tokens/step / cap": "useful_fill", "useful fill / oracle": "ratio_to_oracle",
+              "token eff.": "token_efficiency", "padded/step / cap": "budget_fill", "single": "single_sample_fraction",
               "over budget": "over_budget_batches", "order rho": "order_spearman",
               "mean abs disp.": "mean_abs_displacement", "window/budget": "window_in_budgets",
               "plan ms/window": "window_plan_ms_mean", "plan us/sample": "plan_us_per_sample",
@@ -25,6 +25,15 @@ _PLAN_KEYS = {"steps": "steps", "useful fill": "useful_fill", "/ oracle": "ratio
 METHOD_ORDER = ["fixed", "length_grouped", "batch_rebalance", "odb-256", "odb-512", "odb-1024", "odb-2048",
                 "odb-default", "oracle"]
 SUMMARY_ODB = ("odb-512", "odb-2048", "odb-default")
+_SHORT_NAMES = {"fixed": "fixed", "length_grouped": "LengthGrouped", "batch_rebalance": "BatchRebalance",
+                "odb-default": "odb-default", "oracle": "oracle"}
+PLANNING_LEGEND = (
+    "token eff. = real / padded tokens (what share of the computed tokens is data); tokens/step / cap = mean real "
+    "tokens per micro-batch / the budget (what share of the memory cap a step fills). The fixed-size samplers "
+    "(fixed, LengthGrouped, BatchRebalance) keep fixed's batch size B (the largest whose worst case fits), so "
+    "their tokens/step are equal by construction; they differ in token efficiency. useful fill / oracle = "
+    "odb's tokens/step / the oracle's (the oracle knows every length, sorts them and cuts greedily under the "
+    "budget: odb.bench.planning.oracle_batches, not odb's planner); it is shown for odb only.")
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -55,14 +64,16 @@ def _window_text(settings: Dict[str, Any]) -> str:
 
 # ---- planning ------------------------------------------------------------------------------
 def planning_tables(planning: Dict[str, Any], markdown: bool = False) -> str:
-    out = []
+    out = [PLANNING_LEGEND, ""]
     for name, w in planning["workloads"].items():
         means = " / ".join(f"{m:.0f}" for m in w["mean_length"])
         out.append(f"{'### ' if markdown else ''}{name}: {w['samples']} samples, mean length {means}, "
                    f"fixed B={w['fixed_batch_size']}, budget {planning['token_budget']}")
         rows = []
         for m in _methods(w["methods"]):
-            figures = w["methods"][m]
+            figures = dict(w["methods"][m])
+            if not (m.startswith("odb-") or m == "oracle"):
+                figures.pop("ratio_to_oracle", None)  # equal to fixed's by construction: says nothing
             rows.append([m] + [_fmt(figures.get(_PLAN_KEYS[c]), spec) for c, spec in PLAN_COLUMNS[1:]])
         out.append(_table([c for c, _ in PLAN_COLUMNS], rows, markdown))
         out.append("")
@@ -72,27 +83,31 @@ def planning_tables(planning: Dict[str, Any], markdown: bool = False) -> str:
     return "\n".join(out)
 
 
-def summary_table(planning: Dict[str, Any], buffers: Sequence[str] = SUMMARY_ODB, markdown: bool = False) -> str:
-    """odb / oracle useful fill per workload, beside the baselines; planning cost and buffer of odb-default."""
+def _summary_methods(planning: Dict[str, Any], buffers: Sequence[str]) -> List[str]:
     base = [m for m in ("fixed", "length_grouped", "batch_rebalance")
             if any(m in w["methods"] for w in planning["workloads"].values())]
-    header = (["workload", "mean len", "fixed B"] + base + list(buffers)
-              + ["odb single (max)", "plan us/sample", "peak held samples", "peak held tokens / budget"])
+    return base + list(buffers) + ["oracle"]
+
+
+def summary_table(planning: Dict[str, Any], buffers: Sequence[str] = SUMMARY_ODB, markdown: bool = False) -> str:
+    """Per workload, for every sampler side by side: token efficiency and tokens per step / cap; odb-default
+    against LengthGroupedSampler and against the independent oracle; its order's rank correlation with length."""
+    methods = _summary_methods(planning, buffers)
+    label = {**_SHORT_NAMES, **{b: b for b in buffers}}
+    header = (["workload", "mean len", "fixed B"] + [f"eff. {label[m]}" for m in methods]
+              + [f"step/cap {label[m]}" for m in methods]
+              + ["odb-default eff. - LengthGrouped", "odb-default useful fill / oracle", "odb-default order rho"])
     rows = []
-    budget = planning["token_budget"]
     for name, w in planning["workloads"].items():
         ms = w["methods"]
-        odb = [k for k in ms if k.startswith("odb-")]
-        single = max(ms[k]["single_sample_fraction"] for k in odb) if odb else None
         d = ms.get("odb-default", {})
-        held = d.get("peak_held_tokens")
         rows.append([name, " / ".join(f"{m:.0f}" for m in w["mean_length"]), str(w["fixed_batch_size"])]
-                    + [_fmt(ms.get(m, {}).get("ratio_to_oracle"), "{:.3f}") for m in base]
-                    + [_fmt(ms.get(b, {}).get("ratio_to_oracle"), "{:.3f}") for b in buffers]
-                    + [_fmt(single, "{:.4f}"), _fmt(d.get("plan_us_per_sample"), "{:.1f}"),
-                       _fmt(d.get("peak_held_samples"), "{:d}"),
-                       _fmt(None if held is None else held / budget, "{:.1f}")])
-    text = _table(header, rows, markdown)
+                    + [_fmt(ms.get(m, {}).get("token_efficiency"), "{:.3f}") for m in methods]
+                    + [_fmt(ms.get(m, {}).get("useful_fill"), "{:.3f}") for m in methods]
+                    + [_fmt(d.get("token_efficiency_minus_length_grouped"), "{:+.3f}"),
+                       _fmt(d.get("ratio_to_oracle"), "{:.3f}"), _fmt(d.get("order_spearman"), "{:+.2f}")])
+    text = PLANNING_LEGEND + " order rho: Spearman rank correlation of a batch's position in the epoch with " \
+        "its mean length (0: no drift).\n\n" + _table(header, rows, markdown)
     settings = planning.get("odb_default_window")
     if settings:
         text += f"\n\nodb-default window settings (ODBConfig fields): {_window_text(settings)}"
@@ -104,11 +119,45 @@ def summary_table(planning: Dict[str, Any], buffers: Sequence[str] = SUMMARY_ODB
     return text
 
 
+def short_epoch_table(planning: Dict[str, Any], markdown: bool = False) -> str:
+    """Epochs of a few hundred to a few thousand samples per workload (seeded subsamples, means over the
+    seeds): token efficiency of every sampler, odb-default against LengthGrouped (mean and worst seed) and
+    the oracle, and how many samples odb reads before its first and tenth batch."""
+    names = [m for m in ("fixed", "length_grouped", "batch_rebalance", "odb-default", "oracle")
+             if any(m in e["methods"] for w in planning["workloads"].values()
+                    for e in w.get("short_epochs", {}).values())]
+    header = (["workload", "samples", "fixed B"] + [f"eff. {_SHORT_NAMES[m]}" for m in names]
+              + ["odb - LG (mean)", "odb - LG (worst seed)", "step/cap LG", "step/cap odb", "odb useful fill / oracle",
+                 "odb reads before batch 1", "before batch 10"])
+    rows = []
+    for name, w in planning["workloads"].items():
+        for n, e in w.get("short_epochs", {}).items():
+            ms = e["methods"]
+            d = ms.get("odb-default", {})
+            reads = e.get("odb_reads_before_batch", {})
+            rows.append([name, n, "/".join(str(b) for b in sorted(set(e["fixed_batch_size"])))]
+                        + [_fmt(ms.get(m, {}).get("token_efficiency"), "{:.3f}") for m in names]
+                        + [_fmt(d.get("token_efficiency_minus_length_grouped"), "{:+.3f}"),
+                           _fmt(e.get("worst_token_efficiency_minus_length_grouped"), "{:+.3f}"),
+                           _fmt(ms.get("length_grouped", {}).get("useful_fill"), "{:.3f}"),
+                           _fmt(d.get("useful_fill"), "{:.3f}"), _fmt(d.get("ratio_to_oracle"), "{:.3f}"),
+                           _fmt(reads.get("1"), "{:.0f}"), _fmt(reads.get("10"), "{:.0f}")])
+    if not rows:
+        return "no short epochs in these results"
+    seeds = next(e["seeds"] for w in planning["workloads"].values() for e in w.get("short_epochs", {}).values())
+    return (f"Each row: means over {len(seeds)} seeded subsamples of the workload (odb at its defaults, through "
+            "ODBDataLoader); these epochs never reach full windows. odb reads before batch k: samples the loader "
+            "must have read before its k-th batch is planned (the first windows are small so that the first "
+            "batch comes early).\n\n" + _table(header, rows, markdown))
+
+
 def buffer_table(planning: Dict[str, Any], markdown: bool = False) -> str:
     """Per workload and odb setting: the loader's own buffer counters (odb_stats, where it has them), the
-    peak samples/tokens read but not emitted (measured from outside), planning cost."""
+    peak samples/tokens read but not emitted (measured from outside), planning cost, and the samples read
+    before the first and tenth batch."""
     header = ["workload", "odb", "buffered_max", "read_ahead_max", "read_ahead_tokens_max", "peak held samples",
-              "peak held tokens", "windows", "plan us/sample", "plan ms/window (max)", "plan_stream = loader"]
+              "peak held tokens", "windows", "plan us/sample", "plan ms/window (max)", "reads before batch 1",
+              "reads before batch 10", "plan_stream = loader"]
     rows = []
     for name, w in planning["workloads"].items():
         for k in _methods(w["methods"]):
@@ -119,6 +168,7 @@ def buffer_table(planning: Dict[str, Any], markdown: bool = False) -> str:
                          _fmt(m.get("read_ahead_tokens_max"), "{:d}"), _fmt(m.get("peak_held_samples"), "{:d}"),
                          _fmt(m.get("peak_held_tokens"), "{:d}"), _fmt(m.get("windows"), "{:d}"),
                          _fmt(m.get("plan_us_per_sample"), "{:.1f}"), _fmt(m.get("window_plan_ms_max"), "{:.1f}"),
+                         _fmt(m.get("reads_before_batch_1"), "{:d}"), _fmt(m.get("reads_before_batch_10"), "{:d}"),
                          "yes" if m.get("plan_stream_same_batches") else "NO"])
     return _table(header, rows, markdown)
 
@@ -320,8 +370,20 @@ def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]
 
 
 # Window goals: odb-default's useful fill / the oracle's on every workload (a lower bar for heavy tails),
-# planning time per sample at the default window.
+# its token efficiency against LengthGroupedSampler's (full and short epochs), the rank correlation of its
+# emitted order with length, planning time per sample at the default window.
 FILL_MIN, HEAVY_TAIL_FILL_MIN, HEAVY_TAILED, PLAN_US_MAX = 0.97, 0.95, ("pareto",), 10.0
+ORDER_RHO_MAX = 0.35
+
+
+def _vs_grouped(methods: Dict[str, Any]) -> Tuple[str, Optional[bool]]:
+    d, g, o = methods.get("odb-default"), methods.get("length_grouped"), methods.get("oracle")
+    if not d or not g:
+        return "-", None
+    text = f"{d['token_efficiency']:.3f} vs {g['token_efficiency']:.3f}"
+    if o and o["token_efficiency"] < g["token_efficiency"]:
+        text += f" (oracle {o['token_efficiency']:.3f}: below LengthGrouped too)"
+    return text, d["token_efficiency"] >= g["token_efficiency"]
 
 
 def planning_goals(planning: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]:
@@ -335,6 +397,18 @@ def planning_goals(planning: Dict[str, Any]) -> List[Tuple[str, str, str, Option
         if ratio is not None:
             out.append((f"window {name}: odb-default useful fill / oracle", f"{ratio:.3f}", f">= {floor}",
                         ratio >= floor))
+        text, ok = _vs_grouped(w["methods"])
+        if ok is not None:
+            out.append((f"window {name}: odb-default token efficiency vs LengthGroupedSampler", text, ">=", ok))
+        for n, e in w.get("short_epochs", {}).items():
+            text, ok = _vs_grouped(e["methods"])
+            if ok is not None:
+                out.append((f"short epoch {name} ({n} samples): odb-default token efficiency vs LengthGrouped",
+                            text, ">=", ok))
+        rho = d.get("order_spearman")
+        if rho is not None:
+            out.append((f"order {name}: |rank correlation| of odb-default's batch order with length",
+                        f"{rho:+.2f}", f"<= {ORDER_RHO_MAX}", abs(rho) <= ORDER_RHO_MAX))
         if us is not None:
             out.append((f"planning {name}: us per sample at the default window", f"{us:.1f}",
                         f"<= {PLAN_US_MAX:g}", us <= PLAN_US_MAX))
@@ -351,7 +425,9 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
     parts = []
     if goals(results):
         parts += [f"{h}Goals", goals_table(results, markdown), ""]
-    parts += [f"{h}Planner quality (useful fill / oracle)", summary_table(results["planning"], markdown=markdown), "",
+    parts += [f"{h}Planner quality (token efficiency and tokens per step, every sampler)",
+              summary_table(results["planning"], markdown=markdown), "",
+              f"{h}Short epochs (the first windows' ramp-up)", short_epoch_table(results["planning"], markdown), "",
               f"{h}odb buffers and planning cost", buffer_table(results["planning"], markdown), "",
               f"{h}Planner details", planning_tables(results["planning"], markdown)]
     if "ranks" in results:
