@@ -507,3 +507,43 @@ def test_a_failed_install_fails_these_tests_instead_of_skipping_them(tmp_path):
         out[-3000:]
     assert "LLaMA-Factory does not import (ImportError: simulated: a dependency of LLaMA-Factory is missing)" in out
     assert "Fix: `make venv` installs it" in out
+
+
+# ---- LLaMA-Factory 0.9.5 on transformers 5: what run_exp / import_llamafactory do for the user ----------------------
+def test_gradient_checkpointing_of_llamafactory_trains_on_transformers_5(setup):
+    """LLaMA-Factory's checkpointing wrapper reads func.__self__, which transformers 5.23's partial(forward, layer)
+    lacks; after import_llamafactory the layer reaches it as a bound method and a step runs under checkpointing."""
+    odb_lf.import_llamafactory()
+    parts = build_sft(setup, "checkpointing", disable_gradient_checkpointing=False)
+    model = parts["model"]
+    assert model.is_gradient_checkpointing
+    calls = []
+    layer = model.model.layers[0]
+    checkpoint_func = layer._gradient_checkpointing_func
+    layer._gradient_checkpointing_func = lambda func, *a, **k: calls.append(func) or checkpoint_func(func, *a, **k)
+    samples = [parts["dataset_module"]["train_dataset"][i] for i in range(3)]
+    batch = parts["collator"](samples)
+    model.train()
+    loss = model(**{k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}).loss
+    loss.backward()
+    assert math.isfinite(float(loss)) and calls, "the layer did not run through gradient checkpointing"
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_warmup_ratio_becomes_warmup_steps_on_transformers_5():
+    import transformers
+
+    if hasattr(transformers.TrainingArguments, "warmup_ratio"):
+        pytest.skip("this transformers still has warmup_ratio: run_exp passes it through")
+    with pytest.warns(UserWarning, match=r"warmup_ratio=0.1 as warmup_steps=0.1.*Fix, to silence this: write "
+                                         r"warmup_steps: 0.1"):
+        assert odb_lf._transformers5_args({"stage": "sft", "warmup_ratio": 0.1}) == {"stage": "sft",
+                                                                                      "warmup_steps": 0.1}
+    with pytest.warns(UserWarning, match="warmup_steps=0.05"):
+        assert odb_lf._transformers5_args(["--stage", "sft", "--warmup_ratio", "0.05"]) == \
+            ["--stage", "sft", "--warmup_steps", "0.05"]
+    assert odb_lf._transformers5_args({"warmup_steps": 10}) == {"warmup_steps": 10}
+    with pytest.raises(ValueError, match="both warmup_ratio=0.1 and warmup_steps.*Fix: keep one"):
+        odb_lf._transformers5_args({"warmup_ratio": 0.1, "warmup_steps": 5})
+    with pytest.raises(ValueError, match=r"warmup_ratio=2.*\[0, 1\)"):
+        odb_lf._transformers5_args(["--warmup_ratio=2"])
