@@ -144,17 +144,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         from .training import run_training
 
         t0 = time.perf_counter()
-        results["training"] = run_training(size["train_samples"], device=args.device, budget=4096, max_len=1024,
-                                           progress=progress)
+        results["training"] = run_training(quick=args.quick, device=args.device, out_dir=args.out)
         results["wall_s"]["training"] = time.perf_counter() - t0
 
     if not args.skip_packing:
         from .packing import run_packing
 
         t0 = time.perf_counter()
-        results["packing"] = run_packing(size["planning_samples"],
-                                         0 if args.skip_train else size["packing_train_samples"],
-                                         device=args.device, real=not args.no_real, progress=progress)
+        results["packing"] = run_packing(size["planning_samples"], real=not args.no_real, progress=progress)
         results["wall_s"]["packing"] = time.perf_counter() - t0
 
     if not args.skip_e2e:

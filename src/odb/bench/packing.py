@@ -19,35 +19,23 @@ source and target, count as one sequence of their sum):
 useful fill = real tokens / (rows x budget). Goals: odb-packed >= 0.98 on every workload
 and within 0.01 of trl-bfd.
 
-Training (CPU, the tiny Llama of the training benchmark, budget 4,096, the same samples
-for every arm, arms interleaved step by step): ``odb-padded`` (the padded layout, as in
-the training benchmark, ``sdpa``), ``odb-packed``, ``fixed-count`` and ``trl-bfd`` (the
-packed rows of ``trl.pack_dataset``, one row per step, TRL's own padding-free collator),
-the packed arms with ``attn_implementation="odb_varlen"`` (causal attention per sample:
-what flash-attention's varlen kernel does on CUDA), and ``odb-packed-sdpa``: odb's packed
-rows with ``sdpa``, whose dense block-diagonal mask costs a row's attention as one sample
-of the row's length. Real tokens per second of wall time, data loading included. Goal:
-odb-packed >= odb-padded.
+Training speed with packed rows (odb's, TRL's) is measured by the training benchmark
+(``odb.bench.training``), beside padded batches, on 1 process and 2 DDP ranks.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
 
-import odb
 from odb import ODBConfig
 
 from .planning import load_workloads, odb_loader_run, time_planner
-from .training import VOCAB, Arm, _warm_up, run_arms, training_lengths
 
 FILL_MIN, VS_TRL_MAX_GAP = 0.98, 0.01
-PACKED_ATTN = "odb_varlen"  # the packed arms' attention: per-sample causal attention (odb.varlen_attention)
 
 
 def _totals(lengths: np.ndarray) -> np.ndarray:
@@ -106,99 +94,8 @@ def packing_fill(workloads: Dict[str, np.ndarray], budget: int = 16384, seed: in
     return out
 
 
-# ---- training -------------------------------------------------------------------------------------
-class TokenRows(Dataset):
-    """Rows of ``trl.pack_dataset``: ``{"input_ids": [...], "seq_lengths": [...]}``."""
-
-    def __init__(self, rows: Any) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> Dict[str, Any]:
-        return self.rows[i]
-
-
-class FixedTokens(Dataset):
-    """Sample i: fixed random tokens of lengths[i] (the same tokens for every arm)."""
-
-    def __init__(self, lengths: Sequence[int], seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = [torch.randint(1, VOCAB, (int(n),), generator=g) for n in lengths]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i]}
-
-
-def _pad_collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    from .loader_speed import pad_collate
-    return pad_collate(samples)
-
-
-def _flatten_collate() -> Callable[[List[Dict[str, Any]]], Dict[str, Any]]:
-    from transformers import DataCollatorWithFlattening
-
-    flat = DataCollatorWithFlattening(return_tensors="pt")
-    return lambda samples: flat([{"input_ids": s["input_ids"].tolist()} for s in samples])
-
-
-def _trl_loader(dataset: FixedTokens, budget: int, seed: int) -> DataLoader:
-    import datasets
-    from trl import pack_dataset
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
-    datasets.disable_progress_bars()
-    ds = datasets.Dataset.from_dict({"input_ids": [t.tolist() for t in dataset.ids]})
-    rows = pack_dataset(ds, seq_length=budget, strategy="bfd")
-    collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
-    return DataLoader(TokenRows(rows), batch_size=1, shuffle=True, collate_fn=collate,
-                      generator=torch.Generator().manual_seed(seed))
-
-
-def packing_training(samples: int, *, budget: int = 4096, max_len: int = 1024, device: str = "cpu",
-                     threads: Optional[int] = None,
-                     progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
-    """Every packed arm and odb's padded layout on the same samples and model; real tokens/s."""
-    dev = torch.device(device)
-    if threads is not None and dev.type == "cpu":
-        torch.set_num_threads(threads)
-    lengths = training_lengths(samples, max_len)
-    dataset = FixedTokens(lengths)
-    fixed_b = max(1, budget // int(lengths.max()))
-    _warm_up(dev, max_len)
-    _warm_up(dev, max_len, PACKED_ATTN)
-    packed = {"layout": "packed", "token_budget": budget, "shuffle": True, "seed": 0}
-    loaders: Dict[str, DataLoader] = {
-        "odb-padded": odb.ODBDataLoader(dataset, token_budget=budget, shuffle=True, seed=0, collate_fn=_pad_collate),
-        "odb-packed": odb.ODBDataLoader(dataset, **packed),
-        "odb-packed-sdpa": odb.ODBDataLoader(dataset, **packed),
-        "fixed-count": DataLoader(dataset, batch_size=fixed_b, shuffle=True, collate_fn=_flatten_collate(),
-                                  generator=torch.Generator().manual_seed(0)),
-        "trl-bfd": _trl_loader(dataset, budget, seed=0),
-    }
-    attn = {"odb-padded": "sdpa", "odb-packed-sdpa": "sdpa"}
-    arms = [Arm(name, loader, dev, max_len, name.startswith("odb"), attn.get(name, PACKED_ATTN))
-            for name, loader in loaders.items()]
-    run_arms(arms, dev.type == "cpu", progress)
-    res = {arm.name: arm.result() for arm in arms}
-    ratio = res["odb-packed"]["real_tokens_per_s"] / res["odb-padded"]["real_tokens_per_s"]
-    return {"device": str(dev), "samples": samples, "token_budget": budget, "max_len": max_len,
-            "attn": {arm.name: arm.attn for arm in arms},
-            "mean_length": float(lengths.mean()), "fixed_batch_size": fixed_b, "arms": list(res), **res,
-            "packed_vs_padded": ratio,
-            "vs": {k: res["odb-packed"]["real_tokens_per_s"] / r["real_tokens_per_s"]
-                   for k, r in res.items() if k != "odb-packed"}}
-
-
-def run_packing(n: int, train_samples: int, *, device: str = "cpu", real: bool = True,
-                progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
+def run_packing(n: int, *, real: bool = True, progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
+    """Fill of odb's packed rows against TRL's and fixed-count rows (their training speed: odb.bench.training)."""
     workloads = load_workloads(n, real=real)
-    out = {"fill": packing_fill(workloads, progress=progress),
-           "goals": {"fill_min": FILL_MIN, "vs_trl_max_gap": VS_TRL_MAX_GAP}}
-    if train_samples:
-        out["training"] = packing_training(train_samples, device=device, progress=progress)
-    return out
+    return {"fill": packing_fill(workloads, progress=progress),
+            "goals": {"fill_min": FILL_MIN, "vs_trl_max_gap": VS_TRL_MAX_GAP}}

@@ -203,34 +203,95 @@ def loader_table(loader: Dict[str, Any], markdown: bool = False) -> str:
 
 
 # ---- training -----------------------------------------------------------------------------------
-def _arm_label(training: Dict[str, Any], arm: str) -> str:
-    b = training["fixed_batch_size"]
-    return {"fixed": f"fixed B={b}", "length_grouped": f"LengthGroupedSampler B={b}",
-            "batch_rebalance": f"BatchRebalanceSampler ({training.get('rebalance_grad_accum', 8)} x B={b})"
-            }.get(arm, arm)
+TRAIN_ARM_LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalanceSampler",
+                    "trl_packing": "TRL packing (bfd)", "odb_padded": "odb padded", "odb_packed": "odb packed",
+                    "odb_padded_same_lr": "odb padded, fixed's lr"}
+
+
+def _spread(t: Dict[str, float]) -> str:
+    return f"{t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f})"
+
+
+def _training_part(part: Dict[str, Any], cap: int, rounds: int, markdown: bool) -> List[str]:
+    mem = "peak MiB (cuda)" if any(a.get("peak_mib") for w in part["workloads"].values()
+                                   for a in w["arms"].values()) else "saved MiB"
+    header = ["arm", "attention", "steps/rank", "token eff.", "tokens/step / cap", "max step B x L", mem,
+              "real tokens/s (min-max)", "odb padded x", "odb packed x"]
+    out: List[str] = []
+    for name, w in part["workloads"].items():
+        scaling = f"lengths / {w['divided_by']}, " if w.get("divided_by", 1) != 1 else ""
+        out.append(f"{'#### ' if markdown else '-- '}{name}: {w['source']}; {scaling}truncated at {w['truncation']}; "
+                   f"{w['samples']} samples, mean {w['mean_length']:.0f}, max {w['max_length']}; cap {cap} padded "
+                   f"tokens per micro-batch, fixed B={w['fixed_batch_size']}; {part['world']} process(es) x "
+                   f"{part['threads']} thread(s), medians of {rounds} interleaved rounds")
+        rows = []
+        for arm, m in w["arms"].items():
+            ratios = [w["odb_over"].get(o, {}).get(arm) for o in ("odb_padded", "odb_packed")]
+            memory = m.get("peak_mib") if mem.startswith("peak") else m.get("saved_mib")
+            rows.append([TRAIN_ARM_LABELS.get(arm, arm), m["attention"], str(m["steps"]),
+                         f"{m['token_efficiency']:.3f}", f"{m['tokens_per_step_vs_cap']:.3f}",
+                         str(m["max_step_padded_tokens"]), _fmt(memory, "{:.0f}"), _spread(m["tokens_per_s"])]
+                        + [_fmt(r, "x{:.2f}") for r in ratios])
+        out += [_table(header, rows, markdown), ""]
+        out += ["settings: " + "; ".join(f"{TRAIN_ARM_LABELS.get(a, a)}: {t}" for a, t in w["settings"].items()), ""]
+    return out
+
+
+def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
+    """Held-out loss and time to the target loss per arm (the target: the highest final loss of any arm)."""
+    header = ["arm", "lr", "tokens/step (planned)", "steps", "train s", "held-out loss: start", "final",
+              f"s to {conv['target_loss']:.3f}", "x fixed"]
+    ref = conv["arms"].get("fixed", {}).get("time_to_target_s")
+    rows = []
+    for arm, m in conv["arms"].items():
+        t = m.get("time_to_target_s")
+        rows.append([TRAIN_ARM_LABELS.get(arm, arm), f"{m['lr']:.2e}", f"{m['tokens_per_step_planned']:.0f}",
+                     str(m["steps"]), f"{m['train_s']:.1f}", f"{m['curve'][0]['loss']:.3f}", f"{m['final_loss']:.3f}",
+                     _fmt(t, "{:.1f}"), "-" if not (t and ref) else f"x{ref / t:.2f}"])
+    return (f"{conv['workload']}, {conv['samples']} samples, {conv['epochs']} epochs, 2 ranks; learning rate = "
+            f"{conv['base_lr']:g} x sqrt(tokens per step / {conv['base_tokens_per_step']:.0f}, the fixed arm's); "
+            f"held-out: {conv['held_out']['samples']} x {conv['held_out']['length']} tokens of unseen text; "
+            "x fixed = fixed's time to the target / the arm's\n\n" + _table(header, rows, markdown))
 
 
 def training_table(training: Dict[str, Any], markdown: bool = False) -> str:
-    header = ["arm", "steps", "mean B", "token eff.", "wall s", "real tokens/s", "odb speedup", "final loss"]
-    arms = training.get("arms") or ["fixed", "odb"]
-    cuda = "peak_memory_mib" in training["odb"]
-    if cuda:
-        header.append("peak MiB")
-    speedups = training.get("speedups") or {"fixed": training["speedup"]}
-    rows = []
-    for arm in arms:
-        m = training[arm]
-        row = [_arm_label(training, arm), str(m["steps"]), f"{m['mean_batch_size']:.1f}",
-               f"{m['token_efficiency']:.3f}", f"{m['wall_s']:.1f}", f"{m['real_tokens_per_s']:.0f}",
-               "-" if arm == "odb" else f"x{speedups[arm]:.2f}", f"{m['final_loss']:.3f}"]
-        if cuda:
-            row.append(f"{m['peak_memory_mib']:.0f}")
-        rows.append(row)
-    goal = training["goal_speedup_min"]
-    return _table(header, rows, markdown) + (
-        f"\n\ntraining speedup (real tokens/s, odb / fixed B={training['fixed_batch_size']}): x{training['speedup']:.2f} "
-        f"(goal >= {goal}: {_met(training['speedup'] >= goal)}); "
-        + ", ".join(f"odb / {a}: x{v:.2f}" for a, v in speedups.items() if a != "fixed"))
+    if "ranks2" not in training and "ranks1" not in training:
+        return "(results of an older benchmark: no per-rank training figures)"
+    cap, rounds = training["cap"], training["rounds"]
+    m = training["model"]
+    parts = [f"Llama {m['num_hidden_layers']} layers x {m['hidden_size']} hidden, vocabulary {m['vocab_size']} "
+             f"(byte tokens of real text), AdamW, {training['device']}; real tokens/s = non-pad tokens trained "
+             "(all ranks) / epoch wall time, loading included; saved MiB = bytes autograd saves for backward on the "
+             "largest step (parameters excluded)", ""]
+    for key, title in (("ranks2", "2 gloo DDP ranks"), ("ranks1", "1 process")):
+        if key in training:
+            parts += [f"{'### ' if markdown else '== '}{title}", ""] + _training_part(training[key], cap, rounds,
+                                                                                     markdown)
+    if training.get("convergence"):
+        parts += [f"{'### ' if markdown else '== '}Convergence on real text (loss vs wall time)",
+                  convergence_table(training["convergence"], markdown), ""]
+    return "\n".join(parts)
+
+
+def plot_convergence(conv: Dict[str, Any], path: str) -> None:
+    """Held-out loss against training seconds, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, m in conv["arms"].items():
+        ax.plot([p["s"] for p in m["curve"]], [p["loss"] for p in m["curve"]], marker=".",
+                label=f"{TRAIN_ARM_LABELS.get(arm, arm)} (lr {m['lr']:.1e})")
+    ax.axhline(conv["target_loss"], color="k", lw=0.8, ls="--", label="target")
+    ax.set_xlabel("training seconds (2 ranks, evaluation excluded)")
+    ax.set_ylabel("held-out loss (nats per byte)")
+    ax.set_title(f"Convergence: {conv['workload']}, {conv['samples']} samples, {conv['epochs']} epochs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ---- end to end ---------------------------------------------------------------------------------
@@ -362,10 +423,8 @@ def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]
                         f"<= +{g['first_batch_extra_s_max']} s", met["first_batch_extra_s"]))
     if results.get("packing"):
         out += packing_goals(results["packing"])
-    tr = results.get("training")
-    if tr:
-        out.append((f"training: real tokens/s, odb / fixed B={tr['fixed_batch_size']}", f"{tr['speedup']:.2f}",
-                    f">= {tr['goal_speedup_min']}", tr["speedup"] >= tr["goal_speedup_min"]))
+    for g in (results.get("training") or {}).get("goals", []):
+        out.append((g["goal"], f"{g['measured']:.2f}", f">= {g['target']}", g["met"]))
     return out
 
 
@@ -514,14 +573,20 @@ def plot(results: Dict[str, Any], path: str) -> None:
             ax.set_ylabel("samples/s")
             ax.set_title(f"Loader ({results['loader']['num_workers']} workers)")
         elif key == "training":
-            tr = results["training"]
-            arms = tr.get("arms") or ["fixed", "odb"]
-            ax.bar(range(len(arms)), [tr[a]["real_tokens_per_s"] for a in arms],
-                   color=["C0", "C1", "C2", "C3"][:len(arms)])
-            ax.set_xticks(range(len(arms)))
-            ax.set_xticklabels([a.replace("_", "\n") for a in arms], fontsize=7)
+            part = results["training"].get("ranks2") or results["training"].get("ranks1") or {"workloads": {}}
+            names = list(part["workloads"])
+            arms = results["training"].get("arms", [])
+            width = 0.8 / max(1, len(arms))
+            for k, arm in enumerate(arms):
+                ys = [part["workloads"][n]["arms"].get(arm, {}).get("tokens_per_s", {}).get("median", 0.0)
+                      for n in names]
+                ax.bar([i + (k - (len(arms) - 1) / 2) * width for i in range(len(names))], ys, width,
+                       label=TRAIN_ARM_LABELS.get(arm, arm))
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels(names, fontsize=7)
             ax.set_ylabel("real tokens/s")
-            ax.set_title(f"Training ({tr['device']}, odb x{tr['speedup']:.2f} over fixed)", fontsize=9)
+            ax.set_title(f"Training ({results['training']['device']}, {part.get('world', 1)} rank(s))", fontsize=9)
+            ax.legend(fontsize=6)
         else:
             e2e = results["e2e"]
             settings = list(e2e["settings"])

@@ -1,204 +1,100 @@
-"""Training speed: a tiny causal LM trained under one budget with odb and with what users pick instead.
+"""Training speed where users decide: real training steps of a small Llama, odb against what users pick instead.
 
-The model is built from a ``LlamaConfig`` (random init, nothing downloaded). Every arm
-sees the same samples once (one epoch over the same dataset) with the same initial
-weights; the figure is real (non-pad) tokens per second of wall time, data loading
-included, each step timed on its own. Arms:
+Real forward + backward + AdamW steps of a Llama built from a config (random init,
+nothing downloaded) on real text (``text_data``: Python's documentation, byte tokens),
+on 1 process and on 2 gloo DDP ranks (one CPU thread per rank), every arm under the
+same memory cap of padded tokens per micro-batch (``training_arms``). Three workloads
+(short pairs, a heavy-tailed instruction mix, long chat), ``rounds`` interleaved rounds
+(arm order rotated, same seeds), medians with min-max spread (``training_run``). Then
+each arm trains several epochs on 2 ranks, its held-out loss recorded against training
+time, its learning rate scaled with the square root of its tokens per step
+(``convergence``). On ``--device cuda``: one process, bf16 autocast, an ~85M-parameter
+Llama, full-length samples and a 4x larger cap; memory from
+``torch.cuda.max_memory_allocated``.
 
-- ``fixed``: random batches of the largest batch size B whose worst case (B x the
-  longest sample) fits the budget, as a trainer without dynamic batching must;
-- ``length_grouped``: transformers' ``LengthGroupedSampler`` at that B (what
-  ``TrainingArguments(group_by_length=True)`` builds);
-- ``batch_rebalance``: transformers' ``BatchRebalanceSampler`` (when the installed
-  transformers has it) as ``Trainer`` builds it on one rank, 8 micro-batches per
-  optimizer step of 8 x B samples; here every micro-batch is trained as one step, as in
-  the other arms;
-- ``odb``: ``odb.ODBDataLoader(token_budget=...)``, the loss scaled by the step info.
+Goals (2 ranks, real tokens/s, medians): ``GOALS`` below.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
-import torch
-from torch.utils.data import DataLoader
+from .text_data import VOCAB
+from .training_arms import ARMS
+from .training_run import MODELS
 
-from odb import ODBDataLoader, pop_step_info, register_varlen_attention
+MODEL = MODELS["cpu"]  # the CPU model (benchmarks/packed_step_cost.py builds it too)
+__all__ = ["MODEL", "VOCAB", "run_training", "training_goals"]
 
-from .loader_speed import LengthDataset, pad_collate
-from .planning import REBALANCE_GRAD_ACCUM, BatchRebalanceSampler, LengthGroupedSampler
-from .workloads import lognormal_lengths
-
-VOCAB = 1000
-# use_cache=False: no KV cache in training (with one, transformers would not build the block mask of a packed row).
-MODEL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, attn_implementation="sdpa", use_cache=False)
-
-
-def training_lengths(n: int, max_len: int = 1024, seed: int = 0) -> np.ndarray:
-    """The CV 1.0 workload (mean 900) with every length divided by 4, clipped to [16, max_len].
-
-    Dividing keeps the shape of the distribution (CV ~1.0, mean ~216) while making CPU
-    training feasible; the clip then touches only ~1% of samples.
-    """
-    return np.clip(-(-lognormal_lengths(900.0, 1.0, n, seed) // 4), 16, max_len)
-
-
-def build_model(device: torch.device, max_len: int, seed: int = 0, attn: str = "sdpa") -> torch.nn.Module:
-    """The benchmark's Llama; ``attn`` its attention implementation (``"odb_varlen"`` is registered here)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if attn == "odb_varlen":
-        register_varlen_attention()
-    torch.manual_seed(seed)
-    config = LlamaConfig(max_position_embeddings=max_len, **{**MODEL, "attn_implementation": attn})
-    return LlamaForCausalLM(config).to(device=device, dtype=torch.float32)
+CAP = {"cpu": 4096, "cuda": 16384}
+# What each part trains: samples per workload (2 ranks; 1 process trains half as many: the same per process).
+SIZES: Dict[str, Dict[str, Any]] = {
+    "full": {"workloads": {"short-pairs": 1600, "heavy-tailed": 800, "long-chat": 400}, "rounds": 3,
+             "convergence": {"workload": "heavy-tailed", "samples": 800, "epochs": 2, "evals": 8}},
+    "quick": {"workloads": {"short-pairs": 64, "heavy-tailed": 32, "long-chat": 16}, "rounds": 1,
+              "convergence": {"workload": "heavy-tailed", "samples": 32, "epochs": 1, "evals": 2}},
+}
+CONVERGENCE_ARMS = ("fixed", "group_by_length", "odb_padded", "odb_packed", "odb_padded_same_lr")
+BASE_LR = 2e-3  # the fixed arm's learning rate; the others scale from it (convergence.lr_for)
+# (name, odb arm, baseline, workloads or None for every one, minimum ratio of real tokens/s)
+GOALS = [
+    ("odb padded / group_by_length", "odb_padded", "group_by_length", ("heavy-tailed", "short-pairs"), 1.45),
+    ("odb padded / group_by_length", "odb_padded", "group_by_length", None, 0.97),
+    ("odb packed / group_by_length", "odb_packed", "group_by_length", None, 1.55),
+    ("odb packed / TRL packing", "odb_packed", "trl_packing", None, 1.0),
+    ("odb padded / fixed", "odb_padded", "fixed", None, 2.5),
+]
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
-          device: torch.device, loss_scale: float) -> float:
-    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    loss = model(**batch).loss
-    (loss * loss_scale).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
+def training_goals(ranks2: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every goal on every workload it covers: measured ratio of medians, target, met."""
+    out = []
+    for name, arm, base, only, target in GOALS:
+        for workload, w in ranks2["workloads"].items():
+            if (only is None or workload in only) and base in w["arms"] and arm in w["arms"]:
+                ratio = w["odb_over"][arm][base]
+                out.append({"goal": f"training (2 ranks) {workload}: real tokens/s, {name}", "measured": ratio,
+                            "target": target, "met": ratio >= target})
+    return out
 
 
-class Arm:
-    """One training arm: its own model, optimizer and loader; steps timed one by one."""
+def run_training(*, quick: bool = False, device: str = "cpu", out_dir: Optional[str] = None,
+                 timeout_s: float = 1500.0, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)
+                 ) -> Dict[str, Any]:
+    """The training section of ``python -m odb.bench``: results (and ``training_loss.png`` under ``out_dir``)."""
+    from .training_ddp import launch
 
-    def __init__(self, name: str, loader: DataLoader, device: torch.device, max_len: int, use_odb: bool,
-                 attn: str = "sdpa") -> None:
-        self.name, self.device, self.use_odb, self.max_len, self.attn = name, device, use_odb, max_len, attn
-        self.model: Optional[torch.nn.Module] = None  # built at the first step, dropped after the last
-        self.opt: Optional[torch.optim.Optimizer] = None
-        self.batches = iter(loader)
-        self.steps_planned = len(loader)
-        self.real = self.padded = self.samples = self.steps = 0
-        self.seconds = 0.0
-        self.losses: List[float] = []
-        self.peak_mib = 0.0
-
-    def step(self) -> bool:
-        """Fetch one batch and train on it; False at the end of the epoch. Time includes loading."""
-        cuda = self.device.type == "cuda"
-        if self.model is None:
-            self.model = build_model(self.device, self.max_len, attn=self.attn)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+    size = SIZES["quick" if quick else "full"]
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    base = {"device": device, "cap": CAP[kind], "rounds": size["rounds"], "arms": list(ARMS),
+            "full_length": kind == "cuda"}
+    out: Dict[str, Any] = {"device": device, "cap": CAP[kind], "rounds": size["rounds"], "model": dict(MODELS[kind]),
+                           "arms": list(ARMS), "wall_s": {}}
+    t0 = time.perf_counter()
+    if kind == "cpu":
+        conv = {**size["convergence"], "base_lr": BASE_LR,
+                "arms": list(CONVERGENCE_ARMS[:-1] if quick else CONVERGENCE_ARMS)}
+        both = launch({**base, "threads": 1, "workloads": size["workloads"], "convergence": conv}, world=2,
+                      timeout_s=timeout_s)
+        out["ranks2"], out["convergence"] = {**both["workloads_meta"], "workloads": both["workloads"]}, \
+            both["convergence"]
+        out["wall_s"]["ranks2_and_convergence"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        batch = next(self.batches, None)
-        if batch is None:
-            self.seconds += time.perf_counter() - t0
-            self.model = self.opt = None  # on GPU, the next arm's peak memory is then its own
-            if cuda:
-                torch.cuda.empty_cache()
-            return False
-        scale = pop_step_info(batch).loss_scale if self.use_odb else 1.0
-        self.losses.append(_step(self.model, self.opt, batch, self.device, scale))
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        self.seconds += time.perf_counter() - t0
-        if cuda:
-            self.peak_mib = max(self.peak_mib, torch.cuda.max_memory_allocated(self.device) / 2**20)
-        mask, positions = batch.get("attention_mask"), batch.get("position_ids")
-        if mask is None and positions is not None:  # a padding-free row: samples start where positions restart
-            self.real += int(batch["input_ids"].numel())
-            self.samples += int((positions == 0).sum())
-        else:
-            self.real += int(mask.sum())
-            self.samples += int(batch["input_ids"].shape[0])
-        self.padded += int(batch["input_ids"].numel())
-        self.steps += 1
-        return True
+        halves = {k: max(2, v // 2) for k, v in size["workloads"].items()}
+        one = launch({**base, "threads": 2, "workloads": halves}, world=1, timeout_s=timeout_s)
+        out["ranks1"] = {**one["workloads_meta"], "workloads": one["workloads"]}
+        out["wall_s"]["ranks1"] = time.perf_counter() - t0
+        out["goals"] = training_goals(out["ranks2"])
+        if out_dir:
+            from .report import plot_convergence
 
-    def result(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {
-            "steps": self.steps, "samples": self.samples, "real_tokens": self.real, "padded_tokens": self.padded,
-            "wall_s": self.seconds, "real_tokens_per_s": self.real / self.seconds,
-            "token_efficiency": self.real / self.padded, "mean_batch_size": self.samples / max(self.steps, 1),
-            "final_loss": float(np.mean(self.losses[-5:]))}
-        if self.device.type == "cuda":
-            out["peak_memory_mib"] = self.peak_mib
-        return out
-
-
-def run_arms(arms: Sequence[Arm], interleave: bool, progress: Callable[..., Any]) -> None:
-    """Run every arm to the end of its epoch.
-
-    Interleaved (CPU): the arm that has consumed fewer samples steps next, so both arms
-    cross the epoch side by side and share whatever else loads the machine. Sequential
-    (GPU): one arm after the other; an arm's model exists only while it runs, so each
-    arm's peak memory is its own.
-    """
-    def drive() -> Iterator[str]:
-        live = list(arms)
-        while live:
-            arm = min(live, key=lambda a: a.samples) if interleave else live[0]
-            if arm.step():
-                yield arm.name
-            else:
-                live.remove(arm)
-
-    for _ in progress(drive(), total=sum(a.steps_planned for a in arms), desc="training", unit="step"):
-        pass
-
-
-def _warm_up(device: torch.device, max_len: int, attn: str = "sdpa") -> None:
-    # First-call costs (kernel selection, allocator growth) must not land on either arm.
-    model = build_model(device, max_len, seed=1, attn=attn)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for b, n in ((4, max_len // 4), (16, 64)):
-        ids = torch.randint(1, VOCAB, (b, n))
-        _step(model, opt, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, device, 1.0)
-    if attn != "sdpa":  # a packed row too: the attention's own path
-        ids = torch.randint(1, VOCAB, (1, max_len))
-        positions = torch.arange(max_len).remainder(max_len // 4)[None]
-        _step(model, opt, {"input_ids": ids, "position_ids": positions, "labels": ids}, device, 1.0)
-
-
-ARM_ORDER = ("fixed", "length_grouped", "batch_rebalance", "odb")
-
-
-def run_training(samples: int, *, device: str = "cpu", budget: int = 4096, max_len: int = 1024,
-                 buffer_size: int = 256, threads: Optional[int] = None,
-                 progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
-    """Every arm on the same samples, model and budget; tokens/s and odb's speedup over each."""
-    dev = torch.device(device)
-    if threads is not None and dev.type == "cpu":
-        torch.set_num_threads(threads)
-    lengths = training_lengths(samples, max_len)
-    dataset = LengthDataset(lengths, vocab=VOCAB)
-    fixed_b = max(1, budget // int(lengths.max()))
-    _warm_up(dev, max_len)
-    loaders: Dict[str, DataLoader] = {
-        "fixed": DataLoader(dataset, batch_size=fixed_b, shuffle=True, collate_fn=pad_collate,
-                            generator=torch.Generator().manual_seed(0))}
-    if LengthGroupedSampler is not None:
-        sampler = LengthGroupedSampler(fixed_b, lengths=lengths.tolist(), generator=torch.Generator().manual_seed(0))
-        loaders["length_grouped"] = DataLoader(dataset, batch_size=fixed_b, sampler=sampler, collate_fn=pad_collate)
-    if BatchRebalanceSampler is not None:
-        batches = BatchRebalanceSampler(lengths=lengths.tolist(), effective_batch_size=fixed_b * REBALANCE_GRAD_ACCUM,
-                                        dp_size=1, grad_accum=REBALANCE_GRAD_ACCUM, seed=0, drop_last=False)
-        loaders["batch_rebalance"] = DataLoader(dataset, batch_sampler=batches, collate_fn=pad_collate)
-    loaders["odb"] = ODBDataLoader(dataset, token_budget=budget, buffer_size=min(buffer_size, samples),
-                                   shuffle=True, seed=0, collate_fn=pad_collate)
-    arms = [Arm(name, loader, dev, max_len, name == "odb") for name, loader in loaders.items()]
-    interleave = dev.type == "cpu"
-    run_arms(arms, interleave, progress)
-    res = {arm.name: arm.result() for arm in arms}
-    odb_rate = res["odb"]["real_tokens_per_s"]
-    speedups = {name: odb_rate / r["real_tokens_per_s"] for name, r in res.items() if name != "odb"}
-    return {
-        "device": str(dev), "samples": samples, "token_budget": budget, "max_len": max_len,
-        "mean_length": float(lengths.mean()), "fixed_batch_size": fixed_b, "odb_buffer_size": min(buffer_size, samples),
-        "rebalance_grad_accum": REBALANCE_GRAD_ACCUM, "model": dict(MODEL),
-        "threads": torch.get_num_threads() if dev.type == "cpu" else None,
-        "arms_interleaved": interleave, "arms": list(res), **res,
-        "speedup": speedups["fixed"], "speedups": speedups, "goal_speedup_min": 1.5,
-    }
+            plot_convergence(out["convergence"], os.path.join(out_dir, "training_loss.png"))
+    else:
+        one = launch({**base, "threads": 1, "workloads": size["workloads"]}, world=1, timeout_s=timeout_s)
+        out["ranks1"] = {**one["workloads_meta"], "workloads": one["workloads"]}
+        out["wall_s"]["ranks1"] = time.perf_counter() - t0
+        out["goals"] = []
+    return out

@@ -1,0 +1,106 @@
+"""Start the training benchmark's processes: 1, or W ranks joined by a gloo group on a free local port.
+
+``launch(params, world, timeout_s)`` starts ``python -m odb.bench.training_ddp`` once per
+rank (a fresh interpreter each, ``torch.set_num_threads(threads)``), waits for all of
+them within one deadline, kills what is left after it, and returns rank 0's result.
+A rank that fails is reported with the end of its output. Rank 0's progress lines go to
+the parent's stderr.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no output)"
+
+
+def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0) -> Dict[str, Any]:
+    """Run ``training_run.run_worker`` on ``world`` processes; rank 0's result (a JSON-able dict)."""
+    if world < 1:
+        raise ValueError(f"launch: world={world} must be at least 1 process.")
+    with tempfile.TemporaryDirectory(prefix="odb-train-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        (tmp / "params.json").write_text(json.dumps(params))
+        port = free_port()
+        env = dict(os.environ, OMP_NUM_THREADS=str(params.get("threads", 1)), PYTHONUNBUFFERED="1")
+        procs: List[subprocess.Popen] = []
+        for rank in range(world):
+            log = open(tmp / f"rank{rank}.log", "wb")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "odb.bench.training_ddp", str(rank), str(world), str(port), str(tmp),
+                 str(timeout_s)],
+                stdout=log, stderr=None if rank == 0 else subprocess.STDOUT, env=env))
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed or all(p.poll() == 0 for p in procs):
+                    break
+                time.sleep(0.1)
+        finally:
+            late = [r for r, p in enumerate(procs) if p.poll() is None]
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        errors = [(r, (tmp / f"rank{r}.err").read_text()) for r in range(world) if (tmp / f"rank{r}.err").exists()]
+        if errors:
+            r, text = errors[0]
+            raise RuntimeError(f"training benchmark: rank {r} of {world} raised:\n{text}")
+        codes = {r: p.returncode for r, p in enumerate(procs)}
+        if late or any(codes.values()) or not (tmp / "result.json").exists():
+            logs = "".join(f"\n--- rank {r} (exit {codes[r]}) output ends:\n{_tail(tmp / f'rank{r}.log')}"
+                           for r in range(world))
+            what = f"did not finish within {timeout_s:.0f} s (killed: ranks {late})" if late else "failed"
+            raise RuntimeError(f"training benchmark on {world} process(es) {what}.{logs}")
+        result: Dict[str, Any] = json.loads((tmp / "result.json").read_text())
+        return result
+
+
+def _child(argv: List[str]) -> None:
+    rank, world, port, tmp, timeout_s = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3]), float(argv[4])
+    try:
+        import torch
+
+        params = json.loads((tmp / "params.json").read_text())
+        torch.set_num_threads(int(params.get("threads", 1)))
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        from .training_run import run_worker
+
+        result = run_worker(rank, world, params)
+        if world > 1:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        if rank == 0:
+            (tmp / "result.tmp").write_text(json.dumps(result))
+            os.replace(tmp / "result.tmp", tmp / "result.json")
+    except BaseException:  # noqa: BLE001 - reported to the parent, which names the rank
+        (tmp / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
