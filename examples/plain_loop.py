@@ -24,7 +24,7 @@ def main() -> None:
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = odb.ODBDataLoader(SyntheticSFT(n=opts.samples), token_budget=opts.token_budget, shuffle=True,
-                               num_workers=opts.workers,
+                               num_workers=opts.workers, shift_labels=True,  # the LM shifts labels in its loss
                                collate_fn=pad_collate, buffer_size=256, gradient_accumulation_steps=2)
     seen = 0
     for batch in loader:

@@ -212,11 +212,50 @@ def llamafactory_run_exp() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], N
     return {}, check
 
 
+def llamafactory_parts() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
+    """What LLaMA-Factory's run_sft builds before its trainer: model, training_args, collator, dataset_module..."""
+    import torch
+
+    from odb.integrations.llamafactory import import_llamafactory
+
+    import_llamafactory()  # before load_model: its gradient checkpointing (on here) needs the transformers 5 fix
+    from llamafactory.data import SFTDataCollatorWith4DAttentionMask, get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model import load_model, load_tokenizer
+
+    config = {**llamafactory_config(), "use_cpu": True, "disable_tqdm": True}
+    config.pop("warmup_ratio")  # run_exp translates it; get_train_args is LLaMA-Factory's own parser
+    model_args, data_args, training_args, finetuning_args, _ = get_train_args(config)
+    tokenizer_module = load_tokenizer(model_args)
+    template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
+    dataset_module = get_dataset(template, model_args, data_args, training_args, stage="sft", **tokenizer_module)
+    model = load_model(tokenizer_module["tokenizer"], model_args, finetuning_args, training_args.do_train)
+    collator = SFTDataCollatorWith4DAttentionMask(template=template, model=model, pad_to_multiple_of=8,
+                                                  label_pad_token_id=-100, **tokenizer_module)
+    ns = dict(model=model, training_args=training_args, finetuning_args=finetuning_args, collator=collator,
+              dataset_module=dataset_module, tokenizer_module=tokenizer_module,
+              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    before = snapshot(model)
+
+    def check(ns: Dict[str, Any]) -> None:
+        if "trainer" in ns:
+            state = ns["trainer"].state
+            assert state.global_step > 0 and math.isfinite(state.log_history[-1]["train_loss"])
+            assert ns["trainer"].odb_step_infos, "the trainer did not train on odb batches"
+        else:
+            assert ns["handle"].loader.odb_stats["samples"] == len(dataset_module["train_dataset"])
+        trained(before, model)
+
+    return ns, check
+
+
 FIXTURES: Dict[str, Callable[[], Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]]] = {
     "readme-quickstart": plain_loop,
     "hf-trainer": hf_trainer,
     "trl-sft": trl_sft,
     "llamafactory-run-exp": llamafactory_run_exp,
+    "llamafactory-trainer": llamafactory_parts,
+    "llamafactory-loop": llamafactory_parts,
     "accelerate-loop": accelerate_loop,
     "lightning-fit": lightning_fit,
 }
