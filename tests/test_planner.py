@@ -7,6 +7,9 @@ exact integer arithmetic, so a planner that trusts a wrong count is caught.
 
 from __future__ import annotations
 
+import bisect
+import math
+
 from typing import List, NamedTuple, Optional
 
 import numpy as np
@@ -115,11 +118,36 @@ def assert_within_budget(cfg: ODBConfig, rows: np.ndarray, patches: Optional[np.
     assert fits(cfg, rows[group], None if patches is None else patches[group])
 
 
+BAND_EDGES = sorted({math.ceil(2 ** (k / 4)) for k in range(252)})  # bands of total length, 4 per octave
+
+
+def order_key(padded_row, sample_id: int) -> tuple:
+    """The planner's order, written out: one dimension by decreasing length; several by decreasing band of
+    total length, then the first dimension's share (rising in odd bands, falling in even ones), then
+    decreasing total; ties by id."""
+    total = int(sum(padded_row))
+    if len(padded_row) == 1:
+        return (-total, sample_id)
+    band = bisect.bisect_right(BAND_EDGES, max(total, 1))
+    share = padded_row[0] / max(total, 1)
+    return (-band, -share if band % 2 == 0 else share, -total, sample_id)
+
+
 def sorted_positions(cfg: ODBConfig, rows: np.ndarray, ids: np.ndarray, keep: np.ndarray) -> List[int]:
-    """Pool positions in the planner's order: decreasing padded total, then id."""
+    """Pool positions in the planner's order (``order_key``)."""
     m = cfg.pad_to_multiple_of
-    totals = (-(-rows // m) * m).sum(axis=1)
-    return sorted((int(i) for i in keep), key=lambda i: (-int(totals[i]), int(ids[i])))
+    padded = -(-rows // m) * m
+    return sorted((int(i) for i in keep), key=lambda i: order_key([int(v) for v in padded[i]], int(ids[i])))
+
+
+def test_sort_order_of_two_lengths_goes_down_bands_of_total_by_how_they_split() -> None:
+    # totals 48 and 49 are in band 18 (even: the first dimension's share falls) and come first; totals
+    # 40, 40, 40, 41 share band 17 (odd: it rises), so the run crossing the band edge meets a similar split.
+    rows = np.array([[10, 30], [30, 10], [20, 20], [11, 30], [12, 36], [36, 13]])
+    assert sort_order(rows, np.arange(6)).tolist() == [5, 4, 0, 3, 2, 1]
+    assert [bisect.bisect_right(BAND_EDGES, t) for t in (40, 41, 48, 49)] == [17, 17, 18, 18]
+    # one dimension: decreasing length, ties by id
+    assert sort_order(np.array([[3], [9], [5], [9]]), np.array([3, 2, 1, 0])).tolist() == [3, 1, 2, 0]
 
 
 def longest_feasible_run(cfg: ODBConfig, rows, patches, order: List[int], start: int, at_budget: bool = True) -> int:

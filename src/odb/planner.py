@@ -1,7 +1,8 @@
 """The online planner: a pure function from a pool of sample lengths to batches.
 
 The pool (samples carried from the last window plus a new window) is sorted by
-decreasing size. A batch is a run of neighbours in that order. A dynamic program
+decreasing size (with several length dimensions, in bands of size by how the dimensions
+split it: ``sort_order``). A batch is a run of neighbours in that order. A dynamic program
 picks the runs to emit now: a run is worth emitting when its real tokens reach
 ``pack_efficiency`` of a *full* batch of copies of its longest sample; what no good
 run takes is carried to the next window, where more neighbours of similar length
@@ -38,11 +39,35 @@ class WindowPlan:
 
 
 _TIE = 1e-6  # tokens; absorbs float error where emitting and carrying tie
+_BANDS_PER_OCTAVE = 4  # several length dimensions: bands of total length, 2**(1/4) = 1.19 wide
+# Integer lower edges of the bands, ceil(2**(k / 4)): a total's band is exact integer arithmetic.
+_BAND_EDGES = np.unique(np.ceil(2.0 ** (np.arange(0, 63 * _BANDS_PER_OCTAVE) / _BANDS_PER_OCTAVE))).astype(np.int64)
 
 
 def sort_order(padded: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Decreasing total padded length; ties broken by sample id (deterministic)."""
-    return np.lexsort((ids, -padded.sum(axis=1)))
+    """The planner's order: neighbours in it make well-packed batches. Ties broken by sample id.
+
+    One dimension: decreasing padded length. Several (e.g. source and target): a batch
+    pays for the longest of each dimension, so samples of equal total that split it
+    differently pack badly. The order goes down bands of total length (each 1.19x wide),
+    and inside a band by the first dimension's share of the total, up and down in
+    alternate bands so that a run crossing into the next band meets a similar split;
+    then by decreasing total. On the benchmark's two-length workloads this makes 7-8% fewer
+    steps than sorting by the total alone (docs/algorithm.md).
+
+    Example:
+        >>> sort_order(np.array([[3], [9], [5]]), np.arange(3)).tolist()
+        [1, 2, 0]
+        >>> sort_order(np.array([[10, 30], [30, 10], [20, 20], [11, 30]]), np.arange(4)).tolist()
+        [0, 3, 2, 1]
+    """
+    total = padded.sum(axis=1)
+    if padded.shape[1] == 1:
+        return np.lexsort((ids, -total))
+    band = np.searchsorted(_BAND_EDGES, np.maximum(total, 1), side="right")
+    share = padded[:, 0] / np.maximum(total, 1)
+    share = np.where(band % 2 == 0, share, -share)
+    return np.lexsort((ids, -total, -share, -band))
 
 
 def greedy_segments(counts: np.ndarray, multiple: int) -> List[tuple]:
