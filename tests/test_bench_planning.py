@@ -7,6 +7,7 @@ import pytest
 import odb
 from odb.bench.planning import (DEFAULT, SHORT_EPOCHS, _baselines, _compare, batch_metrics, load_workloads,
                                 odb_loader_run, oracle_batches, short_epochs)
+from odb.bench.report import order_rho_max
 from odb.bench.workloads import encoder_decoder_lengths, lognormal_lengths
 
 pytest.importorskip("transformers")
@@ -97,14 +98,17 @@ def test_odb_defaults_plan_as_well_as_length_grouping_and_near_the_oracle(worklo
     _compare(methods)
     d, grouped, oracle = methods[DEFAULT], methods["length_grouped"], methods["oracle"]
     assert d["samples_emitted"] == len(x) and d["over_budget_batches"] == 0.0
-    # full epochs (measured: odb 0.985-0.994 against 0.968-0.986 on one-length workloads; the two-length ones
-    # trail LengthGrouped by 0.013 / 0.057 with the oracle below it too)
+    # full epochs (measured: odb 0.985-0.994 against LengthGrouped's 0.968-0.986 on one-length workloads,
+    # 0.898 / 0.812 against 0.846 / 0.789 on the two-length ones)
     assert d["token_efficiency"] >= _floor(d["token_efficiency"], grouped["token_efficiency"],
                                            oracle["token_efficiency"], name)
-    # measured 0.986-1.000 of the oracle's tokens per step
+    # measured 0.986-0.994 of the oracle's tokens per step with one length, 1.08-1.09 with two
     assert d["ratio_to_oracle"] >= (0.95 if name.startswith(HEAVY_TAILED) else 0.97)
-    # the emitted order barely follows length (measured |rho| <= 0.19)
-    assert abs(d["order_spearman"]) <= 0.3
+    if x.shape[1] == 2:  # the banded order of two lengths (odb.planner.sort_order) beats the sort by the total
+        assert d["ratio_to_oracle"] >= 1.03 and d["token_efficiency"] >= grouped["token_efficiency"]
+    # the emitted order follows length no more than a random order of as many batches would at 3 sigma, and
+    # never by more than 0.1 (measured: 0.00-0.03 over 882-1,982 steps, 0.17 / 0.25 over 116 / 55 steps)
+    assert abs(d["order_spearman"]) <= order_rho_max(d["steps"])
 
     for n, e in short_epochs(x, BUDGET).items():
         ms = e["methods"]

@@ -46,7 +46,8 @@ def test_outputs_written(bench):
     summary = (out / "summary.md").read_text()
     for heading in ("Goals", "Planner quality", "odb buffers", "Loader cost", "Training", "End to end"):
         assert heading in summary and heading in stdout, heading
-    assert "useful fill" in stdout and "training speedup" in stdout and "overlap" in stdout
+    assert "useful fill" in stdout and "odb padded x" in stdout and "overlap" in stdout
+    assert (out / "training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert " met" in stdout
     assert results["meta"]["quick"] is True
     assert not missing_citations(summary, str(out)), "the summary cites files that do not exist"
@@ -81,7 +82,9 @@ def test_planning_invariants(bench):
             assert m["source"] == "ODBDataLoader", where
             assert m["plan_stream_same_batches"], where
             assert methods["fixed"]["useful_fill"] < m["useful_fill"], where
-            assert 0.2 < m["ratio_to_oracle"] <= 1.02, where
+            # one length: the greedy sorted cut makes the fewest steps; with two, odb's banded order
+            # (odb.planner.sort_order) can make fewer than the oracle's sort by the total
+            assert 0.2 < m["ratio_to_oracle"] <= (1.02 if w["dims"] == 1 else 1.15), where
             assert -1.0 <= m["order_spearman"] <= 1.0
             assert m["mean_abs_displacement"] >= 0.0
             assert m["window_plan_ms_mean"] > 0.0 and m["plan_us_per_sample"] > 0.0
@@ -120,13 +123,18 @@ def test_loader_training_and_e2e_figures(bench):
         for key in ("samples_per_s_ratio", "cpu_s_ratio", "loader_throughput_ratio", "thread_cpu_ratio"):
             assert reg["ratios"][key] > 0.0
     training = results["training"]
-    assert {"fixed", "length_grouped", "odb"} <= set(training["arms"])
-    fixed, o = training["fixed"], training["odb"]
-    for arm in ("fixed", "length_grouped"):
-        assert training[arm]["samples"] == o["samples"] == training["samples"]
-        assert training[arm]["real_tokens"] == o["real_tokens"]  # same samples, seen once by each arm
-    assert o["mean_batch_size"] >= fixed["mean_batch_size"]
-    assert all(v > 0.0 for v in training["speedups"].values())
+    assert set(training["arms"]) == {"fixed", "group_by_length", "batch_rebalance", "trl_packing", "odb_padded",
+                                     "odb_packed"}
+    for part, world in (("ranks2", 2), ("ranks1", 1)):
+        assert training[part]["world"] == world
+        assert set(training[part]["workloads"]) == {"short-pairs", "heavy-tailed", "long-chat"}
+        for w in training[part]["workloads"].values():
+            assert set(w["arms"]) == set(training["arms"])
+            odb_tokens = w["arms"]["odb_padded"]["real_tokens"]
+            assert odb_tokens == w["arms"]["odb_packed"]["real_tokens"] == w["tokens"]  # each sample once
+            assert all(v > 0.0 for v in w["odb_over"]["odb_padded"].values())
+    assert training["goals"] and all(isinstance(g["met"], bool) for g in training["goals"])
+    assert set(training["convergence"]["arms"]) >= {"fixed", "group_by_length", "odb_padded", "odb_packed"}
     e2e = results["e2e"]
     assert set(e2e["settings"]) == {"compute-bound", "data-bound"}
     assert e2e["data_s"] > 0.0 and e2e["plain_fit_batch_size"] >= 1
@@ -164,8 +172,8 @@ def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
 
 
 def test_packing_figures(bench):
-    """The packed-layout section: every sample in exactly one odb row, fills bounded by the lower bound, the same
-    samples and tokens in every training arm."""
+    """The packed-layout section: every sample in exactly one odb row, fills bounded by the lower bound; packed
+    rows train padding-free with odb_varlen."""
     _, results, stdout = bench
     pk = results["packing"]
     assert "Packed layout" in stdout
@@ -176,12 +184,7 @@ def test_packing_figures(bench):
         assert o["rows"] >= w["bound_rows"] and t["rows"] >= w["bound_rows"], name
         assert 0.0 < f["fill"] <= o["fill"] <= 1.0 and 0.0 < t["fill"] <= 1.0, name
         assert o["fill"] == pytest.approx(w["tokens"] / (o["rows"] * budget))
-    tr = pk["training"]
-    assert set(tr["arms"]) == {"odb-padded", "odb-packed", "odb-packed-sdpa", "fixed-count", "trl-bfd"}
-    assert tr["attn"] == {"odb-padded": "sdpa", "odb-packed": "odb_varlen", "odb-packed-sdpa": "sdpa",
-                          "fixed-count": "odb_varlen", "trl-bfd": "odb_varlen"}
-    for arm in tr["arms"]:
-        assert tr[arm]["samples"] == tr["samples"], arm
-        assert tr[arm]["real_tokens"] == tr["odb-padded"]["real_tokens"], arm
-    for arm in ("odb-packed", "odb-packed-sdpa", "fixed-count", "trl-bfd"):
-        assert tr[arm]["token_efficiency"] == 1.0, arm  # padding-free rows
+    assert "training" not in pk  # packed training is measured by the training section, beside padded batches
+    arms = results["training"]["ranks2"]["workloads"]["heavy-tailed"]["arms"]
+    for arm in ("odb_packed", "trl_packing"):
+        assert arms[arm]["token_efficiency"] == 1.0 and arms[arm]["attention"] == "odb_varlen", arm
