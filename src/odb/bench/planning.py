@@ -291,18 +291,22 @@ def odb_loader_run(lengths: np.ndarray, cfg: ODBConfig, seed: int, sequential: b
             "peak_held_samples": int(held_samples.max()), "peak_held_tokens": int(held_tokens.max())}
 
 
-def time_planner(lengths: np.ndarray, cfg: ODBConfig) -> Tuple[List[np.ndarray], List[float]]:
+def time_planner(lengths: np.ndarray, cfg: ODBConfig,
+                 cpu_times: Optional[List[float]] = None) -> Tuple[List[np.ndarray], List[float]]:
     """``odb.window.plan_stream`` over lengths in arrival order: its groups (arrival positions) and
-    the seconds spent planning each window."""
+    the seconds spent planning each window (wall clock); ``cpu_times``, when given, receives this
+    thread's CPU seconds per window (what planning costs, whatever else shares the machine)."""
     groups: List[np.ndarray] = []
     times: List[float] = []
     windows = plan_stream(lengths, cfg)
     while True:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         planned = next(windows, None)
         if planned is None:
             break
         times.append(time.perf_counter() - t0)
+        if cpu_times is not None:
+            cpu_times.append(time.thread_time() - c0)
         groups.extend(planned.groups)
     return groups, times
 
@@ -330,7 +334,8 @@ def odb_method(lengths: np.ndarray, cfg: ODBConfig, budget: int, seed: int) -> D
     run = odb_loader_run(lengths, cfg, seed)
     m = batch_metrics(lengths, run["batches"], budget, run["arrival"])
     arrived = lengths[run["read_order"]]
-    groups, times = time_planner(arrived, cfg)
+    cpu: List[float] = []
+    groups, times = time_planner(arrived, cfg, cpu)
     # The planner breaks ties between equal lengths by sample id (dataset index in the
     # loader, arrival position in plan_stream): compare on a loader run whose ids are
     # arrival positions.
@@ -342,6 +347,7 @@ def odb_method(lengths: np.ndarray, cfg: ODBConfig, budget: int, seed: int) -> D
         plan_stream_same_batches=_as_sets(check["batches"]) == _as_sets(groups),
         window_plan_ms_mean=1e3 * float(np.mean(times)), window_plan_ms_max=1e3 * float(np.max(times)),
         windows=len(times), plan_s=float(np.sum(times)), plan_us_per_sample=1e6 * float(np.sum(times)) / max(n, 1),
+        plan_cpu_us_per_sample=1e6 * float(np.sum(cpu)) / max(n, 1),
         loader_us_per_sample=1e6 * run["loader_s"] / max(n, 1),
         # how many full batches one window holds: small values force under-filled batches
         window_in_budgets=full_window_tokens(cfg, lengths) / budget,

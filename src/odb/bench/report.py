@@ -156,7 +156,8 @@ def buffer_table(planning: Dict[str, Any], markdown: bool = False) -> str:
     peak samples/tokens read but not emitted (measured from outside), planning cost, and the samples read
     before the first and tenth batch."""
     header = ["workload", "odb", "buffered_max", "read_ahead_max", "read_ahead_tokens_max", "peak held samples",
-              "peak held tokens", "windows", "plan us/sample", "plan ms/window (max)", "reads before batch 1",
+              "peak held tokens", "windows", "plan us/sample", "plan CPU us/sample", "plan ms/window (max)",
+              "reads before batch 1",
               "reads before batch 10", "plan_stream = loader"]
     rows = []
     for name, w in planning["workloads"].items():
@@ -167,8 +168,8 @@ def buffer_table(planning: Dict[str, Any], markdown: bool = False) -> str:
             rows.append([name, k, _fmt(m.get("buffered_max"), "{:d}"), _fmt(m.get("read_ahead_max"), "{:d}"),
                          _fmt(m.get("read_ahead_tokens_max"), "{:d}"), _fmt(m.get("peak_held_samples"), "{:d}"),
                          _fmt(m.get("peak_held_tokens"), "{:d}"), _fmt(m.get("windows"), "{:d}"),
-                         _fmt(m.get("plan_us_per_sample"), "{:.1f}"), _fmt(m.get("window_plan_ms_max"), "{:.1f}"),
-                         _fmt(m.get("reads_before_batch_1"), "{:d}"), _fmt(m.get("reads_before_batch_10"), "{:d}"),
+                         _fmt(m.get("plan_us_per_sample"), "{:.1f}"), _fmt(m.get("plan_cpu_us_per_sample"), "{:.1f}"),
+                         _fmt(m.get("window_plan_ms_max"), "{:.1f}"), _fmt(m.get("reads_before_batch_1"), "{:d}"), _fmt(m.get("reads_before_batch_10"), "{:d}"),
                          "yes" if m.get("plan_stream_same_batches") else "NO"])
     return _table(header, rows, markdown)
 
@@ -458,7 +459,9 @@ def planning_goals(planning: Dict[str, Any]) -> List[Tuple[str, str, str, Option
         if not d:
             continue
         floor = HEAVY_TAIL_FILL_MIN if name.startswith(HEAVY_TAILED) else FILL_MIN
-        ratio, us = d.get("ratio_to_oracle"), d.get("plan_us_per_sample")
+        ratio = d.get("ratio_to_oracle")
+        # CPU time of the planning thread: the machine may be shared, and waiting for a core is not planning cost
+        us = d.get("plan_cpu_us_per_sample", d.get("plan_us_per_sample"))
         if ratio is not None:
             out.append((f"window {name}: odb-default useful fill / oracle", f"{ratio:.3f}", f">= {floor}",
                         ratio >= floor))
@@ -476,7 +479,7 @@ def planning_goals(planning: Dict[str, Any]) -> List[Tuple[str, str, str, Option
             out.append((f"order {name}: |rank correlation| of odb-default's batch order with length",
                         f"{rho:+.2f} ({d['steps']} steps)", f"<= {bound:.2f}", abs(rho) <= bound))
         if us is not None:
-            out.append((f"planning {name}: us per sample at the default window", f"{us:.1f}",
+            out.append((f"planning {name}: CPU us per sample at the default window", f"{us:.1f}",
                         f"<= {PLAN_US_MAX:g}", us <= PLAN_US_MAX))
     return out
 
