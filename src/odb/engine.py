@@ -15,7 +15,7 @@ import collections
 import copy
 import dataclasses
 import warnings
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -30,14 +30,18 @@ from .stats import EpochStats
 from .step_info import ODBStepInfo, attach_step_info
 from .window import WindowPlanner, window_limits
 
+ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
+
 
 class EpochRun:
     """Iterates ``(batch, cursor)`` of one epoch. Built by the loader; not public API."""
 
     def __init__(self, cfg: ODBConfig, source: SampleSource, collate_fn: Callable[[List[Any]], Any],
                  *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, exchange: Any = None,
-                 finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None) -> None:
+                 finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None,
+                 notices: Optional[Set[str]] = None) -> None:
         self.cfg = cfg
+        self.notices = notices if notices is not None else set()  # warnings given once per loader, not per epoch
         self.total = total  # samples this epoch brings (None: unknown, e.g. an IterableDataset)
         self.source = source
         self._collate = collate_fn
@@ -142,7 +146,10 @@ class EpochRun:
     def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
         cfg = self.cfg
         patches = self.pool.patches(ids) if cfg.image_patches_key else None
-        planned = self.planner.plan(np.array(ids, dtype=np.int64), self.pool.lengths(ids), patches, final=final)
+        lengths = self.pool.lengths(ids)
+        if self.stats.windows == 0 and self.rank == 0:
+            self._note_one_length(lengths)
+        planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final)
         self.stats.windows += 1
         groups = list(planned.groups)
         for sid in planned.oversize.tolist():
@@ -156,6 +163,24 @@ class EpochRun:
                     self.pool.forget(g)
             groups = keep
         return self._order(groups)
+
+    def _note_one_length(self, lengths: np.ndarray) -> None:
+        """Warn (once per loader) when every sample of the epoch's first window has one length: the batches
+        are then a fixed batch size's, and odb has nothing to group (e.g. run_clm.py's block_size chunks)."""
+        if "one_length" in self.notices or len(lengths) < ONE_LENGTH_MIN or (lengths != lengths[0]).any():
+            return
+        self.notices.add("one_length")
+        cost = self.planner.cost
+        fit = int(cost.copies_that_fit_unrounded(cost.pad(lengths[:1]))[0])
+        length = int(lengths[0, 0]) if lengths.shape[1] == 1 else tuple(int(v) for v in lengths[0])
+        what = "rows of" if self.cfg.layout == "packed" else "batches of"
+        warnings.warn(f"odb: all {len(lengths)} samples of the epoch's first window have length {length}, so odb "
+                      f"builds fixed {what} {fit} samples (token_budget={self.cfg.token_budget}), as a fixed batch "
+                      f"size would: there is nothing to group by length, and no padding to save. Samples cut to one "
+                      f"length (e.g. group_texts / block_size chunks of concatenated texts) leave odb nothing to "
+                      f"gain. Fix: tokenize without concatenating (one sample per text, truncated to a max_length), "
+                      f"so odb groups samples of different lengths; layout='packed' then also fills every row "
+                      f"without padding (docs/packing.md).", UserWarning, stacklevel=2)
 
     def _oversize(self, sid: int) -> List[np.ndarray]:
         lengths, _, patches = self.pool.meta(sid)

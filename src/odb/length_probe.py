@@ -3,20 +3,23 @@
 ``len()`` of an odb loader is a step estimate (``odb.estimate``) from the samples'
 lengths. Without ``lengths=`` (or a ``length`` column), odb reads evenly spaced
 samples, as many as their spread asks for (``probe_size``), through the loader's own
-sample processing and, where it has any, in its own worker processes.
+sample processing and, where it has any, in its own worker processes. A length seen
+there that alone exceeds the budget (``first_oversize``) is refused by ``len()`` with
+``oversize="error"``, as the epoch would refuse it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from .config import ODBConfig
+from .cost import CostModel
 from .estimate import DEFAULT_PROBE, probe_size
 from .sampling import IndexedDataset
 from .source import ChunkCollate, SampleMeter
@@ -94,3 +97,55 @@ def _measure(dataset: Any, transform: Optional[Callable[[Any], Any]], cfg: ODBCo
                        worker_init_fn=workers.worker_init_fn)
     for _, ids, metas, _, _ in probe:  # (positions, indices, metas, samples, tag) of ChunkCollate
         out.update((i, m[0]) for i, m in zip(ids, metas))
+
+
+def first_oversize(lengths: Any, cfg: ODBConfig) -> Optional[Tuple[int, Tuple[int, ...], int]]:
+    """``(position, its lengths, the budget it needs)`` of the first sample that alone costs more than
+    ``cfg.token_budget`` (the smallest int budget that fits it), or None when every sample fits.
+
+    Example:
+        >>> from odb.config import ODBConfig
+        >>> first_oversize([3, 9, 12], ODBConfig(token_budget=8, pad_to_multiple_of=4))
+        (1, (9,), 12)
+        >>> first_oversize([3, 7], ODBConfig(token_budget=8)) is None
+        True
+    """
+    values = np.asarray(lengths, dtype=np.int64)
+    if values.size == 0:
+        return None
+    values = values.reshape(len(values), -1)
+    if len(cfg.token_budgets) > 1 and values.shape[1] != len(cfg.token_budgets):
+        return None  # lengths of another shape than the budget: the planner names that mismatch
+    cost = CostModel.from_config(cfg)
+    padded = cost.pad(values)
+    over = np.flatnonzero(cost.copies_that_fit_unrounded(padded) < 1)
+    if not len(over):
+        return None
+    k = int(over[0])
+    weight = cost.token_weight(padded[k:k + 1])[0]
+    return k, tuple(int(v) for v in values[k]), int(np.ceil(weight.max() if len(cfg.token_budgets) > 1
+                                                             else weight.sum()))
+
+
+def check_probed_fit(lengths: Any, cfg: ODBConfig, what: str, total: Optional[int] = None) -> None:
+    """Refuse (``oversize="error"``) lengths of which one alone exceeds the budget; ``what`` says where
+    they come from. ``total``: the dataset's size (when ``lengths`` has one entry per index, the
+    message names the sample's index).
+
+    Example:
+        >>> from odb.config import ODBConfig
+        >>> check_probed_fit([3, 40], ODBConfig(token_budget=32), "len(loader) measured them", total=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: sample 1 has length 40, so alone it exceeds token_budget=32 (found when len(loader) ...
+    """
+    found = first_oversize(lengths, cfg) if cfg.oversize == "error" else None
+    if found is None:
+        return
+    k, length, needed = found
+    shown = length[0] if len(length) == 1 else length
+    who = f"sample {k}" if total is not None and len(lengths) == total else "a sample"
+    raise ValueError(f"{who} has length {shown}, so alone it exceeds token_budget={cfg.token_budget} "
+                     f"(found when {what}). Rule: oversize='error' refuses such samples, and the epoch would stop "
+                     f"at it. Fix: raise token_budget (to at least {needed} for this sample), truncate samples "
+                     f"(e.g. tokenizer max_length), or pass oversize='alone' (own batch) or 'skip'.")

@@ -20,7 +20,7 @@ from .dist import RankExchange, world
 from .engine import EpochRun
 from .estimate import estimate_steps
 from .known import GroupCollate, PlannedBatchSampler, known_epoch, known_records
-from .length_probe import Workers, meter_for_workers, probe_lengths
+from .length_probe import Workers, check_probed_fit, meter_for_workers, probe_lengths
 from .lengths import LabelBudgetCheck, check_length_dims
 from .loader_state import ResumableLoader
 from .packed_collate import PackedCollate
@@ -115,6 +115,7 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_step_exchange: Any = False  # False: online mode; None or a RankExchange: known lengths
         self._odb_known_wait = 0.0
         self._odb_known_loss = 0
+        self._odb_notices: set = set()  # warnings the loader's epochs give once (odb.engine.EpochRun.notices)
         self._odb_checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
         self._odb_known_lengths()  # refuses lengths that do not match the dataset, now
 
@@ -228,7 +229,7 @@ class ODBLoaderMixin(ResumableLoader):
         run = EpochRun(self._odb_cfg, source, list if known is not None else self._odb_group_collate, epoch=epoch,
                        seed=self._odb_seed, shuffle=self._odb_shuffle, drop_last=bool(self.drop_last),
                        exchange=exchange, finalize=self._odb_pin if pin else None,
-                       total=self._odb_epoch_total() if order is None else len(order))
+                       total=self._odb_epoch_total() if order is None else len(order), notices=self._odb_notices)
         run.stream_marks = marks
         if run_state is not None:
             run.restore(run_state, self._odb_retained(source, run_state, known, order))
@@ -461,6 +462,8 @@ class ODBLoaderMixin(ResumableLoader):
             lengths = np.asarray(self.dataset["length"])  # a datasets.Dataset with a length column
         if lengths is None:
             lengths = probe_lengths(self.dataset, self._odb_transform, cfg, self._odb_workers())
+        check_probed_fit(lengths, cfg, "len(loader) measured the dataset's samples",
+                         total if self._odb_lengths is not None else None)  # known lengths: by index
         return max(1, estimate_steps(np.asarray(lengths), n, cfg, world_size=world_size))
 
     def _odb_workers(self) -> Workers:

@@ -8,11 +8,19 @@ breaks those that do: a KV cache in the forward (``config.use_cache=True``, Llam
 default, even in training) makes transformers skip the packed-row detection.
 ``check_packed_model`` runs the model once on a small packed row and on each of its
 samples alone and refuses it, with the reason, when the logits differ.
+
+``prepare_packed_model`` is what odb's trainer integrations run when they train on
+packed rows: a model exact only through a dense mask of the whole row (``sdpa``,
+``eager``: T^2 attention per row of T tokens, slower than the padded batch of the same
+samples) is switched to odb's per-sample attention ``odb_varlen`` (exact: it is probed
+like any other), and the switch is logged once; ``attention="model"`` keeps the
+model's own attention.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 import weakref
 from typing import Any, Dict, Optional, Tuple
@@ -23,6 +31,9 @@ from .packed_collate import PackedCollate
 
 
 _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models already told that their mask is dense
+_DENSE = ("sdpa", "eager")  # transformers' attentions that isolate packed samples through a T x T mask
+PACKED_ATTENTION = ("odb_varlen", "model")
+logger = logging.getLogger(__name__)
 
 
 class PackedLayoutError(ValueError):
@@ -91,6 +102,78 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
             fix = "keep PackedCollate(use_cache=False) (the default) or set model.config.use_cache = False"
     raise PackedLayoutError(f"odb refuses layout='packed' for {name}: a packed sample's logits differ from its "
                             f"logits alone by {diff:.3g} (tolerance {tol:.3g}). Reason: {reason}. Fix: {fix}.")
+
+
+def prepare_packed_model(model: Any, collate: Optional[PackedCollate] = None, *,
+                         attention: str = "odb_varlen") -> str:
+    """Ready ``model`` for packed rows; return the attention implementation it will train with.
+
+    ``attention="odb_varlen"`` (default): a model whose attention is ``sdpa`` or ``eager``
+    (exact on packed rows only through a dense T x T mask) is switched to odb's
+    ``"odb_varlen"`` (``odb.register_varlen_attention``: attention per sample, the cost
+    of the samples), with one log line (logger ``odb.packed_models``, level WARNING)
+    saying so and how to keep the old one. Padded batches (evaluation, generation with a
+    KV cache) still run ``sdpa`` under that name. Where the switch is not possible (a
+    model that cannot change its attention, a layer odb_varlen does not compute:
+    soft-capping, attention sinks) the model keeps its attention and the log says why.
+    ``attention="model"``: keep the model's attention. Then the model is probed
+    (``check_packed_model``, which warns about a dense mask kept).
+
+    Raises:
+        PackedLayoutError: the model mixes packed samples (see ``check_packed_model``).
+        ValueError: ``attention`` is not one of ``"odb_varlen"``, ``"model"``.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa"))
+        >>> prepare_packed_model(model)
+        'odb_varlen'
+    """
+    if attention not in PACKED_ATTENTION:
+        raise ValueError(f"packed_attention={attention!r} is not one of {PACKED_ATTENTION}. Rule: 'odb_varlen' "
+                         f"switches an sdpa/eager model to per-sample attention on packed rows, 'model' keeps the "
+                         f"model's own. Fix: pass packed_attention='odb_varlen' (default) or 'model'.")
+    impl = _attn_impl(model)
+    if attention == "odb_varlen" and impl in _DENSE and _switch_to_varlen(model, impl, collate):
+        return _attn_impl(model)
+    check_packed_model(model, collate)
+    return _attn_impl(model)
+
+
+def _switch_to_varlen(model: Any, impl: str, collate: Optional[PackedCollate]) -> bool:
+    """Set odb_varlen on the model and probe it; put ``impl`` back (and say why) when that fails."""
+    from .varlen_attention import register_varlen_attention
+
+    name, label = register_varlen_attention(), type(model).__name__
+    setter = getattr(model, "set_attn_implementation", None)
+    why = "it has no set_attn_implementation"
+    if setter is not None:
+        try:
+            setter(name)
+            why = "transformers cannot change its attention implementation after loading"
+        except Exception as err:  # transformers refuses a model that cannot use a custom attention
+            why = f"set_attn_implementation refused it ({err})"
+    if _attn_impl(model) == name:
+        try:
+            check_packed_model(model, collate)
+        except Exception as err:  # a layer odb_varlen cannot compute (soft-capping, sinks), or samples still mixed
+            setter(impl)
+            why = f"the probe failed with it ({err})"
+        else:
+            logger.warning(f"odb: {label} trains on packed rows, so its attention is switched from {impl!r} to "
+                           f"{name!r}: attention per sample, exact and at the cost of the samples, where {impl!r} "
+                           f"attends over a dense mask of the whole row (T^2 per row of T tokens; slower than padded "
+                           f"batches). Padded batches (evaluation, generation) still run sdpa. To keep {impl!r}, "
+                           f"pass packed_attention='model' to enable_odb.")
+            return True
+    logger.warning(f"odb: {label} keeps attn_implementation={impl!r} on packed rows: odb could not switch it to "
+                   f"{name!r} because {why}.")
+    return False
+
+
+def _attn_impl(model: Any) -> Optional[str]:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _warn_dense_mask(model: Any, name: str) -> None:
