@@ -215,9 +215,48 @@ def test_padding_free_refuses_a_model_that_mixes_packed_samples(tmp_path):
                                      num_attention_heads=2, word_embed_proj_dim=16, max_position_embeddings=128))
     trainer = sft_trainer(tmp_path, model=model, padding_free=True)
     with pytest.raises(PackedLayoutError) as info:
-        enable_odb(trainer, token_budget=256)
+        enable_odb(trainer, token_budget=256, packed_attention="model")  # OPT's own sdpa mixes packed samples
     msg = str(info.value)
     assert "padding_free=True" in msg and "OPTForCausalLM" in msg and "set padding_free=False" in msg
+    # odb_varlen (the default) attends within each sample by the restarting position_ids: exact for OPT too
+    trainer = enable_odb(sft_trainer(tmp_path, model=model, padding_free=True), token_budget=256)
+    assert trainer.model.config._attn_implementation == "odb_varlen"
+
+
+def test_padding_free_switches_a_dense_mask_attention_to_odb_varlen(tmp_path, caplog):
+    # Before: the model kept its dense-mask attention (2.4x slower than training without odb); odb only warned.
+    import logging
+
+    from odb.integrations.trl import enable_odb
+
+    with caplog.at_level(logging.WARNING, logger="odb"):
+        trainer = enable_odb(sft_trainer(tmp_path, padding_free=True), token_budget=256)
+    assert trainer.model.config._attn_implementation == "odb_varlen"
+    switched = [r.getMessage() for r in caplog.records if "switched" in r.getMessage()]
+    assert len(switched) == 1 and "from 'eager' to 'odb_varlen'" in switched[0]
+    assert "packed_attention='model'" in switched[0]
+    with pytest.warns(UserWarning, match="dense block-diagonal mask"):  # kept on request: odb says what it costs
+        kept = enable_odb(sft_trainer(tmp_path, padding_free=True), token_budget=256, packed_attention="model")
+    assert kept.model.config._attn_implementation == "eager"
+    padded = enable_odb(sft_trainer(tmp_path), token_budget=256)  # padded batches: the model is left alone
+    assert padded.model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match=r"packed_attention='flash' is not one of.*Fix: pass packed_attention="):
+        enable_odb(sft_trainer(tmp_path, padding_free=True), token_budget=256, packed_attention="flash")
+
+
+def test_a_budget_below_max_length_is_refused_at_enable_odb(tmp_path):
+    # Before: enable_odb accepted it, and training stopped at the first window holding a longer sample.
+    from odb.integrations.trl import enable_odb
+
+    trainer = sft_trainer(tmp_path, max_length=64)
+    longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
+    assert longest > 12
+    with pytest.raises(ValueError, match=rf"has length {longest}, so alone it exceeds token_budget=12.*Fix: raise "
+                                         rf"token_budget to at least {longest}, set max_length=12 or less in the "
+                                         rf"SFTConfig \(now 64; TRL truncates samples to it\)"):
+        enable_odb(trainer, token_budget=12)
+    enable_odb(sft_trainer(tmp_path, max_length=12), token_budget=12)  # TRL truncates to the budget: accepted
+    enable_odb(sft_trainer(tmp_path, max_length=64), token_budget=12, oversize="alone")
 
 
 def test_trl_enable_odb_refuses_other_trainers(tmp_path):

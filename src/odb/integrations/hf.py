@@ -41,13 +41,15 @@ from ..config import CONFIG_FIELDS, ODBConfig
 from ..lengths import check_length_dims, seq2seq_lengths
 from ..loader import ODBDataLoader, make_config
 from ..step_info import ODBStepInfo
-from .hf_data import build_train_loader, epoch_emitted, estimate_micro_steps, read_state, write_state
+from .hf_collators import collator_label, collator_options, collator_rules
+from .hf_data import build_train_loader, check_fits, epoch_emitted, estimate_micro_steps, read_state, write_state
 from .hf_progress import SampleProgress, schedule_by_samples
-from .hf_setup import ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, loss_shifts_labels
-from .hf_steps import StepFiller, check_loss_tokens, next_step, pad_step, zero_loss
+from .hf_setup import (ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, log_batching,
+                       loss_shifts_labels, prepare_packed_rows)
+from .hf_steps import SampleView, StepFiller, check_loss_tokens, next_step, pad_step, recount_loss_tokens, zero_loss
 from .trl import sft_options
 
-__all__ = ["ODBTrainer", "ODBTrainerMixin", "configure_trainer", "enable_odb"]
+__all__ = ["ODBTrainer", "ODBTrainerMixin", "collator_options", "configure_trainer", "enable_odb"]
 
 
 class ODBTrainerMixin:
@@ -66,10 +68,11 @@ class ODBTrainerMixin:
     _odb: Optional[ODBRun] = None
 
     def __init__(self, *args: Any, token_budget: Any = None, odb_config: Optional[ODBConfig] = None,
-                 lengths: Optional[Sequence[int]] = None, **kwargs: Any) -> None:
+                 lengths: Optional[Sequence[int]] = None, packed_attention: str = "odb_varlen",
+                 **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in CONFIG_FIELDS}
         super().__init__(*args, **kwargs)
-        self._odb_enable(token_budget, odb_config, lengths, options)
+        self._odb_enable(token_budget, odb_config, lengths, options, packed_attention)
 
     # ---- public ----------------------------------------------------------------------
     @property
@@ -89,7 +92,7 @@ class ODBTrainerMixin:
 
     # ---- setup -----------------------------------------------------------------------
     def _odb_enable(self, token_budget: Any, config: Optional[ODBConfig], lengths: Optional[Sequence[int]],
-                    options: Dict[str, Any]) -> None:
+                    options: Dict[str, Any], packed_attention: str = "odb_varlen") -> None:
         check_loop_api()
         check_args(self)
         args = self.args
@@ -104,6 +107,9 @@ class ODBTrainerMixin:
             options["seed"] = args.data_seed if args.data_seed is not None else args.seed
         shift = loss_shifts_labels(self)
         options = sft_options(self, config, options, shift)  # TRL's collator: its labels, padding-free rows
+        rules = collator_rules(self.data_collator, shift_labels=shift, config=config, options=options)
+        if rules is not None:  # one of transformers' collators: the supervised tokens it trains on
+            options = rules.options
         if "shift_labels" not in options and (config is None or not config.shift_labels):
             options["shift_labels"] = shift
         if "length_fn" not in options and (config is None or config.length_fn is None) and lengths is None and \
@@ -111,7 +117,12 @@ class ODBTrainerMixin:
             options["length_fn"] = seq2seq_lengths  # an encoder-decoder's targets count against the budget too
         cfg = make_config(config, token_budget, options, "enable_odb")
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
+        check_fits(self, cfg, lengths)
+        if cfg.layout == "packed":
+            prepare_packed_rows(self, packed_attention)
         self._odb = ODBRun(cfg, lengths, shift)
+        self._odb.count_after_collate = rules is not None and rules.count_after_collate
+        self._odb.collator_name = rules.name if rules is not None else collator_label(self.data_collator)
         self.loss_is_scaled_for_ga = True  # loss_scale already covers accumulation: no division by the Trainer
         self.callback_handler.callbacks.insert(0, ProgressCallback(self._odb))
 
@@ -142,6 +153,7 @@ class ODBTrainerMixin:
         per_step = max(1, round(n / updates)) if n else accumulation * args.world_size
         run.progress = SampleProgress(target, n or 1)
         run.window.reset()
+        log_batching(run.cfg, args.world_size)
         samples = round(n * args.num_train_epochs) if target else per_step * max_steps
         return epochs, updates or max_steps, n or samples, samples, per_step, micro or max_steps * accumulation, \
             max_steps
@@ -211,7 +223,9 @@ class ODBTrainerMixin:
             return [], None
         batches, infos = got
         try:
-            check_loss_tokens(batches, infos, run.cfg, run.shift)
+            if run.count_after_collate:  # masked LM, left padding: the collated labels are the only count
+                infos = recount_loss_tokens(batches, infos, run.cfg, run.shift, self._odb_sum)
+            check_loss_tokens(batches, infos, run.cfg, run.shift, SampleView(self.train_dataset, run.collator_name))
         except ValueError as err:
             run.loader.odb_abort(err)  # the other ranks stop at their next exchange instead of waiting there
             raise
@@ -221,6 +235,13 @@ class ODBTrainerMixin:
         run.progress.add(sum(i.all_samples_this_step for i in infos))
         name = getattr(self.model, "main_input_name", "input_ids")
         return pad_step(batches, self.args.gradient_accumulation_steps, name), None
+
+    def _odb_sum(self, value: int) -> int:
+        """``value`` summed over the ranks (one all-reduce; the value itself on one process)."""
+        if self.args.world_size <= 1:
+            return value
+        total = torch.tensor(value, dtype=torch.int64, device=self.args.device)
+        return int(self.accelerator.reduce(total, reduction="sum"))
 
     # ---- loss ----------------------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -299,7 +320,8 @@ _CLASSES: Dict[type, type] = {}
 
 
 def enable_odb(trainer: Trainer, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
-               lengths: Optional[Sequence[int]] = None, **odb_options: Any) -> Trainer:
+               lengths: Optional[Sequence[int]] = None, packed_attention: str = "odb_varlen",
+               **odb_options: Any) -> Trainer:
     """Switch an existing Trainer (any subclass) to odb training, in place; returns it.
 
     Only this trainer changes: its class becomes a subclass ``ODB<Class>`` made with
@@ -309,6 +331,16 @@ def enable_odb(trainer: Trainer, token_budget: Any = None, *, config: Optional[O
     shifts labels (causal LM); ``length_fn`` to ``odb.seq2seq_lengths`` for an
     encoder-decoder model (source and target both count against the budget; an int
     budget bounds their sum) unless ``length_fn`` or ``lengths`` is given.
+
+    transformers' ``DataCollatorForLanguageModeling`` (causal and masked),
+    ``DataCollatorWithPadding``, ``DataCollatorForSeq2Seq``, ``DataCollatorWithFlattening``
+    and TRL's collators are recognised: odb counts the supervised tokens they train on
+    (``odb.integrations.hf_collators``) and takes their ``pad_to_multiple_of``. A sample
+    that alone exceeds the budget is refused here when the lengths are known cheaply
+    (``lengths``, a ``datasets.Dataset`` with ``input_ids``). Packed rows (TRL's
+    ``padding_free``, ``DataCollatorWithFlattening``, ``layout="packed"``) switch an
+    ``sdpa``/``eager`` model to ``"odb_varlen"`` attention, logged once;
+    ``packed_attention="model"`` keeps the model's attention.
 
     Example:
         >>> trainer = enable_odb(Trainer(model=m, args=a, train_dataset=ds, data_collator=c),
@@ -324,5 +356,5 @@ def enable_odb(trainer: Trainer, token_budget: Any = None, *, config: Optional[O
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"ODB{cls.__name__}", (ODBTrainerMixin, cls), {"__module__": __name__})
         trainer.__class__ = _CLASSES[cls]
-    trainer._odb_enable(token_budget, config, lengths, dict(odb_options))
+    trainer._odb_enable(token_budget, config, lengths, dict(odb_options), packed_attention)
     return trainer

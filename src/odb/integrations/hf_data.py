@@ -14,9 +14,11 @@ import os
 from functools import partial
 from typing import Any, Dict, Optional, Sequence
 
+import numpy as np
 from torch.utils.data import IterableDataset
 
 from ..config import ODBConfig
+from ..length_probe import first_oversize
 from ..loader import ODBDataLoader
 from ..sampling import ShardSampler
 
@@ -65,6 +67,64 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
         drop_last=args.dataloader_drop_last, lengths=lengths,
         worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index), **options)
+
+
+def check_fits(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[int]]) -> None:
+    """Refuse, when the Trainer is configured, a training sample that alone exceeds the budget.
+
+    Only lengths known cheaply are checked: ``lengths=``, or a ``datasets.Dataset`` with an
+    ``input_ids`` column measured from its Arrow offsets (no sample is read; TRL's prepared
+    dataset is one). Otherwise the first ``len()`` of the loader, at ``train()``, finds it.
+    """
+    if cfg.oversize != "error" or cfg.image_patches_key is not None:
+        return
+    if lengths is None and cfg.length_fn is None:
+        lengths = arrow_lengths(trainer.train_dataset, cfg)
+    found = first_oversize(lengths, cfg) if lengths is not None else None
+    if found is None:
+        return
+    index, length, needed = found
+    shown = length[0] if len(length) == 1 else length
+    args = trainer.args
+    limit = getattr(args, "max_length", None)  # TRL's SFTConfig truncates samples to it
+    if limit is not None and len(length) == 1:
+        cap = f"set max_length={longest_fitting(cfg)} or less in the SFTConfig (now {limit}; TRL truncates " \
+              f"samples to it)"
+    else:
+        cap = "truncate samples when tokenizing (tokenizer(..., truncation=True, max_length=...))"
+    padded = f" (padded to a multiple of {cfg.pad_to_multiple_of})" if cfg.pad_to_multiple_of > 1 else ""
+    raise ValueError(f"sample {index} of the training dataset has length {shown}, so alone it exceeds "
+                     f"token_budget={cfg.token_budget}{padded}. Rule: oversize='error' refuses such samples, and "
+                     f"training would stop when odb reaches it. Fix: raise token_budget to at least {needed}, {cap}, or pass oversize='alone' (its own "
+                     f"batch) or 'skip'.")
+
+
+def longest_fitting(cfg: ODBConfig) -> int:
+    """The longest one-dimensional sample that fits the budget alone (0 when none does)."""
+    low, high = 0, int(sum(cfg.token_budgets))
+    while low < high:  # the longest L with first_oversize([L]) None
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if first_oversize([mid], cfg) is None else (low, mid - 1)
+    return low
+
+
+def arrow_lengths(dataset: Any, cfg: ODBConfig) -> Optional[np.ndarray]:
+    """Per-sample lengths of a ``datasets.Dataset``'s ``input_ids`` when one may exceed the budget; None when
+    the dataset has no such column or every row of its Arrow table fits (read from list offsets only)."""
+    if not is_hf_dataset(dataset) or "input_ids" not in dataset.column_names:
+        return None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = dataset.data  # the rows behind any select/shuffle view: a superset of the dataset's
+    column = table.column("input_ids")
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return None
+    raw = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    if first_oversize(raw, cfg) is None:
+        return None
+    view = dataset.with_format("arrow")["input_ids"]  # this dataset's own rows, in order (only on this rare path)
+    return pc.list_value_length(view).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def estimate_micro_steps(loader: ODBDataLoader, cfg: ODBConfig, lengths: Optional[Sequence[int]],

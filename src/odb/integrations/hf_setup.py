@@ -45,6 +45,9 @@ class ODBRun:
         self.first_pull = False  # the next get_batch_samples is the first of a resumed epoch
         self.empty_resume = False  # ...and found nothing left (the state was saved after its last step)
         self.exhausted = False
+        # The collator's supervised tokens exist only once it has run (masked LM, left padding): counted then.
+        self.count_after_collate = False
+        self.collator_name = ""
 
 
 class ProgressCallback(TrainerCallback):
@@ -153,3 +156,45 @@ def check_loop_api() -> None:
                 f"training loop; transformers {transformers.__version__} has {found}. Fix: install "
                 f"transformers>={MIN_TRANSFORMERS} (make test-min tests 5.18, make test 5.23), or use "
                 f"odb.ODBDataLoader in your own training loop.")
+
+
+def prepare_packed_rows(trainer: Trainer, attention: str) -> None:
+    """Ready the model for odb's packed rows (``odb.packed_models.prepare_packed_model``: an sdpa/eager
+    model switches to odb_varlen); a model whose packed samples see each other is refused with the fix
+    for the collator that makes the rows."""
+    from ..packed_collate import PackedCollate
+    from ..packed_models import PackedLayoutError, prepare_packed_model
+
+    model = trainer.model
+    if model is None:
+        return
+    collator = trainer.data_collator
+    name = type(collator).__name__
+    collate = None
+    if getattr(collator, "padding_free", False):
+        what = "SFTConfig(padding_free=True)"
+        fix = ("With TRL: set padding_free=False (odb then pads each batch to its longest sample), or load the model "
+               "with an attn_implementation that isolates packed samples.")
+    elif name == "DataCollatorWithFlattening":
+        what = name
+        collate = PackedCollate(use_cache=None)  # it passes no use_cache: the model's config decides
+        fix = ("With the Trainer: collate with DataCollatorForLanguageModeling(mlm=False) or DataCollatorForSeq2Seq "
+               "(odb then pads each batch to its longest sample).")
+    else:
+        what, fix = "layout='packed'", "Or use layout='padded'."
+    try:
+        prepare_packed_model(model, collate, attention=attention)
+    except PackedLayoutError as err:
+        raise PackedLayoutError(f"{what} trains on packed rows, and {err} {fix}") from None
+
+
+def log_batching(cfg: ODBConfig, world_size: int) -> None:
+    """One line next to the Trainer's banner (whose 'Instantaneous batch size per device' odb replaced)."""
+    from transformers.trainer import logger
+
+    cost = "the sum of its samples' lengths (one packed row)" if cfg.layout == "packed" else \
+        "samples x longest sample (padded)"
+    logger.info(f"  odb: each batch holds as many samples as fit token_budget={cfg.token_budget} tokens "
+                f"({cost}) per device{f' x {world_size} processes' if world_size > 1 else ''}, so the batch size "
+                f"varies from step to step; per_device_train_batch_size is not used (the logs' odb_mean_batch_size "
+                f"is the real one).")

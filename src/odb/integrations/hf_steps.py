@@ -10,8 +10,9 @@ micro-batch (the fillers run no forward or backward).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -75,11 +76,72 @@ def batch_loss_tokens(batch: Any, shift: bool, ignore_index: int) -> Optional[in
     return int(labels.ne(ignore_index).sum())
 
 
-def check_loss_tokens(batches: List[Any], infos: List[ODBStepInfo], cfg: ODBConfig, shift: bool) -> None:
+class SampleView:
+    """One training sample read back for an error message (the dataset and the collator's name)."""
+
+    def __init__(self, dataset: Any, collator: str) -> None:
+        self.dataset, self.collator = dataset, collator
+
+    def describe(self, info: ODBStepInfo, cfg: ODBConfig) -> str:
+        """What odb saw in the batch's first sample and what its count assumed."""
+        from ..source import SampleMeter
+
+        if not info.sample_ids or not hasattr(self.dataset, "__getitem__"):
+            return ""
+        index = info.sample_ids[0]
+        try:
+            sample = self.dataset[index]
+            counted = SampleMeter(cfg)(None, sample)[1]
+        except Exception:  # an IterableDataset's ids are arrival positions; a sample odb cannot read back
+            return ""
+        if not isinstance(sample, Mapping):
+            return ""
+        fields = [str(k) for k in sample]
+        if cfg.loss_tokens_fn is not None:
+            assumed = f"loss_tokens_fn={cfg.loss_tokens_fn!r} gives {counted} for it"
+        elif cfg.label_key in sample:
+            assumed = (f"its '{cfg.label_key}' != {cfg.ignore_index}"
+                       f"{' without the first' if cfg.shift_labels or cfg.layout == 'packed' else ''} are the "
+                       f"supervised tokens ({counted}) and {self.collator} keeps them")
+        else:
+            assumed = (f"without '{cfg.label_key}', all of its tokens are supervised ({counted}), but "
+                       f"{self.collator} builds labels of its own")
+        return f" What odb saw: sample {index} has the fields {fields}. What it assumed: {assumed}."
+
+
+def recount_loss_tokens(batches: List[Any], infos: List[ODBStepInfo], cfg: ODBConfig, shift: bool,
+                        all_ranks: Callable[[int], int]) -> List[ODBStepInfo]:
+    """The step's infos with the supervised tokens counted in the collated batches (``all_ranks`` sums a
+    count over the ranks: one collective per optimizer step, on every rank).
+
+    For collators whose labels exist only once they have run (masked-LM's random masking,
+    left padding under a causal shift): ``local_loss_tokens``, ``global_loss_tokens`` and
+    ``loss_scale`` are recomputed as odb computes them from per-sample counts.
+    """
+    counts = [0 if i.is_ghost else (batch_loss_tokens(b, shift, cfg.ignore_index) or 0)
+              for b, i in zip(batches, infos)]
+    total = all_ranks(sum(counts))
+    local = sum(counts)
+    out = []
+    for count, info in zip(counts, infos):
+        scale = info.loss_scale
+        if info.is_ghost:
+            scale = 0.0
+        elif cfg.loss_scaling == "exact":
+            scale = info.world_size * count / total if total else 0.0
+        elif cfg.loss_scaling == "approx":
+            scale = count / local if local else 0.0
+        out.append(dataclasses.replace(info, local_loss_tokens=count, global_loss_tokens=total, loss_scale=scale))
+    return out
+
+
+def check_loss_tokens(batches: List[Any], infos: List[ODBStepInfo], cfg: ODBConfig, shift: bool,
+                      view: Optional[SampleView] = None) -> None:
     """Refuse batches whose collated labels hold another token count than odb planned with.
 
     Exact scaling divides by odb's count (all ranks, all micro-batches); if the model
     averages over a different count, the gradient is silently off, so this is an error.
+    ``view`` reads the batch's first sample back, for the message.
     """
     if cfg.loss_scaling not in ("exact", "approx"):
         return
@@ -90,16 +152,17 @@ def check_loss_tokens(batches: List[Any], infos: List[ODBStepInfo], cfg: ODBConf
         if seen is None or seen == info.local_loss_tokens:
             continue
         what = "labels[..., 1:]" if shift else "labels"
+        saw = view.describe(info, cfg) if view is not None else ""
         raise ValueError(
             f"odb counted {info.local_loss_tokens} supervised tokens in the batch of samples "
             f"{list(info.sample_ids[:8])}{'...' if len(info.sample_ids) > 8 else ''} but the collated batch holds "
             f"{seen} ({what} != {cfg.ignore_index}, as the model's loss counts them), so the loss could not be "
-            f"scaled exactly. Rule: odb counts each sample's '{cfg.label_key}' before collate"
-            f"{', without its first token (shift_labels=True)' if cfg.shift_labels else ''}. Fix: let the dataset "
-            f"return the labels the model trains on (or pass loss_tokens_fn=lambda s: <its count>, e.g. "
-            f"len(s['input_ids']) - 1 when a causal-LM collator builds labels), pad labels on the right, set "
-            f"shift_labels={shift} to match the model's loss, or pass loss_scaling='sample' to weight samples "
-            f"instead of tokens.")
+            f"scaled exactly.{saw} Fix: pass loss_tokens_fn=lambda s: <the supervised tokens the collator's labels "
+            f"give that sample> (e.g. len(s['input_ids']) - 1 for labels = input_ids under a causal shift), or let "
+            f"the dataset return the labels the model trains on; pad labels on the right; set shift_labels={shift} "
+            f"to match the model's loss; or pass loss_scaling='sample' to weight samples instead of tokens. odb "
+            f"counts transformers' DataCollatorForLanguageModeling, DataCollatorWithPadding, DataCollatorForSeq2Seq, "
+            f"DataCollatorWithFlattening and TRL's collators by itself.")
 
 
 def zero_loss(outputs: Any, loss: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,11 @@ What TRL's ``DataCollatorForLanguageModeling`` implies, applied when odb is enab
   padding-free row). The dataset has no ``labels`` column, so odb's default count
   (labels, else the whole sample) would exceed the model's by one token per sample;
 - ``padding_free=True`` (one padding-free row per batch) is odb's ``layout="packed"``:
-  a batch costs the sum of its samples' lengths and is planned to fill the budget. The
-  model is probed once (``odb.check_packed_model``) and refused if a packed sample sees
-  the others;
+  a batch costs the sum of its samples' lengths and is planned to fill the budget. A
+  model with ``sdpa``/``eager`` attention (exact on packed rows only through a dense
+  mask of the whole row, slower than padded batches) is switched to ``"odb_varlen"``
+  and the log says so once (``packed_attention="model"`` keeps it); the model is then
+  probed once (``odb.check_packed_model``) and refused if a packed sample sees the others;
 - ``pad_to_multiple_of`` becomes odb's, so a padded batch stays within the budget.
 
 Refused, with the reason and the fix: ``packing=True`` (rows of ``max_length`` built
@@ -116,10 +118,7 @@ def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, An
             "length_fn; or train without odb.")
     if not isinstance(collator, sft.DataCollatorForLanguageModeling):
         return options  # a collator of the user's: odb counts labels as for any Trainer
-    out = _collator_options(collator, config, dict(options), shift)
-    if collator.padding_free:
-        _check_packed_rows(trainer.model)
-    return out
+    return _collator_options(collator, config, dict(options), shift)
 
 
 def _given(name: str, config: Optional[ODBConfig], options: Dict[str, Any], default: Any) -> Any:
@@ -166,20 +165,9 @@ def _collator_options(collator: Any, config: Optional[ODBConfig], out: Dict[str,
     return out
 
 
-def _check_packed_rows(model: Any) -> None:
-    """Refuse ``padding_free=True`` for a model whose packed samples see each other (``odb.check_packed_model``)."""
-    from ..packed_models import PackedLayoutError, check_packed_model
-
-    try:
-        check_packed_model(model)
-    except PackedLayoutError as err:
-        raise PackedLayoutError(f"SFTConfig(padding_free=True) trains on packed rows, and {err} With TRL: set "
-                                f"padding_free=False (odb then pads each batch to its longest sample), or load "
-                                f"the model with an attn_implementation that isolates packed samples.") from None
-
-
 def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
-               lengths: Optional[Sequence[int]] = None, **odb_options: Any) -> Any:
+               lengths: Optional[Sequence[int]] = None, packed_attention: str = "odb_varlen",
+               **odb_options: Any) -> Any:
     """Switch a TRL ``SFTTrainer`` to odb batches, in place; returns it.
 
     The same as ``odb.integrations.hf.enable_odb`` (which applies TRL's rules too), but
@@ -197,4 +185,5 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
                         f"pass the SFTTrainer instance, or use odb.integrations.hf.enable_odb for other Trainers.")
     from .hf import enable_odb as enable
 
-    return enable(trainer, token_budget, config=config, lengths=lengths, **odb_options)
+    return enable(trainer, token_budget, config=config, lengths=lengths, packed_attention=packed_attention,
+                  **odb_options)
