@@ -84,6 +84,10 @@ def check_fits(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[int]]) -
     if found is None:
         return
     index, length, needed = found
+    values = np.asarray(lengths)
+    if values.ndim == 1:  # name the longest sample: the budget it needs fits every sample
+        index = int(np.argmax(values))
+        _, length, needed = first_oversize(values[index:index + 1], cfg) or found
     shown = length[0] if len(length) == 1 else length
     args = trainer.args
     limit = getattr(args, "max_length", None)  # TRL's SFTConfig truncates samples to it
