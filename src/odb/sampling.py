@@ -56,7 +56,13 @@ class TransformedIterable(IterableDataset):
 
 
 class ChunkSampler(Sampler[List[Tuple[int, int]]]):
-    """Groups ``(position, index)`` of the sampler's order into chunks of ``size`` (transport only).
+    """Groups ``(position, index)`` of the sampler's order into chunks (transport only).
+
+    The first chunks of an epoch hold ``size`` samples, so the first window arrives soon;
+    later ones grow with the position (an eighth of the samples read so far) up to
+    ``max_size``: every message costs the main process a wake-up, an unpickle and a
+    shared-memory hand-over, whatever its size. A window still spans several chunks
+    (windows grow 1.5x, chunks follow the position).
 
     A resumed epoch sets, once, ``skip`` (positions already consumed) and possibly
     ``order`` (the epoch's order when a resume re-partitioned it across ranks).
@@ -64,30 +70,42 @@ class ChunkSampler(Sampler[List[Tuple[int, int]]]):
     Example:
         >>> list(ChunkSampler([4, 4, 2], size=2))
         [[(0, 4), (1, 4)], [(2, 2)]]
+        >>> [len(c) for c in ChunkSampler(range(400), size=16, max_size=64)]
+        [16, 16, 16, 16, 16, 16, 16, 16, 16, 18, 20, 22, 25, 28, 32, 36, 40, 35]
     """
 
-    def __init__(self, sampler: Any, size: int) -> None:
+    def __init__(self, sampler: Any, size: int, max_size: Optional[int] = None) -> None:
         self.sampler = sampler
         self.size = size
+        self.max_size = max(size, max_size or size)
         self.skip = 0  # positions of the next epoch to leave out (set by a resume, used once)
         self.order: Optional[Sequence[int]] = None  # the next epoch's order instead of the sampler's (used once)
+
+    def _size_at(self, position: int) -> int:
+        return min(self.max_size, max(self.size, position // 8))
 
     def __iter__(self) -> Iterator[List[Tuple[int, int]]]:
         chunk: List[Tuple[int, int]] = []
         skip, self.skip = self.skip, 0
         order, self.order = self.order, None
+        want = self._size_at(skip)
         for position, index in enumerate(self.sampler if order is None else order):
             if position < skip:
                 continue
             chunk.append((position, int(index)))
-            if len(chunk) == self.size:
+            if len(chunk) == want:
                 yield chunk
                 chunk = []
+                want = self._size_at(position + 1)
         if chunk:
             yield chunk
 
     def __len__(self) -> int:
-        return -(-len(self.sampler) // self.size)
+        n, count, position = len(self.sampler), 0, 0
+        while position < n:
+            position += self._size_at(position)
+            count += 1
+        return count
 
 
 class EpochShuffleSampler(Sampler[int]):

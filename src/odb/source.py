@@ -14,7 +14,10 @@ unique within an epoch even when the sampler repeats a dataset index.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
+
+import torch
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
 from .config import ODBConfig
@@ -25,6 +28,42 @@ from .sampling import pack_chunk, unpack_chunk
 Meta = Tuple[Tuple[int, ...], int, int]
 # (position in the epoch's order, dataset index (the position for an IterableDataset), sample, meta)
 Record = Tuple[int, int, Any, Meta]
+
+
+# A packed chunk's buffers up to this size travel inside the message, as bytes; larger ones through
+# shared memory. Handing over a shared-memory buffer takes round trips to the worker's resource-sharer
+# thread (and, for a busy worker, a wait for its GIL each time): it cost more than copying a few
+# hundred kilobytes through the pipe, in the worker and in the main process.
+INLINE_MAX_BYTES = 4 << 20
+
+
+def to_wire(packed: Any) -> Any:
+    """A packed chunk (odb.sampling.pack_chunk) with its small buffers turned into bytes.
+
+    Example:
+        >>> import torch
+        >>> t = torch.arange(3)
+        >>> skeleton, buffers, specs = from_wire(to_wire(([0], {torch.int64: t}, [])))
+        >>> buffers[torch.int64].tolist()
+        [0, 1, 2]
+    """
+    skeleton, buffers, specs = packed
+    wire = {d: (b.view(torch.uint8).numpy().tobytes() if b.numel() * b.element_size() <= INLINE_MAX_BYTES else b)
+            for d, b in buffers.items()}
+    return skeleton, wire, specs
+
+
+def from_wire(packed: Any) -> Any:
+    """The packed chunk that ``to_wire`` sent (bytes become tensors again)."""
+    skeleton, wire, specs = packed
+    buffers = {d: (_from_bytes(b, d) if isinstance(b, bytes) else b) for d, b in wire.items()}
+    return skeleton, buffers, specs
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
 
 
 class SourceClosed(RuntimeError):
@@ -88,7 +127,7 @@ class ChunkCollate:
         metas = None if self.meter is None else [self.meter(i, s) for i, s in zip(indices, samples)]
         if self.metas_only:  # a length probe: the samples stay in the worker
             return positions, indices, metas, None, tag
-        return positions, indices, metas, (pack_chunk(samples) if self.pack else samples), tag
+        return positions, indices, metas, (to_wire(pack_chunk(samples)) if self.pack else samples), tag
 
 
 def unpack_records(chunk: Any, packed: bool, meter: Optional[SampleMeter], first: int = 0) -> List[Record]:
@@ -97,7 +136,7 @@ def unpack_records(chunk: Any, packed: bool, meter: Optional[SampleMeter], first
     An iterable chunk's samples are numbered from ``first`` (their arrival positions)."""
     positions, indices, metas, samples, _ = chunk
     if packed:
-        samples = unpack_chunk(samples)
+        samples = unpack_chunk(from_wire(samples))
     if metas is None:
         metas = [meter(i, s) for i, s in zip(indices, samples)]
     if positions is None:
@@ -138,6 +177,7 @@ class SampleSource:
         self._on_close = on_close
         self.peak_samples = 0
         self.peak_tokens = 0
+        self._hold = 0  # records read past the caps until the first take (what peek asked for)
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         if threaded:
@@ -146,8 +186,9 @@ class SampleSource:
 
     # ---- the reader ------------------------------------------------------------------
     def _full(self) -> bool:
-        return len(self._buf) >= self._cap_samples or (self._cap_tokens is not None
-                                                      and self._buf_tokens >= self._cap_tokens)
+        return (len(self._buf) >= self._cap_samples or (self._cap_tokens is not None
+                                                       and self._buf_tokens >= self._cap_tokens)) \
+            and len(self._buf) >= self._hold
 
     def _read_all(self) -> None:
         try:
@@ -187,10 +228,27 @@ class SampleSource:
             return True
         return max_tokens is not None and self._buf_tokens >= max_tokens
 
+    def peek(self, count: int) -> List[Meta]:
+        """The metas of the first ``count`` records (fewer when the data ends first), read now and kept for
+        ``take``: the buffer holds at least that many until the first take, whatever its caps."""
+        with self._cond:
+            self._check_open()
+            self._hold = max(self._hold, count)
+            self._cond.notify_all()
+            while len(self._buf) < count and not self._ended and not self._closed:
+                if self._thread is None:
+                    self._read_one_chunk()
+                else:
+                    self._cond.wait()
+            self._check_open()
+            self._raise()
+            return [record[3] for record in itertools.islice(self._buf, count)]
+
     def take(self, max_samples: int, max_tokens: Optional[int]) -> Tuple[List[Record], bool]:
         """The next window's records, and whether the data ends with them."""
         with self._cond:
             self._check_open()
+            self._hold = 0
             while not self._enough(max_samples, max_tokens):
                 if self._thread is None:
                     self._read_one_chunk()
