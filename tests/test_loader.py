@@ -291,3 +291,62 @@ def test_bad_input_is_refused_with_a_fix(name, kwargs, iterate, error, names):
         if iterate:
             next(iter(loader))
     assert names in str(caught.value) and "Fix" in str(caught.value)
+
+
+class CountingDataset(LengthDataset):
+    """A LengthDataset that counts its reads (in this process: num_workers=0)."""
+
+    def __init__(self, lengths):
+        super().__init__(lengths)
+        self.reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+def test_len_with_a_shuffling_sampler_reads_no_sample_twice():
+    # len() estimates from the epoch's first samples (a uniform sample when the order is shuffled) and keeps
+    # them for the epoch: the whole epoch then reads every sample exactly once, len() included.
+    data = CountingDataset(known_lengths(2000, 1, 200))
+    loader = make(data, shuffle=True, seed=0, token_budget=1024, buffer_size=256)
+    estimate = len(loader)
+    assert 0 < data.reads < 2000  # the first window, read now
+    batches = epoch(loader)
+    assert data.reads == 2000 and sorted(flat_ids(batches)) == list(range(2000))
+    assert abs(estimate / len(batches) - 1) <= 0.10
+    fresh = make(CountingDataset(known_lengths(2000, 1, 200)), shuffle=True, seed=0, token_budget=1024,
+                 buffer_size=256)
+    assert ids_of(epoch(fresh)) == ids_of(batches)  # len() first or not: the same batches
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_len_before_each_epoch_keeps_batches_and_order(num_workers):
+    plain = make(shuffle=True, seed=3, num_workers=num_workers)
+    asked = make(shuffle=True, seed=3, num_workers=num_workers)
+    for e in range(2):
+        plain.set_epoch(e)
+        asked.set_epoch(e)
+        len(asked)
+        assert ids_of(epoch(asked)) == ids_of(epoch(plain))
+
+
+def test_len_then_another_epoch_reads_that_epochs_order():
+    # len() read epoch 0's first window; set_epoch(1) before iterating drops it and reads epoch 1's.
+    data = CountingDataset(LENGTHS)
+    loader = make(data, shuffle=True, seed=5)
+    len(loader)
+    loader.set_epoch(1)
+    reference = make(shuffle=True, seed=5)
+    reference.set_epoch(1)
+    assert ids_of(epoch(loader)) == ids_of(epoch(reference))
+
+
+def test_len_with_sequential_order_probes_the_dataset():
+    data = CountingDataset(LENGTHS)
+    loader = make(data)  # sequential order: its first samples are no sample of the data
+    len(loader)
+    probed = data.reads
+    assert probed > 0
+    epoch(loader)
+    assert data.reads == probed + N  # the probe is a separate pass

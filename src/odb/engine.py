@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import threading
 import warnings
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -31,6 +32,50 @@ from .step_info import ODBStepInfo, attach_step_info
 from .window import WindowPlanner, window_limits
 
 ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
+
+
+class LazyBatch:
+    """A planned batch whose collate runs once, on the first thread that asks for it.
+
+    The batch thread collates every batch right after queuing it; when it falls behind
+    (a training step that holds the GIL makes it wait for the GIL at every torch call),
+    the training thread collates the batch it needs itself instead of waiting for those
+    hand-offs. One lock per epoch: the user's collate_fn never runs on two threads at once.
+
+    Example:
+        >>> import threading
+        >>> b = LazyBatch([1, 2], None, lambda samples, info: sum(samples), threading.Lock())
+        >>> b.get(), b.get()
+        (3, 3)
+    """
+
+    __slots__ = ("_samples", "_info", "_finish", "_lock", "_batch", "_error")
+
+    def __init__(self, samples: List[Any], info: Any, finish: Callable[[List[Any], Any], Any],
+                 lock: Any) -> None:
+        self._samples: Optional[List[Any]] = samples
+        self._info, self._finish, self._lock = info, finish, lock
+        self._batch: Any = None
+        self._error: Optional[BaseException] = None
+
+    def get(self) -> Any:
+        """The collated batch (collated now, on this thread, unless it already is)."""
+        with self._lock:
+            if self._samples is not None:
+                samples, self._samples = self._samples, None
+                try:
+                    self._batch = self._finish(samples, self._info)
+                except BaseException as err:  # raised to every thread that asks
+                    self._error = err
+            if self._error is not None:
+                raise self._error
+            return self._batch
+
+
+def made(item: Any) -> Any:
+    """``(batch, cursor)`` with a LazyBatch collated (odb.pipeline's ``make``)."""
+    batch, cursor = item
+    return (batch.get(), cursor) if type(batch) is LazyBatch else item
 
 
 class EpochRun:
@@ -70,6 +115,9 @@ class EpochRun:
         self.step = 0
         self.snapshot: Dict[str, Any] = {}  # epoch_state after the last planned window
         self._since = 0
+        # Batches left to collate (LazyBatch) by whichever thread needs them first (odb.pipeline).
+        self.lazy = False
+        self._collate_lock = threading.Lock()
 
     @property
     def finished(self) -> bool:
@@ -299,6 +347,11 @@ class EpochRun:
         st.real_tokens += info.real_tokens
         st.padded_tokens += padded
         st.loss_tokens += local_loss
+        if self.lazy:
+            return LazyBatch(samples, info, self._finish, self._collate_lock)
+        return self._finish(samples, info)
+
+    def _finish(self, samples: List[Any], info: ODBStepInfo) -> Any:
         batch = self._collate(samples)
         if self._finalize is not None:
             batch = self._finalize(batch)

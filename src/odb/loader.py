@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -17,8 +18,8 @@ from .batch_checks import BatchChecks
 from .collate_check import PaddingHint
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
-from .engine import EpochRun
-from .estimate import estimate_steps
+from .engine import EpochRun, made
+from .estimate import DEFAULT_PROBE, estimate_steps, probe_size
 from .known import GroupCollate, PlannedBatchSampler, known_epoch, known_records
 from .length_probe import Workers, check_probed_fit, meter_for_workers, probe_lengths
 from .lengths import LabelBudgetCheck, check_length_dims
@@ -31,6 +32,8 @@ from .source import ChunkCollate, SampleMeter, SampleSource, stream_records, unp
 from .stream_state import StatefulStream, StreamMarks, has_own_state
 from .stats import EpochStats
 
+# Chunks from the workers grow to this many times transfer_chunk_size (odb.sampling.ChunkSampler).
+CHUNK_GROWTH = 8
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
 # The other arguments of ODBDataLoader (suggested for misspelt options).
 _LOADER_ARGS = tuple(inspect.signature(DataLoader.__init__).parameters)[1:] + ("config", "lengths",
@@ -117,6 +120,9 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_known_loss = 0
         self._odb_notices: set = set()  # warnings the loader's epochs give once (odb.engine.EpochRun.notices)
         self._odb_checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
+        # The next epoch's source, started by len() to read its first window (odb.source.SampleSource.peek):
+        # (epoch, the sampler's epoch, source, stream marks).
+        self._odb_prepared: Optional[Tuple[int, Any, SampleSource, Optional[StreamMarks]]] = None
         self._odb_known_lengths()  # refuses lengths that do not match the dataset, now
 
     # ---- public ----------------------------------------------------------------------
@@ -223,8 +229,9 @@ class ODBLoaderMixin(ResumableLoader):
             source = SampleSource(records, cap_samples=self._odb_cfg.buffer_size,
                                   cap_tokens=self._odb_cfg.window_tokens, threaded=self._odb_cfg.ready_batches > 0)
         else:
-            source, marks = self._odb_source(skip=skip, order=order,
-                                             stream=run_state["stream"] if run_state is not None else None)
+            prepared = self._odb_take_prepared(epoch if state is None else None)  # len() read its first window
+            source, marks = prepared if prepared is not None else self._odb_source(
+                skip=skip, order=order, stream=run_state["stream"] if run_state is not None else None)
         pin = self.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
         run = EpochRun(self._odb_cfg, source, list if known is not None else self._odb_group_collate, epoch=epoch,
                        seed=self._odb_seed, shuffle=self._odb_shuffle, drop_last=bool(self.drop_last),
@@ -237,8 +244,10 @@ class ODBLoaderMixin(ResumableLoader):
             run.take_snapshot()
         self._odb_run = run
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
+        run.lazy = self._odb_cfg.ready_batches > 0  # the training thread collates what the batch thread has not
         self._odb_pipeline = BatchPipeline(iter(run), depth=max(self._odb_cfg.ready_batches, 0),
-                                           announce=run.aligner.announce)  # a failure or stop reaches every rank
+                                           announce=run.aligner.announce,  # a failure or stop reaches every rank
+                                           make=made if run.lazy else None)
         if known is None:
             self._odb_step_exchange = False
             return self._odb_epoch(run, self._odb_pipeline)
@@ -409,7 +418,8 @@ class ODBLoaderMixin(ResumableLoader):
                                                     tagged=True)
             inner = DataLoader(ds, batch_size=cfg.transfer_chunk_size, **kwargs)
         else:
-            self._odb_chunk_sampler = ChunkSampler(self.sampler, cfg.transfer_chunk_size)
+            self._odb_chunk_sampler = ChunkSampler(self.sampler, cfg.transfer_chunk_size,
+                                                   cfg.transfer_chunk_size * CHUNK_GROWTH)
             inner = DataLoader(IndexedDataset(self.dataset, self._odb_transform),
                                batch_sampler=self._odb_chunk_sampler, **kwargs)
         if self.persistent_workers:
@@ -461,10 +471,62 @@ class ODBLoaderMixin(ResumableLoader):
         if lengths is None and isinstance(columns, list) and "length" in columns:
             lengths = np.asarray(self.dataset["length"])  # a datasets.Dataset with a length column
         if lengths is None:
+            lengths = self._odb_first_window(n)
+        if lengths is None:
             lengths = probe_lengths(self.dataset, self._odb_transform, cfg, self._odb_workers())
         check_probed_fit(lengths, cfg, "len(loader) measured the dataset's samples",
                          total if self._odb_lengths is not None else None)  # known lengths: by index
         return max(1, estimate_steps(np.asarray(lengths), n, cfg, world_size=world_size))
+
+    def _odb_first_window(self, n: int) -> Optional[np.ndarray]:
+        """Lengths of the next epoch's first samples, read by that epoch's own source and kept for its
+        iteration (no sample is read twice), as many as ``probe_size`` asks for; None where they are no
+        uniform sample of the data (the sampler does not shuffle), where ranks would each see their own
+        (under DDP len() must agree on every rank: the probe reads the same samples on each), or where an
+        epoch is under way or a resume is pending."""
+        shuffled = self._odb_own_sampler is not None or shuffles(self)
+        if not shuffled or self._odb_world()[1] > 1 or self._odb_resume is not None or \
+                (self._odb_pipeline is not None and not self._odb_pipeline.done):
+            return None
+        epoch = self._odb_next_epoch
+        if self._odb_prepared is None or self._odb_prepared[:2] != self._odb_sampler_epoch(epoch):
+            self._odb_drop_prepared()
+            if self._odb_own_sampler is not None:
+                self._odb_own_sampler.set_epoch(epoch)
+            source, marks = self._odb_source()
+            self._odb_prepared = self._odb_sampler_epoch(epoch) + (source, marks)
+            weakref.finalize(self, source.close)  # a loader dropped without iterating lets go of its workers
+        source = self._odb_prepared[2]
+        want = min(DEFAULT_PROBE, n)
+        try:
+            while True:
+                lengths = np.array([meta[0] for meta in source.peek(want)], dtype=np.int64)
+                need = probe_size(lengths, n, self._odb_cfg)
+                if need <= len(lengths) or len(lengths) < want or want >= n:
+                    return lengths
+                want = need
+        except BaseException:
+            self._odb_drop_prepared()
+            raise
+
+    def _odb_sampler_epoch(self, epoch: int) -> Tuple[int, Any]:
+        """What fixes the order of the next epoch: odb's epoch and the sampler's own."""
+        return epoch, getattr(self.sampler, "epoch", None)
+
+    def _odb_take_prepared(self, epoch: Optional[int]) -> Optional[Tuple[SampleSource, Optional[StreamMarks]]]:
+        """The source len() started for this epoch, if it still reads this epoch's order (else closed)."""
+        prepared, self._odb_prepared = self._odb_prepared, None
+        if prepared is None:
+            return None
+        if epoch is not None and prepared[:2] == self._odb_sampler_epoch(epoch):
+            return prepared[2], prepared[3]
+        prepared[2].close()
+        return None
+
+    def _odb_drop_prepared(self) -> None:
+        prepared, self._odb_prepared = self._odb_prepared, None
+        if prepared is not None:
+            prepared[2].close()
 
     def _odb_workers(self) -> Workers:
         return Workers(self.num_workers, self.multiprocessing_context, self.worker_init_fn)

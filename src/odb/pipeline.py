@@ -29,6 +29,10 @@ class _Failure:
 class BatchPipeline:
     """Iterates what ``produce`` yields, ``depth`` items ahead (``depth=0``: on the caller's thread).
 
+    With ``make``, each item is queued first and then finished by ``make(item)`` on the
+    producer's thread, or on the consumer's when it takes the item before that: ``make``
+    must be thread-safe, do the work once and return the finished item each time.
+
     Example:
         >>> p = BatchPipeline(iter(range(5)), depth=2)
         >>> list(p)
@@ -36,8 +40,9 @@ class BatchPipeline:
     """
 
     def __init__(self, produce: Iterator[Any], depth: int, name: str = "odb-batches",
-                 announce: Optional[Announce] = None) -> None:
+                 announce: Optional[Announce] = None, make: Optional[Callable[[Any], Any]] = None) -> None:
         self._produce = produce
+        self._make = make
         self.wait_s = 0.0  # time the consumer waited in next(), in all
         self.last_wait_s = 0.0  # ... for the last item
         self._stop = threading.Event()
@@ -68,6 +73,8 @@ class BatchPipeline:
             for item in self._produce:
                 if not self._put(item):
                     break
+                if self._make is not None:
+                    self._make(item)  # unless the consumer got to it first
             else:
                 self._ended = True
                 self._put(_END)
@@ -95,6 +102,11 @@ class BatchPipeline:
     def __iter__(self) -> "BatchPipeline":
         return self
 
+    @property
+    def done(self) -> bool:
+        """The consumer has seen the end (or a failure), or the pipeline was stopped."""
+        return self._done
+
     def __next__(self) -> Any:
         if self._done:
             if self._aborted is not None:
@@ -114,6 +126,12 @@ class BatchPipeline:
         else:
             item = self._get()
         if item is not _END and not isinstance(item, _Failure):
+            if self._make is not None:
+                try:
+                    item = self._make(item)
+                except BaseException:
+                    self._done = True
+                    raise
             # What the loop waited for this item (the wait for the end of the epoch is no batch's).
             self.last_wait_s = time.perf_counter() - t0
             self.wait_s += self.last_wait_s
