@@ -30,8 +30,8 @@ from .workloads import lognormal_lengths
 # name -> (full, quick)
 SIZES: Dict[str, tuple] = {
     "planning_samples": (20000, 1500),
-    "loader_samples": (12000, 400),
-    "loader_repeats": (3, 1),
+    "loader_samples": (20000, 400),
+    "loader_repeats": (5, 1),
     "loader_bs1_samples": (1500, 100),
     "train_samples": (600, 24),
     "e2e_samples": (2400, 120),
@@ -134,9 +134,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         from .loader_speed import run_loader_speed
 
         t0 = time.perf_counter()
-        results["loader"] = run_loader_speed(lognormal_lengths(900.0, 1.0, size["loader_samples"]), num_workers=2,
-                                             budget=16384, batch_size=16, repeats=size["loader_repeats"],
-                                             bs1_samples=size["loader_bs1_samples"],
+        results["loader"] = run_loader_speed(lognormal_lengths(600.0, 0.48, size["loader_samples"]), num_workers=2,
+                                             budget=16384, repeats=size["loader_repeats"],
                                              warm_up_samples=min(512, size["loader_samples"]), progress=progress)
         results["wall_s"]["loader"] = time.perf_counter() - t0
 

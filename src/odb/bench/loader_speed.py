@@ -1,13 +1,17 @@
-"""Loader cost: a plain DataLoader against ODBDataLoader over the same cheap dataset, in one run.
+"""Loader cost: ODBDataLoader against a plain DataLoader that yields exactly odb's batches.
 
-Two regimes, each measured on its own:
+The dataset is nearly free (item i is a tensor built once, before the epoch: reading it
+is an index) and the collate is written in Python (a loop over the samples that fills
+padded tensors row by row), so what is measured is the loaders' own work: transfer
+between processes, planning and collation.
 
-- ``free``: a nearly free dataset (item i is a tensor built once, before the epoch:
-  reading it is an index) and a collate written in Python (a loop over the samples
-  that fills padded tensors row by row). What is measured is then the loaders' own
-  work: transfer between processes, planning and collation.
-- ``tensor``: the dataset creates each sample's tensor (``torch.randint`` of its
-  length) in the worker, and the collate is ``pad_collate`` (``pad_sequence``).
+The baseline is a plain ``DataLoader`` whose ``batch_sampler`` replays odb's planned
+batches (``ReplayBatches``: the sample indices of every batch of one recorded odb epoch),
+so both loaders pad the same tokens and collate the same batches: no padding hides a
+cost. It collates in its workers, odb in the main process (odb must see the samples to
+plan them). Two settings, each with its own recording: odb at its defaults, and at
+``buffer_size=256`` (windows of 256 samples, as users of the earlier
+``online-dynamic-batching`` package set it).
 
 Figures per loader: samples/s, CPU seconds of all processes, time to the first batch,
 and the training thread's CPU per sample: ``time.thread_time()`` of the thread that
@@ -34,10 +38,8 @@ import odb
 
 PAD_ID = 0
 GOALS = {"samples_per_s_ratio_min": 0.9, "cpu_s_ratio_max": 1.25, "first_batch_extra_s_max": 0.3}
-REGIMES = {
-    "free": "nearly free dataset (items built before the epoch), Python collate (row-by-row loop)",
-    "tensor": "dataset creates each sample tensor (torch.randint), pad_sequence collate",
-}
+DESCRIPTION = ("nearly free dataset (items built before the epoch), Python collate (row-by-row loop); baseline: a "
+               "plain DataLoader replaying odb's batches (batch_sampler), collating in its workers")
 
 
 class LengthDataset(Dataset):
@@ -98,8 +100,6 @@ def python_collate(samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Te
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-COLLATES = {"free": python_collate, "tensor": pad_collate}
-
 
 def _cpu_s(self0: Any, child0: Any) -> float:
     self1, child1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -144,67 +144,91 @@ def measure_epoch(make_loader: Callable[[], DataLoader], series: Optional[Dict[s
             "first_batch_s": float(first or 0.0)}
 
 
-def loaders(dataset: Dataset, num_workers: int, budget: int, batch_size: int, bs1_dataset: Dataset,
-            collate: Callable[[List[Any]], Any]) -> Dict[str, Callable[[], DataLoader]]:
+class ReplayBatches:
+    """A ``batch_sampler`` that yields the given index lists, in order, every epoch.
+
+    Example:
+        >>> list(ReplayBatches([[3, 1], [0, 2]]))
+        [[3, 1], [0, 2]]
+    """
+
+    def __init__(self, batches: Sequence[Sequence[int]]) -> None:
+        self.batches = [list(map(int, b)) for b in batches]
+
+    def __iter__(self) -> Any:
+        return iter([list(b) for b in self.batches])
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def record_batches(loader: Any) -> List[List[int]]:
+    """The dataset indices of every batch of one epoch of an odb loader (its ``ODBStepInfo.sample_ids``)."""
+    return [list(odb.pop_step_info(batch).sample_ids) for batch in loader]
+
+
+SETTINGS = {"defaults": {}, "buffer_size=256": {"buffer_size": 256}}
+
+
+def loaders(dataset: Dataset, num_workers: int, budget: int, collate: Callable[[List[Any]], Any],
+            options: Dict[str, Any], batches: Sequence[Sequence[int]]) -> Dict[str, Callable[[], DataLoader]]:
     return {
-        f"plain_bs{batch_size}": lambda: DataLoader(dataset, batch_size=batch_size, shuffle=True,
-                                                    collate_fn=collate, num_workers=num_workers),
         "odb": lambda: odb.ODBDataLoader(dataset, token_budget=budget, shuffle=True, seed=0, collate_fn=collate,
-                                         num_workers=num_workers),
-        "plain_bs1": lambda: DataLoader(bs1_dataset, batch_size=1, shuffle=True, collate_fn=collate,
-                                        num_workers=num_workers),
+                                         num_workers=num_workers, **options),
+        "plain_replay": lambda: DataLoader(dataset, batch_sampler=ReplayBatches(batches), collate_fn=collate,
+                                           num_workers=num_workers),
     }
 
 
-def run_regime(regime: str, lengths: Sequence[int], *, num_workers: int = 2, budget: int = 16384,
-               batch_size: int = 16, repeats: int = 3, bs1_samples: int = 4000, warm_up_samples: int = 512,
-               progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
-    """Each loader once per repeat, the order alternating between repeats; medians reported.
-
-    ``DataLoader(batch_size=1)`` moves one message per sample and is slow, so it reads
-    only the first ``bs1_samples`` samples (its samples/s is a per-sample rate either way).
-    Every loader first runs one untimed epoch over ``warm_up_samples`` samples.
-    """
+def run_setting(setting: str, lengths: Sequence[int], *, num_workers: int = 2, budget: int = 16384,
+                repeats: int = 3, warm_up_samples: int = 512,
+                progress: Callable[..., Any] = lambda it, **kw: it) -> Dict[str, Any]:
+    """odb (with the setting's options) and the plain replay of its batches, once per repeat, the order
+    alternating between repeats; medians reported. Both first run one untimed epoch over
+    ``warm_up_samples`` samples."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    make_ds = FreeDataset if regime == "free" else LengthDataset
-    collate = COLLATES[regime]
-    dataset = make_ds(lengths)
-    makers = loaders(dataset, num_workers, budget, batch_size, make_ds(lengths[:bs1_samples]), collate)
-    names = list(makers)
-    small = make_ds(lengths[:warm_up_samples])
-    for make in loaders(small, num_workers, budget, batch_size, small, collate).values():
+    options = SETTINGS[setting]
+    dataset = FreeDataset(lengths)
+    make_odb = lambda ds: odb.ODBDataLoader(ds, token_budget=budget, shuffle=True, seed=0,  # noqa: E731
+                                             collate_fn=python_collate, num_workers=num_workers, **options)
+    batches = record_batches(make_odb(dataset))  # the same seed: the timed odb epochs plan these batches
+    small = FreeDataset(lengths[:warm_up_samples])
+    for make in loaders(small, num_workers, budget, python_collate, options, record_batches(make_odb(small))).values():
         measure_epoch(make)
+    makers = loaders(dataset, num_workers, budget, python_collate, options, batches)
+    names = list(makers)
     runs: Dict[str, List[Dict[str, float]]] = {name: [] for name in names}
     schedule = [(r, name) for r in range(repeats) for name in (names if r % 2 == 0 else names[::-1])]
     series: Dict[str, List[float]] = {}
-    for _, name in progress(schedule, desc=f"loader speed, {regime}", unit="epoch"):
+    for _, name in progress(schedule, desc=f"loader speed, {setting}", unit="epoch"):
         if name == "odb":
             series = {}  # keep the last odb epoch's per-step metrics
         runs[name].append(measure_epoch(makers[name], series if name == "odb" else None))
     med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in names}
-    base, o, one = med[f"plain_bs{batch_size}"], med["odb"], med["plain_bs1"]
+    base, o = med["plain_replay"], med["odb"]
     ratios = {
         "samples_per_s_ratio": o["samples_per_s"] / base["samples_per_s"],
         "cpu_s_ratio": o["cpu_s"] / base["cpu_s"],
         "first_batch_extra_s": o["first_batch_s"] - base["first_batch_s"],
         "thread_cpu_ratio": o["thread_cpu_us_per_sample"] / max(base["thread_cpu_us_per_sample"], 1e-9),
-        "loader_throughput_ratio": o["samples_per_s"] / one["samples_per_s"],
     }
     goals_met = {
         "samples_per_s_ratio": ratios["samples_per_s_ratio"] >= GOALS["samples_per_s_ratio_min"],
         "cpu_s_ratio": ratios["cpu_s_ratio"] <= GOALS["cpu_s_ratio_max"],
         "first_batch_extra_s": ratios["first_batch_extra_s"] <= GOALS["first_batch_extra_s_max"],
     }
-    return {"regime": regime, "description": REGIMES[regime], "collate": collate.__name__,
-            "samples": len(dataset), "bs1_samples": min(bs1_samples, len(dataset)), "num_workers": num_workers,
-            "token_budget": budget, "batch_size": batch_size, "repeats": repeats, "median": med, "runs": runs,
+    return {"setting": setting, "odb_options": options, "description": DESCRIPTION, "collate": "python_collate",
+            "samples": len(dataset), "batches": len(batches), "mean_batch_size": len(dataset) / len(batches),
+            "num_workers": num_workers, "token_budget": budget, "repeats": repeats, "median": med, "runs": runs,
             "ratios": ratios, "goals": GOALS, "goals_met": goals_met, "odb_step_metrics": series}
 
 
-def run_loader_speed(lengths: Sequence[int], *, regimes: Sequence[str] = tuple(REGIMES), **kwargs: Any
+def run_loader_speed(lengths: Sequence[int], *, settings: Sequence[str] = tuple(SETTINGS), **kwargs: Any
                      ) -> Dict[str, Any]:
-    """Every regime over the same lengths; see ``run_regime`` for the arguments."""
-    out = {name: run_regime(name, lengths, **kwargs) for name in regimes}
+    """Every setting over the same lengths; see ``run_setting`` for the arguments."""
+    out = {name: run_setting(name, lengths, **kwargs) for name in settings}
     first = next(iter(out.values()))
+    lengths = np.asarray(lengths)
     return {"regimes": out, "samples": first["samples"], "num_workers": first["num_workers"],
-            "token_budget": first["token_budget"], "batch_size": first["batch_size"], "repeats": first["repeats"]}
+            "token_budget": first["token_budget"], "repeats": first["repeats"],
+            "lengths": {"mean": float(lengths.mean()), "cv": float(lengths.std() / lengths.mean())}}
