@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
 LENGTHS = known_lengths(45, 3, 30, seed=7)
 
 
-TRAIN = dict(lengths=LENGTHS, budget=96, buffer=12, seed=4, lr=0.5, epochs=2, accumulation=[1, 2])
+TRAIN = dict(lengths=LENGTHS, budget=96, buffer=12, seed=4, lr=0.5, epochs=2, accumulation=[1, 2, 4])
 
 
 def check_training(results: List[Dict[str, Any]], p: Dict[str, Any]) -> int:
