@@ -1,6 +1,14 @@
 """odb's padded planner at the old defaults (emit at 0.95, carry at most half a window) and the
-new ones (0.99, a full window), beside LengthGroupedSampler: token efficiency, samples read before
+new ones (0.99, a full-window carry, the best 0.95 runs of the carry added to a window that would
+emit under 55% of its new samples), beside LengthGroupedSampler: token efficiency, samples read before
 the 10th batch, peak tokens held. One seeded shuffle of a seeded subsample per row, budget 16,384.
+
+A second table models what the slower ramp costs a training loop on a short epoch (the
+end-to-end benchmark's workload: 2,400 samples, lognormal mean 600, CV 1.0, budget 8,192):
+samples arrive at a constant rate (1 ms each), a window's batches can train once its last
+sample has arrived, a step takes c x its padded tokens, with c set so that padding-free
+compute is 1.6x (compute-bound) or 0.25x (data-bound) the data time. It is a model (no
+threads, no planning time), not a measurement: ``python -m odb.bench`` measures the real loop.
 
     PYTHONPATH=src python benchmarks/planner_defaults.py
 """
@@ -11,6 +19,7 @@ import numpy as np
 
 from odb import ODBConfig
 from odb.bench.planning import _subsample, fixed_batch_size, length_grouped_batches, load_workloads
+from odb.bench.workloads import lognormal_lengths
 from odb.window import plan_stream
 
 BUDGET = 16384
@@ -38,21 +47,49 @@ def run(x: np.ndarray, cfg: ODBConfig):
     return real / padded, before_10, peak / BUDGET
 
 
+def modelled_epoch(x: np.ndarray, cfg: ODBConfig, read_s: float, c: float) -> tuple:
+    """(epoch seconds, seconds the loop waited) of the model in the module docstring."""
+    t = wait = 0.0
+    read = 0
+    for w in plan_stream(x, cfg):
+        read += w.new_samples
+        ready = read * read_s
+        for g in w.groups:
+            if t < ready:
+                wait, t = wait + ready - t, ready
+            t += c * len(g) * int(x[g].max())
+    return t, wait
+
+
+def old_config(budget: int, x: np.ndarray) -> ODBConfig:
+    full = ODBConfig(token_budget=budget)
+    half = int(min(full.buffer_size, -(-full.window_tokens * len(x) // int(x.sum()))) // 2)
+    return ODBConfig(token_budget=budget, pack_efficiency=0.95, max_carry=half)
+
+
 def main() -> None:
     workloads = load_workloads(20000, log=lambda m: None)
-    print("| workload | samples | 0.95, half carry | 0.99, full carry | LengthGrouped | reads before batch 10 | "
+    print("| workload | samples | 0.95, half carry | new defaults | LengthGrouped | reads before batch 10 | "
           "peak held tokens / budget |")
     print("|---|---|---|---|---|---|---|")
     for name, n in ROWS:
         x = _subsample(workloads[name], n, 0)
-        full = ODBConfig(token_budget=BUDGET)
-        half = int(min(full.buffer_size, -(-full.window_tokens * len(x) // int(x.sum()))) // 2)
-        old = run(x, ODBConfig(token_budget=BUDGET, pack_efficiency=0.95, max_carry=half))
-        new = run(x, full)
+        old = run(x, old_config(BUDGET, x))
+        new = run(x, ODBConfig(token_budget=BUDGET))
         grouped = length_grouped_batches(x, fixed_batch_size(x, BUDGET), 0)
         lg = sum(int(x[g].sum()) for g in grouped) / sum(len(g) * int(x[g].max(axis=0).sum()) for g in grouped)
         print(f"| {name} | {n} | {old[0]:.3f} | {new[0]:.3f} | {lg:.3f} | {old[1]} -> {new[1]} | "
               f"{old[2]:.0f} -> {new[2]:.0f} |")
+    x = lognormal_lengths(600.0, 1.0, 2400, seed=1, max_len=4096)[:, None]
+    read_s, budget = 1e-3, 8192
+    print("\n| setting | 0.95, half carry: epoch / ideal (loop wait s) | new defaults |")
+    print("|---|---|---|")
+    for name, ratio in (("compute-bound (1.6)", 1.6), ("data-bound (0.25)", 0.25)):
+        data = len(x) * read_s
+        c = ratio * data / int(x.sum())
+        ideal = max(data, ratio * data)
+        cells = [modelled_epoch(x, cfg, read_s, c) for cfg in (old_config(budget, x), ODBConfig(token_budget=budget))]
+        print(f"| {name} | " + " | ".join(f"{t / ideal:.3f} ({w:.2f})" for t, w in cells) + " |")
 
 
 if __name__ == "__main__":

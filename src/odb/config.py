@@ -61,7 +61,9 @@ class ODBConfig:
             its real tokens reach this share of a full batch of copies of its longest
             sample. Lower values emit sooner and pad more. In the packed layout: a row is
             emitted when its cost reaches this share of the budget. None (default): 0.99
-            in the padded layout, 0.95 in the packed one (``emit_efficiency``).
+            in the padded layout (a window that would emit less than 55% of its new samples
+            adds its best carried batches that reach 0.95, so the loop does not wait), 0.95
+            in the packed one.
         pad_to_multiple_of: padded lengths are rounded up to a multiple of this.
         max_batch_size: the most samples per batch (None: no limit).
         batch_size_multiple: batch sizes are a multiple of this whenever the budget
@@ -253,10 +255,13 @@ class ODBConfig:
     def emit_efficiency(self) -> float:
         """``pack_efficiency``, or its layout's default: 0.99 padded, 0.95 packed.
 
-        Padded batches emitted at 0.95 leave up to 5% padding in every batch, more than
-        length-grouped fixed batches on short epochs; at 0.99, with a carry of up to a full
-        window, odb's token efficiency is above theirs (docs/algorithm.md). Packed rows reach
-        0.95 of the budget with nothing padded; waiting for fuller rows only holds samples back.
+        Padded batches emitted at 0.95 leave up to 5% padding in every batch; at 0.99, with a
+        carry of up to a full window, odb's token efficiency is above length-grouped fixed
+        batches' on full epochs (docs/algorithm.md). With the default, a window that would emit
+        less than 55% of its new samples at 0.99 adds its best carried batches that reach 0.95
+        (odb.window.FEED_SHARE).
+        Packed rows reach 0.95 of the budget with nothing padded; waiting for fuller rows only
+        holds samples back.
         """
         if self.pack_efficiency is not None:
             return float(self.pack_efficiency)

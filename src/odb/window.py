@@ -16,6 +16,35 @@ from .cost import CostModel
 from .planner import plan_window
 
 
+# Default padded planning emits at 0.99 of a full batch; a window whose plan emits fewer than FEED_SHARE
+# of its new samples adds the best carried runs that reach FEED_EFFICIENCY until it does (docs/algorithm.md).
+FEED_SHARE, FEED_EFFICIENCY = 0.55, 0.95
+
+
+def feed_runs(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, patches: Optional[np.ndarray],
+              samples: float) -> List[np.ndarray]:
+    """Runs of these (carried) samples that reach ``FEED_EFFICIENCY`` of a full batch, best token
+    efficiency first, until they hold at least ``samples`` samples or none is left: positions.
+
+    Example:
+        >>> [g.tolist() for g in feed_runs(np.array([[50], [48], [10]]), np.arange(3), CostModel((100,)), None, 1)]
+        [[0, 1]]
+    """
+    plan = plan_window(lengths, ids, cost, final=False, pack_efficiency=FEED_EFFICIENCY, carry_limit=len(ids),
+                       patches=patches)
+    if not plan.groups:
+        return []
+    padded = cost.pad(lengths)
+    quality = [float(lengths[g].sum()) / (len(g) * float(padded[g].max(axis=0).sum())) for g in plan.groups]
+    out: List[np.ndarray] = []
+    for k in np.argsort(-np.asarray(quality), kind="stable"):
+        if samples <= 0:
+            break
+        out.append(plan.groups[k])
+        samples -= len(plan.groups[k])
+    return out
+
+
 @dataclasses.dataclass
 class PlannedWindow:
     """Batches planned from one pool, as arrays of sample ids, in planner order."""
@@ -81,13 +110,28 @@ class WindowPlanner:
             # Nothing emitted yet and the pool holds a budget's worth: emit a batch however it packs, so
             # the first step does not wait for more windows (short samples rarely pack well this early).
             carry_limit = min(carry_limit, max(len(ids) - 1, 0))
-        plan = plan_window(lengths, ids, self.cost, final=final, pack_efficiency=self.cfg.emit_efficiency,
+        efficiency = self.cfg.emit_efficiency
+        plan = plan_window(lengths, ids, self.cost, final=final, pack_efficiency=efficiency,
                            carry_limit=carry_limit, patches=patches)
-        self._carry_ids = ids[plan.carry]
-        self._carry_len = lengths[plan.carry]
-        self._carry_patches = None if patches is None else np.asarray(patches)[plan.carry]
-        self._emitted += len(plan.groups)
-        return PlannedWindow([ids[g] for g in plan.groups], ids[plan.oversize], final, new_samples)
+        groups, carry = list(plan.groups), plan.carry
+        short = FEED_SHARE * new_samples - sum(len(g) for g in groups)
+        if (short > 0 and not final and len(carry) and self.cfg.pack_efficiency is None and not self.cost.packed
+                and efficiency > FEED_EFFICIENCY):
+            # Small ramp-up pools rarely reach 0.99: the window would hold back most of what it read and
+            # the loop would wait while the next window is read. Keep batches flowing with the best carried
+            # runs that reach 0.95.
+            sub_patches = None if patches is None else np.asarray(patches)[carry]
+            extra = feed_runs(lengths[carry], ids[carry], self.cost, sub_patches, short)
+            taken = np.zeros(len(carry), dtype=bool)
+            for g in extra:
+                taken[g] = True
+            groups += [carry[g] for g in extra]
+            carry = carry[~taken]
+        self._carry_ids = ids[carry]
+        self._carry_len = lengths[carry]
+        self._carry_patches = None if patches is None else np.asarray(patches)[carry]
+        self._emitted += len(groups)
+        return PlannedWindow([ids[g] for g in groups], ids[plan.oversize], final, new_samples)
 
     def defer(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Put planned samples back into the carry (a rank ran fewer steps than it planned)."""
