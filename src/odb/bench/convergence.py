@@ -1,9 +1,13 @@
 """Convergence on real text: held-out loss against training wall time, per arm.
 
-Each arm trains ``epochs`` epochs over the same real-text samples (``text_data``) from
-the same initial weights; every ``1/evals`` of its planned steps the clock stops and
-the model's loss on a fixed held-out batch is recorded beside the training seconds so
-far. Time to a target loss comes from these curves (``time_to_loss``).
+Every arm trains on the same real-text samples (``text_data``) from the same initial
+weights for the same training time: the first arm (fixed batching) trains ``epochs``
+epochs, every other arm as many epochs as it takes to have trained as long (odb's
+epochs are shorter: it runs more of them). The arms take turns epoch by epoch. About
+``evals`` times per ``epochs`` epochs of its own the clock stops and the model's loss on
+a fixed held-out batch is recorded beside the training seconds so far. Time to a target
+loss comes from these curves (``time_to_loss``); the target is the highest final loss
+of any arm, which every arm reaches.
 
 Learning rate: an arm whose steps carry more tokens takes larger steps, so at the same
 learning rate it makes less progress per epoch. Every arm gets
@@ -25,9 +29,10 @@ import torch
 
 from .text_data import TextSamples, held_out_batch, workload_lengths
 from .training_arms import ATTENTION, ODB_ARMS, build_loader
-from .training_run import _autocast, build_model, set_epoch, train_epoch, wrap
+from .training_run import _autocast, _reduce, build_model, set_epoch, train_epoch, wrap
 
 SAME_LR = "_same_lr"
+MAX_EPOCHS_PER_BUDGET = 6  # an arm may train up to 6x the first arm's epochs within its time
 
 
 def lr_for(base_lr: float, tokens_per_step: float, base_tokens_per_step: float, rule: str = "sqrt") -> float:
@@ -62,6 +67,51 @@ def _evaluate(model: torch.nn.Module, batch: Dict[str, torch.Tensor], device: to
         return float(module(**batch).loss)
 
 
+class _ArmRun:
+    """One arm's model, optimizer, loader and loss curve, trained an epoch at a time."""
+
+    def __init__(self, name: str, dataset: TextSamples, cap: int, rank: int, world: int, device: torch.device,
+                 base_lr: float, base_tps: float, rank_tokens: float, epochs: int, evals: int,
+                 held: Dict[str, torch.Tensor]) -> None:
+        self.name, self.world, self.device, self.held = name, world, device, held
+        self.arm = name[:-len(SAME_LR)] if name.endswith(SAME_LR) else name
+        self.loader = build_loader(self.arm, dataset, cap, rank=rank, world=world)
+        self.tps = rank_tokens / len(self.loader)
+        self.lr = base_lr if name.endswith(SAME_LR) else lr_for(base_lr, self.tps, base_tps)
+        self.model = wrap(build_model(device, int(dataset.lengths.max()), ATTENTION.get(self.arm, "sdpa")), world)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+        self.curve: List[Tuple[float, int, float]] = [(0.0, 0, _evaluate(self.model, held, device))]
+        self.every = max(1, (len(self.loader) * epochs) // evals)
+        self.done_s, self.done_steps, self.epochs = 0.0, 0, 0
+
+    def epoch(self, epoch: int) -> None:
+        set_epoch(self.loader, epoch)
+        start, paused = time.perf_counter(), 0.0
+
+        def on_step(step: int) -> float:
+            nonlocal paused
+            if (self.done_steps + step) % self.every:
+                return 0.0
+            t = time.perf_counter()
+            self.curve.append((self.done_s + t - start - paused, self.done_steps + step,
+                               _evaluate(self.model, self.held, self.device)))
+            spent = time.perf_counter() - t
+            paused += spent
+            return spent
+
+        e = train_epoch(self.model, self.opt, self.loader, odb_arm=self.arm in ODB_ARMS, device=self.device,
+                        world=self.world, on_step=on_step)
+        wall = _reduce([e["wall_s"]], "MAX", self.world)[0]  # every rank decides alike whether to go on
+        self.done_s, self.done_steps, self.epochs = self.done_s + wall, self.done_steps + e["steps"], self.epochs + 1
+        if self.curve[-1][1] != self.done_steps:
+            self.curve.append((self.done_s, self.done_steps, _evaluate(self.model, self.held, self.device)))
+
+    def result(self) -> Dict[str, Any]:
+        return {"lr": self.lr, "tokens_per_step_planned": self.tps, "steps": self.done_steps, "epochs": self.epochs,
+                "train_s": self.done_s,
+                "curve": [{"s": s, "step": k, "loss": v} for s, k, v in self.curve], "final_loss": self.curve[-1][2]}
+
+
 def run_convergence(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, Any]:
     """Loss curves of every arm in ``params["arms"]``; rank 0's view."""
     device = torch.device(params.get("device", "cpu"))
@@ -71,42 +121,29 @@ def run_convergence(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, 
     rank_tokens = float(lengths.sum()) / world
     base_tps = rank_tokens / len(build_loader("fixed", dataset, cap, rank=rank, world=world))
     held = {k: v.to(device) for k, v in held_out_batch().items()}
+    runs = {name: _ArmRun(name, dataset, cap, rank, world, device, base_lr, base_tps, rank_tokens, epochs, evals,
+                          held) for name in params["arms"]}
+    names = list(runs)
+    first = runs[names[0]]
+    budget = math.inf
+    for epoch in range(MAX_EPOCHS_PER_BUDGET * epochs):
+        # Epoch by epoch, the arms' order rotated: a busy spell of the machine is shared. The first arm trains
+        # `epochs` epochs; the others train until they have had its training time.
+        active = [n for n in names if (runs[n] is first and first.epochs < epochs)
+                  or (runs[n] is not first and runs[n].done_s < budget)]
+        if not active:
+            break
+        for name in active[epoch % len(active):] + active[:epoch % len(active)]:
+            runs[name].epoch(epoch)
+        if first.epochs >= epochs:
+            budget = first.done_s
     out: Dict[str, Any] = {"arms": {}}
-    for name in params["arms"]:
-        arm = name[:-len(SAME_LR)] if name.endswith(SAME_LR) else name
-        loader = build_loader(arm, dataset, cap, rank=rank, world=world)
-        tps = rank_tokens / len(loader)
-        lr = base_lr if name.endswith(SAME_LR) else lr_for(base_lr, tps, base_tps)
-        model = wrap(build_model(device, int(lengths.max()), ATTENTION.get(arm, "sdpa")), world)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        curve: List[Tuple[float, int, float]] = [(0.0, 0, _evaluate(model, held, device))]
-        every = max(1, (len(loader) * epochs) // evals)
-        done_s, done_steps = 0.0, 0
-        for epoch in range(epochs):
-            set_epoch(loader, epoch)
-            start, paused = time.perf_counter(), 0.0
-
-            def on_step(step: int) -> float:
-                nonlocal paused
-                if (done_steps + step) % every:
-                    return 0.0
-                t = time.perf_counter()
-                curve.append((done_s + t - start - paused, done_steps + step, _evaluate(model, held, device)))
-                spent = time.perf_counter() - t
-                paused += spent
-                return spent
-
-            e = train_epoch(model, opt, loader, odb_arm=arm in ODB_ARMS, device=device, world=world, on_step=on_step)
-            done_s, done_steps = done_s + e["wall_s"], done_steps + e["steps"]
-            if curve[-1][1] != done_steps:
-                curve.append((done_s, done_steps, _evaluate(model, held, device)))
-        out["arms"][name] = {"lr": lr, "tokens_per_step_planned": tps, "steps": done_steps, "train_s": done_s,
-                             "curve": [{"s": s, "step": k, "loss": v} for s, k, v in curve],
-                             "final_loss": curve[-1][2]}
+    for name, run in runs.items():
+        out["arms"][name] = run.result()
         if rank == 0:
-            print(f"[convergence] {name}: lr {lr:.2e}, {done_steps} steps, {done_s:.1f} s, held-out loss "
-                  f"{curve[0][2]:.3f} -> {curve[-1][2]:.3f}", file=sys.stderr, flush=True)
-        del loader, model, opt
+            m = out["arms"][name]
+            print(f"[convergence] {name}: lr {m['lr']:.2e}, {m['steps']} steps, {m['train_s']:.1f} s, held-out loss "
+                  f"{m['curve'][0]['loss']:.3f} -> {m['final_loss']:.3f}", file=sys.stderr, flush=True)
     finals = [a["final_loss"] for a in out["arms"].values()]
     out["target_loss"] = max(finals)
     for a in out["arms"].values():

@@ -59,7 +59,8 @@ def _split() -> int:
 
 
 class TextSamples(Dataset):
-    """Sample i: ``{"input_ids": lengths[i] bytes of the text}`` from a seeded offset of the training part."""
+    """Sample i: ``lengths[i]`` bytes of the text from a seeded offset of the training part, as
+    ``{"input_ids": ids, "labels": ids}``."""
 
     def __init__(self, lengths: Sequence[int], seed: int = 0) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -75,7 +76,8 @@ class TextSamples(Dataset):
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         start = int(self.offsets[i])
-        return {"input_ids": self.text[start:start + int(self.lengths[i])]}
+        ids = self.text[start:start + int(self.lengths[i])]
+        return {"input_ids": ids, "labels": ids}  # a causal LM's labels: its inputs (the model shifts them)
 
 
 def held_out_batch(samples: int = 16, length: int = 256) -> Dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Real forward + backward + AdamW steps of a Llama built from a config (random init,
 nothing downloaded) on real text (``text_data``: Python's documentation, byte tokens),
-on 1 process and on 2 gloo DDP ranks (one CPU thread per rank), every arm under the
+on 2 gloo DDP ranks and on 1 process (one CPU thread each), every arm under the
 same memory cap of padded tokens per micro-batch (``training_arms``). Three workloads
 (short pairs, a heavy-tailed instruction mix, long chat), ``rounds`` interleaved rounds
 (arm order rotated, same seeds), medians with min-max spread (``training_run``). Then
@@ -30,12 +30,14 @@ MODEL = MODELS["cpu"]  # the CPU model (benchmarks/packed_step_cost.py builds it
 __all__ = ["MODEL", "VOCAB", "run_training", "training_goals"]
 
 CAP = {"cpu": 4096, "cuda": 16384}
-# What each part trains: samples per workload (2 ranks; 1 process trains half as many: the same per process).
+# What each part trains: samples per workload on 2 ranks and on 1 process (the heavy-tailed workload only, with the
+# samples of one rank: 2 cores run 2 ranks or 1 process in the same time), rounds, convergence run.
 SIZES: Dict[str, Dict[str, Any]] = {
-    "full": {"workloads": {"short-pairs": 1600, "heavy-tailed": 800, "long-chat": 400}, "rounds": 3,
-             "convergence": {"workload": "heavy-tailed", "samples": 800, "epochs": 2, "evals": 8}},
-    "quick": {"workloads": {"short-pairs": 64, "heavy-tailed": 32, "long-chat": 16}, "rounds": 1,
-              "convergence": {"workload": "heavy-tailed", "samples": 32, "epochs": 1, "evals": 2}},
+    "full": {"workloads": {"short-pairs": 1600, "heavy-tailed": 640, "long-chat": 320},
+             "ranks1": {"heavy-tailed": 320}, "rounds": 3,
+             "convergence": {"workload": "heavy-tailed", "samples": 640, "epochs": 2, "evals": 8}},
+    "quick": {"workloads": {"short-pairs": 64, "heavy-tailed": 32, "long-chat": 16}, "ranks1": {"heavy-tailed": 16},
+              "rounds": 1, "convergence": {"workload": "heavy-tailed", "samples": 32, "epochs": 1, "evals": 2}},
 }
 CONVERGENCE_ARMS = ("fixed", "group_by_length", "odb_padded", "odb_packed", "odb_padded_same_lr")
 BASE_LR = 2e-3  # the fixed arm's learning rate; the others scale from it (convergence.lr_for)
@@ -83,8 +85,7 @@ def run_training(*, quick: bool = False, device: str = "cpu", out_dir: Optional[
             both["convergence"]
         out["wall_s"]["ranks2_and_convergence"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        halves = {k: max(2, v // 2) for k, v in size["workloads"].items()}
-        one = launch({**base, "threads": 2, "workloads": halves}, world=1, timeout_s=timeout_s)
+        one = launch({**base, "threads": 1, "workloads": size["ranks1"]}, world=1, timeout_s=timeout_s)
         out["ranks1"] = {**one["workloads_meta"], "workloads": one["workloads"]}
         out["wall_s"]["ranks1"] = time.perf_counter() - t0
         out["goals"] = training_goals(out["ranks2"])
