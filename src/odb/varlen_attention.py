@@ -9,7 +9,10 @@ and more than the padded batch of the same samples pays. The flash-attention ker
 
 ``varlen_causal_attention`` runs ``torch.nn.functional.scaled_dot_product_attention``
 once per sample with ``is_causal=True``: exact, no mask built, the cost of the samples,
-on CPU and on any GPU. ``register_varlen_attention()`` adds it to transformers as the
+on CPU and on any GPU. On CUDA tensors in half precision without dropout it calls
+PyTorch's own flash kernel for packed rows, ``torch.nn.attention.varlen.varlen_attn``,
+once per row instead, where the installed torch has it (``native_varlen``).
+``register_varlen_attention()`` adds it to transformers as the
 attention implementation ``"odb_varlen"``: the boundaries come from ``cu_seq_lens_q``
 when the batch has them, else from the restarting ``position_ids`` (as flash-attention
 reads them). A batch with a padding mask, or a query shorter than its keys (a KV
@@ -20,7 +23,7 @@ or the attention weights is refused with the fix.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +65,9 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                          f"the row (cu_seq_lens_q of PackedCollate(return_flash_attn_kwargs=True)).")
     if window is not None and window < 1:
         raise ValueError(f"varlen_causal_attention: window={window} must be at least 1 (or None: no window).")
+    native = native_varlen(query, dropout_p)
+    if native is not None:
+        return _native_call(native, query, key, value, bounds, scale, window)
     gqa = {"enable_gqa": True} if key.shape[-3] != query.shape[-3] else {}
 
     def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -80,6 +86,37 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     parts = [causal(q, k, v) for q, k, v in zip(query.split(sizes, dim=-2), key.split(sizes, dim=-2),
                                                  value.split(sizes, dim=-2))]
     return torch.cat(parts, dim=-2)
+
+
+def native_varlen(query: torch.Tensor, dropout_p: float = 0.0) -> Optional[Callable[..., torch.Tensor]]:
+    """PyTorch's ``torch.nn.attention.varlen.varlen_attn`` where it applies to ``query``, else None.
+
+    It runs one flash-attention kernel over the whole row, but only on CUDA tensors in
+    float16/bfloat16 and without dropout (and only in a torch that has it); everything
+    else takes the per-sample ``scaled_dot_product_attention`` path.
+
+    Example:
+        >>> native_varlen(torch.randn(2, 5, 4)) is None  # a CPU tensor: the per-sample path
+        True
+    """
+    if not query.is_cuda or dropout_p > 0.0 or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # an older torch has no varlen_attn
+        return None
+    return varlen_attn  # type: ignore[no-any-return]
+
+
+def _native_call(varlen_attn: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, bounds: List[int], scale: Optional[float], window: Optional[int]) -> torch.Tensor:
+    """One ``varlen_attn`` call over the row: (H, T, D) in, as (T, H, D) the kernel takes, and back."""
+    q, k, v = (x.reshape(x.shape[-3:]).transpose(0, 1).contiguous() for x in (query, key, value))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+                      window_size=(-1, 0) if window is None else (window - 1, 0))
+    return out.transpose(0, 1).reshape(query.shape)
 
 
 def register_varlen_attention() -> str:
