@@ -50,7 +50,7 @@ def configs(draw):
         token_budget=budget,
         buffer_size=draw(st.integers(1, 40)),
         max_carry=draw(st.one_of(st.none(), st.integers(0, 25))),
-        pack_efficiency=draw(st.floats(0.3, 1.0)),
+        pack_efficiency=draw(st.one_of(st.none(), st.floats(0.3, 1.0))),  # None: the default, with the ramp-up rule
         pad_to_multiple_of=draw(st.sampled_from([1, 1, 2, 8])),
         batch_size_multiple=multiple,
         max_batch_size=draw(st.one_of(st.none(), st.integers(multiple, 3 * multiple + 8))),
@@ -171,7 +171,7 @@ def assert_oversize_exactly(cfg: ODBConfig, rows: np.ndarray, patches: Optional[
 
 def run_plan(s: Setup, ids: np.ndarray, final: bool, carry_limit: int):
     cost = CostModel.from_config(s.cfg)
-    return plan_window(s.lengths, ids, cost, final=final, pack_efficiency=s.cfg.pack_efficiency,
+    return plan_window(s.lengths, ids, cost, final=final, pack_efficiency=s.cfg.emit_efficiency,
                        carry_limit=carry_limit, patches=s.patches)
 
 
@@ -472,7 +472,7 @@ def test_sliding_window_dp_matches_the_reference_on_planner_pools(s: Setup) -> N
     tokens, counts, ideal = pool_dp_inputs(cost, s.rows, s.patches)
     ends = np.arange(len(counts)) + counts
     assert (np.diff(ends) >= 0).all()  # what the sliding window relies on
-    eff, m = s.cfg.pack_efficiency, cost.multiple
+    eff, m = s.cfg.emit_efficiency, cost.multiple
     fast = _dp_segments(tokens, counts, ideal, eff, m)
     slow = reference_dp_segments(tokens, counts, ideal, eff, m)
     assert_allowed_runs(fast, counts, m)
@@ -614,6 +614,32 @@ def test_deferred_groups_come_back_exactly_once(stream: Stream, data) -> None:
         emitted += [int(i) for g in out.groups[:keep] for i in g] + out.oversize.tolist()
     assert wp.carried_ids.size == 0
     assert sorted(emitted) == sorted(stream.ids.tolist())
+
+
+def test_ramp_up_window_adds_its_best_carried_runs_until_it_emits_enough() -> None:
+    """At the default pack_efficiency a window that would emit under FEED_SHARE of its new samples at 0.99 adds
+    carried runs that reach 0.95, best first; an explicit pack_efficiency is taken as given."""
+    from odb.window import FEED_SHARE, feed_runs
+
+    # Sorted 50, 47, 46, 43, 30, 30, 10 x 9: no run reaches 0.99 of a full batch; at 0.95 the DP prefers
+    # (47, 46) (93 / 94) to (50, 47) + (46, 43); the 30s and 10s reach neither.
+    lengths = np.array([50, 47, 46, 43, 30, 30] + [10] * 9)
+    planners = {}
+    for name, cfg in (("default", ODBConfig(token_budget=100)),
+                      ("explicit", ODBConfig(token_budget=100, pack_efficiency=0.99))):
+        wp = WindowPlanner(cfg)
+        wp.plan(np.array([100, 101]), np.array([50, 50]))  # one batch out: the first-batch rule is done
+        planners[name] = (wp, wp.plan(np.arange(15), lengths))
+    wp, out = planners["default"]
+    assert [sorted(g.tolist()) for g in out.groups] == [[1, 2]]
+    assert 2 < FEED_SHARE * 15  # it wanted more, but no other run reaches 0.95
+    assert sorted(wp.carried_ids.tolist()) == [0] + list(range(3, 15))  # each sample once
+    wp, out = planners["explicit"]
+    assert out.groups == [] and sorted(wp.carried_ids.tolist()) == list(range(15))
+    # best first, and only as many as asked for
+    pool = np.array([[50], [48], [33], [33], [32]])  # runs (50, 48): 98 / 100 and (33, 33, 32): 98 / 99
+    assert [sorted(g.tolist()) for g in feed_runs(pool, np.arange(5), CostModel((100,)), None, 1)] == [[2, 3, 4]]
+    assert len(feed_runs(pool, np.arange(5), CostModel((100,)), None, 4)) == 2
 
 
 def test_window_planner_docstring_example() -> None:
