@@ -223,3 +223,92 @@ def suite_ranks(rank: int, world: int, p: Dict[str, Any]) -> List[Dict[str, Any]
     return [train_ranks(rank, world, dict(run, out=os.path.join(p["out"], str(k))) if "out" not in run
                         else run) for k, run in enumerate(p["runs"])]
 
+
+
+# ---- transformers' own collators (tests/test_first_hour_hf.py) --------------------------------------
+
+
+def word_tokenizer(mask: bool = False, pad_is_eos: bool = False) -> Any:
+    """A WordLevel tokenizer trained offline on examples/_hf_text.py's sentences (with [MASK] for masked LM)."""
+    import sys
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from _hf_text import sentences
+
+    special = ["<pad>", "</s>", "<unk>"] + (["[MASK]"] if mask else [])
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(sentences(200, seed=1), trainers.WordLevelTrainer(special_tokens=special))
+    extra = {"mask_token": "[MASK]"} if mask else {}
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="</s>" if pad_is_eos else "<pad>",
+                                  eos_token="</s>", unk_token="<unk>", padding_side="right", **extra)
+    if len(out) > VOCAB:
+        raise ValueError(f"the test tokenizer has {len(out)} tokens, more than the models' vocab_size={VOCAB}")
+    return out
+
+
+def text_dataset(tok: Any, n: int = 24, eos: bool = False, label: bool = False, seed: int = 0) -> Any:
+    """A datasets.Dataset of tokenized sentences of varied length (as after dataset.map(tokenize))."""
+    import sys
+    from pathlib import Path
+
+    import datasets
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from _hf_text import sentences
+
+    rows = [tok(t)["input_ids"] + ([tok.eos_token_id] if eos else [])
+            for t in sentences(n, seed=seed, low=2, high=20)]
+    data: Dict[str, List[Any]] = {"input_ids": rows}
+    if label:
+        data["label"] = [i % 3 for i in range(n)]
+    return datasets.Dataset.from_dict(data)
+
+
+def bert(kind: str) -> torch.nn.Module:
+    """A float64 tiny BERT: masked LM (``kind="mlm"``) or 3-class sequence classification."""
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
+    cls = BertForMaskedLM if kind == "mlm" else BertForSequenceClassification
+    return cls(cfg).to(torch.float64)
+
+
+def masked_lm_step(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
+    """One optimizer step of a masked LM with DataCollatorForLanguageModeling(mlm=True) under odb: this
+    rank's parameter change, step infos and the step's collated micro-batches (the collator draws the
+    masked tokens, so the reference is computed from what it drew)."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from odb.integrations.hf import enable_odb
+
+    if world > 1:
+        _join_torch_distributed(rank, world)
+    batches: List[Dict[str, torch.Tensor]] = []
+
+    class Recorded(DataCollatorForLanguageModeling):
+        def __call__(self, features: Any, return_tensors: Any = None) -> Any:
+            batch = super().__call__(features, return_tensors)
+            batches.append({k: v.clone() for k, v in batch.items()})
+            return batch
+
+    tok = word_tokenizer(mask=True)
+    args = TrainingArguments(output_dir=p["out"], use_cpu=True, report_to="none", disable_tqdm=True, optim="sgd",
+                             learning_rate=p["lr"], weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant",
+                             gradient_accumulation_steps=p["ga"], max_steps=1, save_strategy="no",
+                             logging_strategy="no", seed=7, dataloader_num_workers=0)
+    trainer = enable_odb(Trainer(model=bert("mlm"), args=args, train_dataset=text_dataset(tok, p["n"]),
+                                 data_collator=Recorded(tok, mlm=True, mlm_probability=0.3, seed=3 + rank)),
+                         token_budget=p["budget"], buffer_size=16, ready_batches=0)
+    before = {n: w.detach().clone() for n, w in trainer.model.named_parameters()}
+    trainer.train()
+    return {"delta": {n: w.detach() - before[n] for n, w in trainer.model.named_parameters()},
+            "infos": [i.as_dict() for i in trainer.odb_step_infos],
+            "batches": batches[:len(trainer.odb_step_infos)]}  # ready_batches=0: the step's, in order

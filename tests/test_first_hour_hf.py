@@ -17,7 +17,6 @@ offline (examples/_hf_text.py).
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List
@@ -29,10 +28,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
 import hf_workers as W  # noqa: E402
-from _hf_text import sentences  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import odb  # noqa: E402
@@ -47,29 +43,7 @@ def rel_error(delta: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> f
     return max((delta[n] - r).abs().max().item() for n, r in ref.items()) / scale
 
 
-def tokenizer(mask: bool = False, pad_is_eos: bool = False) -> Any:
-    """A WordLevel tokenizer trained offline on the generated sentences (with [MASK] for masked LM)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<pad>", "</s>", "<unk>"] + (["[MASK]"] if mask else [])
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(sentences(200, seed=1), trainers.WordLevelTrainer(special_tokens=special))
-    extra = {"mask_token": "[MASK]"} if mask else {}
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="</s>" if pad_is_eos else "<pad>",
-                                  eos_token="</s>", unk_token="<unk>", padding_side="right", **extra)
-    assert len(out) <= W.VOCAB
-    return out
-
-
-def text_dataset(tok: Any, n: int = 24, eos: bool = False, label: bool = False) -> Any:
-    """A datasets.Dataset of tokenized sentences of varied length (as after dataset.map(tokenize))."""
-    rows = [tok(t)["input_ids"] + ([tok.eos_token_id] if eos else []) for t in sentences(n, seed=0, low=2, high=20)]
-    data: Dict[str, List[Any]] = {"input_ids": rows}
-    if label:
-        data["label"] = [i % 3 for i in range(n)]
-    return datasets.Dataset.from_dict(data)
+tokenizer, text_dataset, bert = W.word_tokenizer, W.text_dataset, W.bert
 
 
 def args(tmp_path: Path, ga: int = 2, **kw: Any) -> TrainingArguments:
@@ -104,17 +78,6 @@ def causal_reference(model: Any, collator: Any, dataset: Any, ids: List[int], lr
     return {n: -lr * w.grad for n, w in model.named_parameters() if w.grad is not None}, tokens
 
 
-def bert(kind: str) -> Any:
-    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=W.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                     num_attention_heads=2, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
-    cls = BertForMaskedLM if kind == "mlm" else BertForSequenceClassification
-    return cls(cfg).to(torch.float64)
-
-
 # ---- the standard collators train exactly, with no extra argument ------------------------------------
 
 
@@ -135,39 +98,44 @@ def test_causal_lm_collator_trains_exactly(tmp_path, pad_is_eos):
     assert rel_error(delta, ref) < EXACT
 
 
-def test_masked_lm_collator_counts_the_masked_tokens_after_collate(tmp_path):
-    # The masked tokens are drawn by the collator: odb counts them in the collated batches.
-    # Before: ValueError at step 1 (odb counted every input token of the samples).
-    from transformers import DataCollatorForLanguageModeling
-
-    batches: List[Dict[str, torch.Tensor]] = []
-
-    class Recorded(DataCollatorForLanguageModeling):
-        def __call__(self, features: Any, return_tensors: Any = None) -> Any:
-            batch = super().__call__(features, return_tensors)
-            batches.append({k: v.clone() for k, v in batch.items()})
-            return batch
-
-    tok = tokenizer(mask=True)
-    data = text_dataset(tok)
-    collator = Recorded(tok, mlm=True, mlm_probability=0.3, seed=3)
-    trainer = enable_odb(Trainer(model=bert("mlm"), args=args(tmp_path), train_dataset=data, data_collator=collator),
-                         token_budget=96, buffer_size=16, ready_batches=0)
-    delta, ids, infos = one_step(trainer)
-    step = batches[:2]  # ready_batches=0: the step's two micro-batches are the first two collated
-    counts = [int((b["labels"] != IGNORE).sum()) for b in step]
-    assert [i.local_loss_tokens for i in infos] == counts and min(counts) > 0
-    assert all(i.global_loss_tokens == sum(counts) for i in infos)
-    assert [i.loss_scale for i in infos] == pytest.approx([c / sum(counts) for c in counts])
+def masked_lm_reference(batches: List[Dict[str, torch.Tensor]], lr: float) -> Dict[str, torch.Tensor]:
+    """-lr x gradient of (sum of masked-token losses) / (their count) over the collated batches."""
     model = bert("mlm")
-    total = torch.zeros((), dtype=torch.float64)
-    for b in step:
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for b in batches:
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
         keep = b["labels"] != IGNORE
         total = total + F.cross_entropy(logits[keep].double(), b["labels"][keep], reduction="sum")
-    (total / sum(counts)).backward()
-    ref = {n: -1e-3 * w.grad for n, w in model.named_parameters() if w.grad is not None}
-    assert rel_error(delta, ref) < EXACT
+        count += int(keep.sum())
+    (total / count).backward()
+    return {n: -lr * w.grad for n, w in model.named_parameters() if w.grad is not None}
+
+
+def test_masked_lm_collator_counts_the_masked_tokens_after_collate(tmp_path):
+    # The masked tokens are drawn by the collator: odb counts them in the collated batches.
+    # Before: ValueError at step 1 (odb counted every input token of the samples).
+    r = W.masked_lm_step(0, 1, dict(out=str(tmp_path), n=24, ga=2, lr=1e-3, budget=96))
+    counts = [int((b["labels"] != IGNORE).sum()) for b in r["batches"]]
+    infos = r["infos"]
+    assert [i["local_loss_tokens"] for i in infos] == counts and len(counts) == 2 and min(counts) > 0
+    assert all(i["global_loss_tokens"] == sum(counts) for i in infos)
+    assert [i["loss_scale"] for i in infos] == pytest.approx([c / sum(counts) for c in counts])
+    assert rel_error(r["delta"], masked_lm_reference(r["batches"], 1e-3)) < EXACT
+
+
+@pytest.mark.dist
+def test_masked_lm_on_two_ranks_weights_by_the_counts_of_both(tmp_path):
+    # One all-reduce per optimizer step sums the collated counts of every rank's micro-batches.
+    from dist_harness import run_ranks
+
+    ranks = run_ranks("hf_workers:masked_lm_step", 2, dict(out=str(tmp_path / "run"), n=24, ga=2, lr=1e-3,
+                                                         budget=96), tmp_path / "h", deadline_s=180)
+    real = [b for r in ranks for b, i in zip(r["batches"], r["infos"]) if not i["is_ghost"]]
+    total = sum(int((b["labels"] != IGNORE).sum()) for b in real)
+    assert len(real) >= 3 and all(i["global_loss_tokens"] == total for r in ranks for i in r["infos"])
+    ref = masked_lm_reference(real, 1e-3)
+    for rank, r in enumerate(ranks):
+        assert rel_error(r["delta"], ref) < EXACT, f"rank {rank}"
 
 
 def test_padding_collator_counts_one_label_per_sample(tmp_path):

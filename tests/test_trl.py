@@ -112,7 +112,7 @@ def test_padding_free_with_odb_varlen_attention_is_exact(tmp_path):
 def resume_runs(tmp_path: Path, **kw) -> tuple:
     resume_args = dict(save_strategy="steps", save_steps=2, optim="adamw_torch", lr_scheduler_type="linear",
                        warmup_steps=1)
-    base = params(max_steps=-1, epochs=2, n=20, lr=1e-2, budget=60, args=resume_args)
+    base = params(max_steps=-1, epochs=2, n=20, lr=1e-2, budget=40, args=resume_args)
     base.update(kw)
     full = dict(base, out=str(tmp_path / "full"))
     return full, dict(base, out=str(tmp_path / "resumed"), resume=os.path.join(full["out"], "checkpoint-2"))
