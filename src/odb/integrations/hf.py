@@ -56,8 +56,9 @@ class ODBTrainerMixin:
     """Put before a Trainer class: ``class MyTrainer(ODBTrainerMixin, Seq2SeqTrainer)``.
 
     Keyword arguments that are ODBConfig fields (``token_budget``, ``buffer_size``,
-    ``length_fn``...), ``odb_config=`` and ``lengths=`` (per-sample lengths, saves
-    probing the dataset for the step estimate) go to odb; the rest to the Trainer.
+    ``length_fn``...), ``odb_config=``, ``lengths=`` (per-sample lengths, saves
+    probing the dataset for the step estimate) and ``packed_attention=`` (see
+    ``enable_odb``) go to odb; the rest to the Trainer.
 
     Example:
         >>> from odb.integrations.hf import ODBTrainerMixin                 # doctest: +SKIP
