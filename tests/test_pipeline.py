@@ -33,8 +33,63 @@ def test_collate_runs_off_the_training_thread_unless_ready_batches_is_0(ready, o
 
     ds = LengthDataset(known_lengths(200, 1, 40, seed=1))
     loader = odb.ODBDataLoader(ds, token_budget=200, collate_fn=collate, ready_batches=ready, buffer_size=64)
-    assert sum(len(i) for i in _ids(loader)) == 200
+    count = 0
+    for batch in loader:  # a loop slower than the batch thread: it finds every batch collated
+        count += len(odb.pop_step_info(batch).sample_ids)
+        time.sleep(0.01)
+    assert count == 200
     assert seen == {not off_thread}
+
+
+def test_the_training_thread_collates_what_the_batch_thread_has_not_reached():
+    # A batch thread held back (here: its collates are slow; in training, a step that holds the GIL) leaves
+    # batches to the training thread, which collates them itself: every batch once, the same batches.
+    calls = []
+
+    def collate(samples):
+        on_main = threading.current_thread() is threading.main_thread()
+        if not on_main:
+            time.sleep(0.05)
+        calls.append(on_main)
+        return pad_collate(samples)
+
+    ds = LengthDataset(known_lengths(200, 1, 40, seed=1))
+    lazy = odb.ODBDataLoader(ds, token_budget=200, collate_fn=collate, buffer_size=64, shuffle=True, seed=0)
+    ids = _ids(lazy)
+    assert len(calls) == len(ids)  # each batch collated exactly once
+    assert True in calls  # the training thread collated some
+    inline = odb.ODBDataLoader(ds, token_budget=200, collate_fn=pad_collate, buffer_size=64, shuffle=True, seed=0,
+                               ready_batches=0)
+    assert _ids(inline) == ids
+
+
+def test_batch_pipeline_finishes_each_item_once_on_either_thread():
+    made = []
+    lock = threading.Lock()
+
+    def make(item):
+        with lock:
+            if item["done"] is None:
+                item["done"] = threading.current_thread().name
+                made.append(item["k"])
+            return item["k"], item["done"]
+
+    pipe = BatchPipeline(iter([{"k": k, "done": None} for k in range(50)]), depth=3, make=make)
+    out = list(pipe)
+    assert [k for k, _ in out] == list(range(50)) and sorted(made) == list(range(50))
+
+
+def test_a_collate_error_on_the_training_thread_is_announced_once():
+    told = []
+
+    def make(item):
+        raise KeyError(f"bad {item}")
+
+    pipe = BatchPipeline(iter(range(5)), depth=2, make=make, announce=told.append)
+    with pytest.raises(KeyError):
+        next(pipe)
+    pipe.close()
+    assert len(told) == 1 and isinstance(told[0], KeyError)  # the other ranks hear of the error, not a stop
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

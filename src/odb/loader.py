@@ -244,7 +244,9 @@ class ODBLoaderMixin(ResumableLoader):
             run.take_snapshot()
         self._odb_run = run
         self._odb_cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
-        run.lazy = self._odb_cfg.ready_batches > 0  # the training thread collates what the batch thread has not
+        # The training thread collates what the batch thread has not reached. Not under DDP: there a batch is
+        # collated before the ranks confirm its step, so a failing collate stops every rank at the same step.
+        run.lazy = self._odb_cfg.ready_batches > 0 and run.world_size == 1
         self._odb_pipeline = BatchPipeline(iter(run), depth=max(self._odb_cfg.ready_batches, 0),
                                            announce=run.aligner.announce,  # a failure or stop reaches every rank
                                            make=made if run.lazy else None)

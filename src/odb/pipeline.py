@@ -129,8 +129,8 @@ class BatchPipeline:
             if self._make is not None:
                 try:
                     item = self._make(item)
-                except BaseException:
-                    self._done = True
+                except BaseException as err:  # the producer announces it to the other ranks, as its own
+                    self.abort(err)
                     raise
             # What the loop waited for this item (the wait for the end of the epoch is no batch's).
             self.last_wait_s = time.perf_counter() - t0
