@@ -236,6 +236,9 @@ def window_settings(cfg: ODBConfig) -> Dict[str, Any]:
     out = {k: getattr(cfg, k) for k in WINDOW_FIELDS if hasattr(cfg, k)}
     if hasattr(cfg, "emit_efficiency"):  # pack_efficiency=None: the layout's default
         out["pack_efficiency"] = cfg.emit_efficiency
+        if cfg.pack_efficiency is None and cfg.layout == "padded":
+            from odb.window import FEED_EFFICIENCY, FEED_SHARE
+            out["ramp_up_rule"] = f"under {FEED_SHARE:.0%} of a window's new samples emitted: add runs >= {FEED_EFFICIENCY}"
     tokens = getattr(cfg, "window_tokens", None)
     if tokens is not None and not callable(tokens):
         out["window_tokens"] = tokens
