@@ -218,7 +218,7 @@ def _training_part(part: Dict[str, Any], cap: int, rounds: int, markdown: bool) 
     mem = "peak MiB (cuda)" if any(a.get("peak_mib") for w in part["workloads"].values()
                                    for a in w["arms"].values()) else "saved MiB"
     header = ["arm", "attention", "steps/rank", "token eff.", "tokens/step / cap", "max step B x L", mem,
-              "real tokens/s (min-max)", "odb padded x", "odb packed x"]
+              "loader s", "other threads CPU s", "real tokens/s (min-max)", "odb padded x", "odb packed x"]
     out: List[str] = []
     for name, w in part["workloads"].items():
         scaling = f"lengths / {w['divided_by']}, " if w.get("divided_by", 1) != 1 else ""
@@ -232,7 +232,8 @@ def _training_part(part: Dict[str, Any], cap: int, rounds: int, markdown: bool) 
             memory = m.get("peak_mib") if mem.startswith("peak") else m.get("saved_mib")
             rows.append([TRAIN_ARM_LABELS.get(arm, arm), m["attention"], str(m["steps"]),
                          f"{m['token_efficiency']:.3f}", f"{m['tokens_per_step_vs_cap']:.3f}",
-                         str(m["max_step_padded_tokens"]), _fmt(memory, "{:.0f}"), _spread(m["tokens_per_s"])]
+                         str(m["max_step_padded_tokens"]), _fmt(memory, "{:.0f}"), _fmt(m.get("loader_s"), "{:.2f}"),
+                         _fmt(m.get("other_threads_cpu_s"), "{:.2f}"), _spread(m["tokens_per_s"])]
                         + [_fmt(r, "x{:.2f}") for r in ratios])
         out += [_table(header, rows, markdown), ""]
         out += ["settings: " + "; ".join(f"{TRAIN_ARM_LABELS.get(a, a)}: {t}" for a, t in w["settings"].items()), ""]
@@ -264,7 +265,8 @@ def training_table(training: Dict[str, Any], markdown: bool = False) -> str:
     parts = [f"Llama {m['num_hidden_layers']} layers x {m['hidden_size']} hidden, vocabulary {m['vocab_size']} "
              f"(byte tokens of real text), AdamW, {training['device']}; real tokens/s = non-pad tokens trained "
              "(all ranks) / epoch wall time, loading included; saved MiB = bytes autograd saves for backward on the "
-             "largest step (parameters excluded)", ""]
+             "largest step (parameters excluded); loader s = rank 0's seconds in next(loader); other threads CPU s = "
+             "rank 0's CPU seconds outside the training thread (odb's batch thread, gloo)", ""]
     for key, title in (("ranks2", "2 gloo DDP ranks"), ("ranks1", "1 process")):
         if key in training:
             parts += [f"{'### ' if markdown else '== '}{title}", ""] + _training_part(training[key], cap, rounds,

@@ -33,9 +33,9 @@ CAP = {"cpu": 4096, "cuda": 16384}
 # What each part trains: samples per workload on 2 ranks and on 1 process (the heavy-tailed workload only, with the
 # samples of one rank: 2 cores run 2 ranks or 1 process in the same time), rounds, convergence run.
 SIZES: Dict[str, Dict[str, Any]] = {
-    "full": {"workloads": {"short-pairs": 1600, "heavy-tailed": 640, "long-chat": 320},
+    "full": {"workloads": {"short-pairs": 1200, "heavy-tailed": 640, "long-chat": 320},
              "ranks1": {"heavy-tailed": 320}, "rounds": 3,
-             "convergence": {"workload": "heavy-tailed", "samples": 640, "epochs": 2, "evals": 8}},
+             "convergence": {"workload": "heavy-tailed", "samples": 480, "epochs": 2, "evals": 8}},
     "quick": {"workloads": {"short-pairs": 64, "heavy-tailed": 32, "long-chat": 16}, "ranks1": {"heavy-tailed": 16},
               "rounds": 1, "convergence": {"workload": "heavy-tailed", "samples": 32, "epochs": 1, "evals": 2}},
 }

@@ -10,7 +10,8 @@ TRL's offline packing, which is preprocessing) is not.
 
 Per arm: real tokens/s (non-pad tokens trained, all ranks, over the epoch's wall time;
 ghost batches excluded), steps per rank, token efficiency (real / padded), real tokens
-per micro-batch against the cap, and memory: the largest padded tokens of any step
+per micro-batch against the cap, rank 0's seconds inside ``next(loader)`` and the CPU
+seconds of its other threads (odb's batch thread, gloo's) during the epoch, and memory: the largest padded tokens of any step
 (B x L; a packed row's length) and, on CPU, the bytes autograd saves for backward
 (activations, parameters excluded) measured with ``torch.autograd.graph.saved_tensors_hooks``
 on each rank's two largest steps after the timed epoch; on CUDA,
@@ -116,8 +117,15 @@ def train_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any,
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     _barrier(world)
-    t0 = time.perf_counter()
-    for batch in loader:
+    t0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
+    waited = 0.0
+    batches = iter(loader)
+    while True:
+        w0 = time.perf_counter()
+        batch = next(batches, None)
+        waited += time.perf_counter() - w0
+        if batch is None:
+            break
         scale, ghost = 1.0, False
         if odb_arm:
             info = odb.pop_step_info(batch)
@@ -140,9 +148,12 @@ def train_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any,
             paused += on_step(steps)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    # CPU of this process's other threads (odb's batch thread, gloo's) beside the training thread's.
+    other_cpu = (time.process_time() - cpu0) - (time.thread_time() - thread0)
     _barrier(world)
     wall = time.perf_counter() - t0 - paused
     out: Dict[str, Any] = {"wall_s": wall, "steps": steps, "real": real, "padded": padded, "max_padded": max_padded,
+                           "loader_s": waited, "other_threads_cpu_s": other_cpu,
                            "final_loss": float(torch.stack(losses[-5:]).mean()) if losses else float("nan")}
     if device.type == "cuda":
         out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -204,6 +215,7 @@ def run_workload(name: str, samples: int, *, rank: int, world: int, device: torc
             mx = _reduce([e["max_padded"], e.get("saved_mib", 0.0), e.get("peak_mib", 0.0), e["steps"]], "MAX",
                          world)
             run = {"wall_s": e["wall_s"], "tokens_per_s": real / e["wall_s"], "real_tokens": int(real),
+                   "loader_s": e["loader_s"], "other_threads_cpu_s": e["other_threads_cpu_s"],
                    "padded_tokens": int(padded), "steps": e["steps"], "steps_equal_on_ranks": steps == mx[3] * world,
                    "max_step_padded_tokens": int(mx[0]), "final_loss": e["final_loss"]}
             if r == 0:
@@ -220,6 +232,8 @@ def run_workload(name: str, samples: int, *, rank: int, world: int, device: torc
         first = rs[0]
         out["arms"][arm] = {
             "tokens_per_s": _summary(rs), "wall_s": statistics.median(x["wall_s"] for x in rs),
+            "loader_s": statistics.median(x["loader_s"] for x in rs),
+            "other_threads_cpu_s": statistics.median(x["other_threads_cpu_s"] for x in rs),
             "steps": first["steps"], "real_tokens": first["real_tokens"], "padded_tokens": first["padded_tokens"],
             "token_efficiency": first["real_tokens"] / first["padded_tokens"],
             "tokens_per_step": first["real_tokens"] / (first["steps"] * world),
