@@ -31,7 +31,7 @@ def main() -> None:
     data = SyntheticSFT(n=opts.samples)
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     loader = odb.ODBDataLoader(data, token_budget=4096, sampler=sampler, num_workers=opts.workers,
-                               collate_fn=pad_collate, buffer_size=128)
+                               collate_fn=pad_collate, buffer_size=128, shift_labels=True)  # the LM shifts labels
     for epoch in range(opts.epochs):
         loader.set_epoch(epoch)  # also reaches the DistributedSampler
         seen = 0
