@@ -156,6 +156,15 @@ def test_popped_batches_and_attribute_carriers_warn_nothing(recwarn):
     assert not not_popped(recwarn.list)
 
 
+def test_a_key_taken_off_by_hand_is_not_warned_about(recwarn):
+    """batch.pop('odb_step_info') trains correctly (the model never sees the key): no warning."""
+    data = loader(pad_collate)
+    for _ in range(2):
+        for batch in data:
+            batch.pop("odb_step_info")
+    assert not not_popped(recwarn.list)
+
+
 def test_a_reattached_info_must_be_popped_again():
     """An integration that takes the info off and puts it back (Accelerate's device copy) leaves the pop to the loop."""
     info = odb.pop_step_info(next(iter(loader(pad_collate))))

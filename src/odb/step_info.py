@@ -170,9 +170,11 @@ class UnpoppedCheck:
     every batch it hands out; when the next one is handed out (or the epoch ends), the previous
     one's info must have gone through ``pop_step_info``. Only dict batches are checked: the key
     is what a model swallows, while an attribute carrier (tuple, list, tensor) may be read as
-    ``batch.odb_step_info``. A warning, not an error: a loop that takes the key off another way
-    (``batch.pop("odb_step_info")``) trains correctly, and must keep running. The cost is one
-    dictionary lookup per batch.
+    ``batch.odb_step_info``. A loop that takes the key off another way (``batch.pop("odb_step_info")``)
+    is not warned: the check looks for the key in the batch it handed out, and for the info in
+    ``pop_step_info``'s record (a copy of the batch, e.g. Accelerate's on the device, popped by the
+    loop). The cost is two dictionary lookups per batch; the batch is held only until the next one
+    is handed out, as the loop's own variable holds it.
 
     Example:
         >>> import warnings
@@ -186,30 +188,32 @@ class UnpoppedCheck:
         True
     """
 
-    __slots__ = ("key", "warned", "_last")
+    __slots__ = ("key", "warned", "_last", "_batch")
 
     def __init__(self, key: str = DEFAULT_KEY) -> None:
         self.key = key
         self.warned = False
         self._last: Optional[ODBStepInfo] = None
+        self._batch: Any = None
 
     def handed_out(self, batch: Any, info: ODBStepInfo, stacklevel: int = 3) -> None:
         """``batch`` (carrying ``info``) goes to the training loop now; the previous batch is checked."""
         self._check(stacklevel + 1)
-        self._last = info if not self.warned and isinstance(batch, MutableMapping) else None
+        watch = not self.warned and isinstance(batch, MutableMapping)
+        self._last, self._batch = (info, batch) if watch else (None, None)
 
     def finished(self, stacklevel: int = 3) -> None:
         """The epoch ended: check its last batch."""
         self._check(stacklevel + 1)
-        self._last = None
+        self._last = self._batch = None
 
     def reset(self) -> None:
         """A new iteration starts: forget a batch left behind by a loop that stopped early."""
-        self._last = None
+        self._last = self._batch = None
 
     def _check(self, stacklevel: int) -> None:
         last = self._last
-        if last is None or self.warned or _popped.get(id(last)) is last:
+        if last is None or self.warned or _popped.get(id(last)) is last or self._batch.get(self.key) is not last:
             return
         self.warned = True
         warnings.warn(
