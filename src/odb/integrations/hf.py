@@ -154,7 +154,7 @@ class ODBTrainerMixin:
         per_step = max(1, round(n / updates)) if n else accumulation * args.world_size
         run.progress = SampleProgress(target, n or 1)
         run.window.reset()
-        log_batching(run.cfg, args.world_size)
+        log_batching(run.cfg)
         samples = round(n * args.num_train_epochs) if target else per_step * max_steps
         return epochs, updates or max_steps, n or samples, samples, per_step, micro or max_steps * accumulation, \
             max_steps

@@ -188,13 +188,12 @@ def prepare_packed_rows(trainer: Trainer, attention: str) -> None:
         raise PackedLayoutError(f"{what} trains on packed rows, and {err} {fix}") from None
 
 
-def log_batching(cfg: ODBConfig, world_size: int) -> None:
+def log_batching(cfg: ODBConfig) -> None:
     """One line next to the Trainer's banner (whose 'Instantaneous batch size per device' odb replaced)."""
     from transformers.trainer import logger
 
-    cost = "the sum of its samples' lengths (one packed row)" if cfg.layout == "packed" else \
-        "samples x longest sample (padded)"
-    logger.info(f"  odb: each batch holds as many samples as fit token_budget={cfg.token_budget} tokens "
-                f"({cost}) per device{f' x {world_size} processes' if world_size > 1 else ''}, so the batch size "
-                f"varies from step to step; per_device_train_batch_size is not used (the logs' odb_mean_batch_size "
-                f"is the real one).")
+    cost = "the sum of its samples' lengths: one packed row" if cfg.layout == "packed" else \
+        "its samples x its longest sample, padded"
+    logger.info(f"  odb: each batch holds as many samples as fit token_budget={cfg.token_budget} tokens per process "
+                f"(a batch costs {cost}), so the batch size varies from step to step; per_device_train_batch_size "
+                f"is not used (the logs' odb_mean_batch_size is the real one).")
