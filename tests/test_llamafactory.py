@@ -482,8 +482,11 @@ def test_refuses_settings_that_break_odb_batches(setup):
     loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=1, collate_fn=mixing)
     with pytest.raises(odb.PackedLayoutError, match=r"neat_packing: true trains on odb's packed rows, and odb "
                                                     r"refuses layout='packed' for OPTForCausalLM.*set `neat_packing: "
-                                                    r"false`"):
-        odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET)
+                                                    r"false`"):  # OPT's own attention; odb_varlen would isolate it
+        odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET, packed_attention="model")
+    handle = odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET)  # switched to odb_varlen: exact
+    assert opt.config._attn_implementation == "odb_varlen"
+    handle.remove()
 
     with pytest.raises(ValueError, match="stage='pt'"):
         odb_lf.run_exp(sft_args(setup, "pt", stage="pt"), token_budget=BUDGET)

@@ -302,6 +302,7 @@ def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config:
                     lengths: Optional[Sequence[int]], options: Dict[str, Any]) -> Any:
     from . import hf
 
+    attention = options.pop("packed_attention", "odb_varlen")
     args = getattr(trainer, "args", None)
     if training_args is not None and training_args is not args:
         raise ValueError("enable_odb got training_args that are not trainer.args. Rule: odb follows the arguments "
@@ -322,10 +323,11 @@ def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config:
     _check_fits(lengths, cfg)
     if not packed:
         return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, **options)
-    _check_packed_model(getattr(trainer, "model", None))
+    _prepare_packed_model(getattr(trainer, "model", None), attention)
     trainer.data_collator = PackedCollate(ignore_index=IGNORE_INDEX)  # odb's row replaces LLaMA-Factory's packing
     try:
-        return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, **options)
+        return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, packed_attention=attention,
+                             **options)
     except BaseException:
         trainer.data_collator = collator
         raise
@@ -334,6 +336,7 @@ def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config:
 # ---- a loader of your own ------------------------------------------------------------------
 def _enable_loader(loader: DataLoader, training_args: Any, token_budget: Any, config: Optional[ODBConfig],
                    lengths: Optional[Sequence[int]], options: Dict[str, Any]) -> ODBHandle:
+    attention = options.pop("packed_attention", "odb_varlen")
     collator = getattr(loader, "collate_fn", None)
     packed = _packed_rows(collator, getattr(loader, "dataset", None), config, options)
     options = _packed_options(options) if packed else _collator_options(collator, config, options)
@@ -350,7 +353,7 @@ def _enable_loader(loader: DataLoader, training_args: Any, token_budget: Any, co
         lengths = _dataset_lengths(getattr(loader, "dataset", None))
     _check_fits(lengths, cfg)
     if packed:
-        _check_packed_model(getattr(collator, "model", None))
+        _prepare_packed_model(getattr(collator, "model", None), attention)
         options["collate_fn"] = PackedCollate(ignore_index=IGNORE_INDEX)
     return apply(loader, token_budget, config=config, lengths=lengths, **options)
 
@@ -435,14 +438,16 @@ def _check_not_prepacked(dataset: Any) -> None:
                      "`packing: true` by `neat_packing: true` (odb never lets packed samples attend to each other).")
 
 
-def _check_packed_model(model: Any) -> None:
-    """Refuse neat_packing for a model whose packed samples see each other (``odb.check_packed_model``)."""
+def _prepare_packed_model(model: Any, attention: str) -> None:
+    """Ready the model for neat_packing's packed rows (``odb.packed_models.prepare_packed_model``: an sdpa/eager
+    model is switched to ``odb_varlen`` unless ``attention="model"``), or refuse a model whose packed samples see
+    each other."""
     if model is None:
         return
-    from ..packed_models import PackedLayoutError, check_packed_model
+    from ..packed_models import PackedLayoutError, prepare_packed_model
 
     try:
-        check_packed_model(model)
+        prepare_packed_model(model, attention=attention)
     except PackedLayoutError as err:
         raise PackedLayoutError(f"neat_packing: true trains on odb's packed rows, and {err} With LLaMA-Factory: set "
                                 f"`neat_packing: false` (odb then pads each batch to its longest sample), or load "
