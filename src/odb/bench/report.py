@@ -242,16 +242,18 @@ def _training_part(part: Dict[str, Any], cap: int, rounds: int, markdown: bool) 
 
 def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
     """Held-out loss and time to the target loss per arm (the target: the highest final loss of any arm)."""
-    header = ["arm", "lr", "tokens/step (planned)", "steps", "train s", "held-out loss: start", "final",
+    first = next(iter(conv["arms"]))
+    header = ["arm", "lr", "tokens/step (planned)", "epochs", "steps", "train s", "held-out loss: start", "final",
               f"s to {conv['target_loss']:.3f}", "x fixed"]
     ref = conv["arms"].get("fixed", {}).get("time_to_target_s")
     rows = []
     for arm, m in conv["arms"].items():
         t = m.get("time_to_target_s")
         rows.append([TRAIN_ARM_LABELS.get(arm, arm), f"{m['lr']:.2e}", f"{m['tokens_per_step_planned']:.0f}",
-                     str(m["steps"]), f"{m['train_s']:.1f}", f"{m['curve'][0]['loss']:.3f}", f"{m['final_loss']:.3f}",
+                     str(m.get("epochs", "-")), str(m["steps"]), f"{m['train_s']:.1f}", f"{m['curve'][0]['loss']:.3f}", f"{m['final_loss']:.3f}",
                      _fmt(t, "{:.1f}"), "-" if not (t and ref) else f"x{ref / t:.2f}"])
-    return (f"{conv['workload']}, {conv['samples']} samples, {conv['epochs']} epochs, 2 ranks; learning rate = "
+    return (f"{conv['workload']}, {conv['samples']} samples, 2 ranks; {TRAIN_ARM_LABELS.get(first, first)} trains "
+            f"{conv['epochs']} epochs, every other arm as many epochs as fit in the same training time; learning rate = "
             f"{conv['base_lr']:g} x sqrt(tokens per step / {conv['base_tokens_per_step']:.0f}, the fixed arm's); "
             f"held-out: {conv['held_out']['samples']} x {conv['held_out']['length']} tokens of unseen text; "
             "x fixed = fixed's time to the target / the arm's\n\n" + _table(header, rows, markdown))
@@ -291,7 +293,8 @@ def plot_convergence(conv: Dict[str, Any], path: str) -> None:
     ax.axhline(conv["target_loss"], color="k", lw=0.8, ls="--", label="target")
     ax.set_xlabel("training seconds (2 ranks, evaluation excluded)")
     ax.set_ylabel("held-out loss (nats per byte)")
-    ax.set_title(f"Convergence: {conv['workload']}, {conv['samples']} samples, {conv['epochs']} epochs")
+    ax.set_title(f"Convergence: {conv['workload']}, {conv['samples']} samples, every arm as long as "
+                 f"{conv['epochs']} epochs of the first", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
