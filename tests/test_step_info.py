@@ -236,3 +236,32 @@ def test_labels_made_by_the_collator_name_loss_tokens_fn(recwarn):
         info = odb.pop_step_info(batch)
         assert info.local_loss_tokens == int((batch["labels"][:, 1:] != -100).sum())  # the fix is exact
     assert not shift_warnings(recwarn.list)
+
+
+def test_a_reattached_info_is_looked_for_in_the_batch_the_loop_got_and_its_record_is_released():
+    """An integration pops the info and attaches it to a device copy: the check follows the copy, and
+    keeps no record of it once checked (a device batch must not outlive its step)."""
+    import warnings
+
+    from odb.step_info import (ODBStepInfo, StepInfoNotPoppedWarning, UnpoppedCheck, _carriers, attach_step_info,
+                               pop_step_info)
+
+    def step(check: UnpoppedCheck, pop: bool, by_hand: bool = False) -> None:
+        info = ODBStepInfo(0, 0, 1, 1, 1, 1, 1, 1, 1.0, False)
+        batch = attach_step_info({"x": 1}, info)
+        check.handed_out(batch, info)
+        copy = attach_step_info(dict(batch, x=2), pop_step_info(batch))  # the integration's device copy
+        if pop:
+            pop_step_info(copy)
+        elif by_hand:
+            copy.pop("odb_step_info")
+
+    for pop, by_hand, warns in ((True, False, False), (False, True, False), (False, False, True)):
+        check = UnpoppedCheck()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                step(check, pop, by_hand)
+            check.finished()
+        assert [issubclass(w.category, StepInfoNotPoppedWarning) for w in seen] == ([True] if warns else [])
+        assert _carriers == {}

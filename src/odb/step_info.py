@@ -14,6 +14,10 @@ DEFAULT_KEY = "odb_step_info"
 # since, keyed by id (a frozen dataclass compares by value; identity is what tells batches apart). The
 # entries die with their infos. UnpoppedCheck reads it; ODBStepInfo itself stays immutable.
 _popped: "weakref.WeakValueDictionary[int, ODBStepInfo]" = weakref.WeakValueDictionary()
+# The batch a popped info was attached to again (an integration's device copy), keyed by the info's id, so
+# that UnpoppedCheck looks for the key in the batch the loop got. Each entry is taken out by the check of
+# the loader that handed the info out (at the next batch, the epoch's end or a new iteration).
+_carriers: Dict[int, Any] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +111,9 @@ def attach_step_info(batch: Any, info: ODBStepInfo, key: str = DEFAULT_KEY) -> A
     type (it still unpacks and compares as before) with an attribute; any other object
     gets an attribute.
     """
-    if _popped:  # an integration that took the info off re-attaches it: the training loop has yet to pop it
-        _popped.pop(id(info), None)
+    if _popped and _popped.pop(id(info), None) is not None:
+        # an integration that took the info off re-attaches it: the training loop has yet to pop it
+        _carriers[id(info)] = batch
     if isinstance(batch, MutableMapping):
         batch[key] = info
         return batch
@@ -199,21 +204,28 @@ class UnpoppedCheck:
     def handed_out(self, batch: Any, info: ODBStepInfo, stacklevel: int = 3) -> None:
         """``batch`` (carrying ``info``) goes to the training loop now; the previous batch is checked."""
         self._check(stacklevel + 1)
-        watch = not self.warned and isinstance(batch, MutableMapping)
-        self._last, self._batch = (info, batch) if watch else (None, None)
+        # kept even once warned: the check also takes the info's entry out of _carriers
+        self._last, self._batch = info, batch
 
     def finished(self, stacklevel: int = 3) -> None:
         """The epoch ended: check its last batch."""
         self._check(stacklevel + 1)
-        self._last = self._batch = None
+        self.reset()
 
     def reset(self) -> None:
         """A new iteration starts: forget a batch left behind by a loop that stopped early."""
+        if self._last is not None:
+            _carriers.pop(id(self._last), None)
         self._last = self._batch = None
 
     def _check(self, stacklevel: int) -> None:
         last = self._last
-        if last is None or self.warned or _popped.get(id(last)) is last or self._batch.get(self.key) is not last:
+        if last is None:
+            return
+        # the batch the loop got: the one handed out, or the copy an integration attached the info to again
+        batch = _carriers.pop(id(last), self._batch)
+        if self.warned or _popped.get(id(last)) is last or not isinstance(batch, MutableMapping) \
+                or batch.get(self.key) is not last:
             return
         self.warned = True
         warnings.warn(
