@@ -8,7 +8,8 @@
 - a sample longer than the budget is refused when the trainer is configured (known
   lengths), and by ``len(loader)`` (probed lengths), not at some later step;
 - samples of one length (nothing to group) are named once per loader;
-- the Trainer's log says at train start that odb sizes batches by the token budget.
+- the Trainer's train-start banner says that odb sizes the batches by the token budget (its
+  'Instantaneous batch size per device' line no longer prints the unused per_device_train_batch_size).
 
 Models are tiny float64 Llama / BERT built from configs, the tokenizer is trained
 offline (examples/_hf_text.py).
@@ -17,6 +18,7 @@ offline (examples/_hf_text.py).
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List
@@ -301,7 +303,8 @@ def test_samples_of_one_length_are_named_once_per_loader():
         list(odb.ODBDataLoader(varied, token_budget=64, collate_fn=list))
 
 
-def test_the_trainer_log_says_odb_sizes_the_batches(tmp_path):
+def trainer_log(trainer: Trainer) -> List[str]:
+    """The lines the Trainer logs at INFO (its train-start banner among them) while ``trainer`` trains."""
     from transformers.utils import logging as hf_logging
 
     lines: List[str] = []
@@ -314,13 +317,47 @@ def test_the_trainer_log_says_odb_sizes_the_batches(tmp_path):
     logging.getLogger("transformers.trainer").addHandler(handler)
     hf_logging.set_verbosity_info()
     try:
-        trainer = enable_odb(Trainer(model=W.llama(), args=args(tmp_path, ga=1), train_dataset=W.causal_dataset(8),
-                                     data_collator=W.pad_collate), token_budget=64)
         trainer.train()
     finally:
         hf_logging.set_verbosity(level)
         logging.getLogger("transformers.trainer").removeHandler(handler)
+    return lines
+
+
+def test_the_trainer_banner_says_odb_sizes_the_batches(tmp_path):
+    # Before: the banner read "Instantaneous batch size per device = 8", a batch size odb does not use.
+    trainer = enable_odb(Trainer(model=W.llama(), args=args(tmp_path, ga=1), train_dataset=W.causal_dataset(8),
+                                 data_collator=W.pad_collate), token_budget=64)
+    assert trainer.args.per_device_train_batch_size == 8  # TrainingArguments' default, left as the user set it
+    lines = trainer_log(trainer)
     banner = lines.index("***** Running training *****")
-    odb_lines = [k for k, line in enumerate(lines) if "token_budget=64" in line]
-    assert len(odb_lines) == 1 and odb_lines[0] < banner + 12
-    assert "batch size varies from step to step" in lines[odb_lines[0]]
+    [batch] = [line for line in lines if "Instantaneous batch size per device" in line]
+    assert lines.index(batch) < banner + 8, "the line stays in the banner"
+    assert batch.startswith("  Instantaneous batch size per device = set by odb: as many samples as fit "
+                            "token_budget=64 tokens per process")
+    assert "batch size varies from step to step" in batch and "per_device_train_batch_size=8 is not used" in batch
+    assert not any(line.endswith("per device = 8") for line in lines)
+    [total] = [line for line in lines if "Total train batch size" in line]
+    assert re.search(r"= about \d+ samples per optimizer step on average \(odb: it varies\)$", total), total
+    assert len([line for line in lines if "token_budget=64" in line]) == 1
+    assert "  Num Epochs = as many as max_steps=1 takes" in lines  # not 9,223,372,036,854,775,807
+    # the filter that rewrote the banner is gone once training began: a plain Trainer's banner is its own
+    assert not logging.getLogger("transformers.trainer").filters
+    plain = Trainer(model=W.llama(), args=args(tmp_path / "plain", ga=1), train_dataset=W.causal_dataset(8),
+                    data_collator=W.pad_collate)
+    assert "  Instantaneous batch size per device = 8" in trainer_log(plain)
+
+
+def test_a_banner_worded_otherwise_gets_odbs_line_under_it(tmp_path, monkeypatch):
+    # Another transformers may word its banner otherwise: odb then logs its own line after the banner.
+    from odb.integrations import hf_setup
+
+    monkeypatch.setattr(hf_setup, "BANNER_BATCH", "Batch size per device in a wording of the future")
+    trainer = enable_odb(Trainer(model=W.llama(), args=args(tmp_path, ga=1), train_dataset=W.causal_dataset(8),
+                                 data_collator=W.pad_collate), token_budget=64)
+    lines = trainer_log(trainer)
+    banner = lines.index("***** Running training *****")
+    [odb_line] = [k for k, line in enumerate(lines) if "token_budget=64" in line]
+    assert banner < odb_line < banner + 14
+    assert lines[odb_line].startswith("  odb: each batch holds as many samples as fit token_budget=64 tokens")
+    assert "per_device_train_batch_size=8 is not used" in lines[odb_line]

@@ -154,7 +154,8 @@ class ODBTrainerMixin:
         per_step = max(1, round(n / updates)) if n else accumulation * args.world_size
         run.progress = SampleProgress(target, n or 1)
         run.window.reset()
-        log_batching(run.cfg)
+        log_batching(run, args.per_device_train_batch_size, per_step if n else None,
+                     args.max_steps if args.max_steps > 0 else None)
         samples = round(n * args.num_train_epochs) if target else per_step * max_steps
         return epochs, updates or max_steps, n or samples, samples, per_step, micro or max_steps * accumulation, \
             max_steps

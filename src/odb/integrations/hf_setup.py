@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
+import sys
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import transformers
@@ -48,6 +50,7 @@ class ODBRun:
         # The collator's supervised tokens exist only once it has run (masked LM, left padding): counted then.
         self.count_after_collate = False
         self.collator_name = ""
+        self.banner: Optional["BannerLines"] = None  # rewrites the Trainer's train-start banner (log_batching)
 
 
 class ProgressCallback(TrainerCallback):
@@ -56,6 +59,11 @@ class ProgressCallback(TrainerCallback):
 
     def __init__(self, run: ODBRun) -> None:
         self.run = run
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run.banner is not None:  # the banner has been logged
+            self.run.banner.finish()
+            self.run.banner = None
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         progress = self.run.progress
@@ -188,12 +196,60 @@ def prepare_packed_rows(trainer: Trainer, attention: str) -> None:
         raise PackedLayoutError(f"{what} trains on packed rows, and {err} {fix}") from None
 
 
-def log_batching(cfg: ODBConfig) -> None:
-    """One line next to the Trainer's banner (whose 'Instantaneous batch size per device' odb replaced)."""
+BANNER_BATCH = "Instantaneous batch size per device"
+BANNER_TOTAL = "Total train batch size"
+BANNER_EPOCHS = f"Num Epochs = {sys.maxsize:,}"  # what the banner prints for the epochs odb leaves open under max_steps
+
+
+class BannerLines(logging.Filter):
+    """Rewrites the batch-size lines of the Trainer's train-start banner (logger ``transformers.trainer``),
+    which print the unused ``per_device_train_batch_size``: odb sizes each batch by the token budget.
+
+    Installed by ``log_batching`` right before the banner and removed by ``ProgressCallback.on_train_begin``
+    right after it; a banner worded otherwise (another transformers) leaves the lines as they are, and
+    ``finish`` then logs odb's line under the banner instead."""
+
+    def __init__(self, cfg: ODBConfig, per_device: int, mean_per_step: Optional[int],
+                 max_steps: Optional[int] = None) -> None:
+        super().__init__("odb-banner")
+        cost = "the sum of its samples' lengths: one packed row" if cfg.layout == "packed" else \
+            "its samples x its longest sample, padded"
+        how = (f"as many samples as fit token_budget={cfg.token_budget} tokens per process (a batch costs {cost}), "
+               f"so the batch size varies from step to step; per_device_train_batch_size={per_device} is not used "
+               f"(the logs' odb_mean_batch_size is the real one)")
+        self.batch_line = f"  {BANNER_BATCH} = set by odb: {how}"
+        self.fallback_line = f"  odb: each batch holds {how}"
+        self.total_line = None if mean_per_step is None else \
+            (f"  {BANNER_TOTAL} (w. parallel, distributed & accumulation) = about {mean_per_step:,} samples per "
+             f"optimizer step on average (odb: it varies)")
+        self.epochs_line = None if max_steps is None else f"  Num Epochs = as many as max_steps={max_steps:,} takes"
+        self.rewritten = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage().strip()
+        if text.startswith(BANNER_BATCH):
+            record.msg, record.args, self.rewritten = self.batch_line, (), True
+        elif text.startswith(BANNER_TOTAL) and self.total_line is not None:
+            record.msg, record.args = self.total_line, ()
+        elif text == BANNER_EPOCHS and self.epochs_line is not None:
+            record.msg, record.args = self.epochs_line, ()
+        return True
+
+    def finish(self) -> None:
+        """Stop rewriting; log odb's line if the banner had no line to rewrite."""
+        from transformers.trainer import logger
+
+        logger.removeFilter(self)
+        if not self.rewritten:
+            logger.info(self.fallback_line)
+            self.rewritten = True
+
+
+def log_batching(run: ODBRun, per_device: int, mean_per_step: Optional[int], max_steps: Optional[int]) -> None:
+    """Make the Trainer's banner, logged next, say how odb sizes the batches (see ``BannerLines``)."""
     from transformers.trainer import logger
 
-    cost = "the sum of its samples' lengths: one packed row" if cfg.layout == "packed" else \
-        "its samples x its longest sample, padded"
-    logger.info(f"  odb: each batch holds as many samples as fit token_budget={cfg.token_budget} tokens per process "
-                f"(a batch costs {cost}), so the batch size varies from step to step; per_device_train_batch_size "
-                f"is not used (the logs' odb_mean_batch_size is the real one).")
+    for old in [f for f in logger.filters if isinstance(f, BannerLines)]:  # a train() that stopped before its banner
+        logger.removeFilter(old)
+    run.banner = BannerLines(run.cfg, per_device, mean_per_step, max_steps)
+    logger.addFilter(run.banner)
