@@ -152,6 +152,14 @@ def _run_line(results: Dict[str, Any]) -> str:
             f"transformers {machine.get('transformers', '?')}")
 
 
+def _load_text(meta: Dict[str, Any]) -> str:
+    start, end = meta.get("load_average_start"), meta.get("load_average_end")
+    if not start or not end:
+        return ""
+    return (f" Load average (1 min) {start[0]:.1f} at the start and {end[0]:.1f} at the end "
+            f"(15 min: {end[2]:.1f}); more than the cores means other work shared them.")
+
+
 def section(results: Dict[str, Any]) -> str:
     intro = (_run_line(results) + "; published with `make publish` into docs/results/bench.json. Method, definitions "
              "and every table: [docs/benchmarks.md](docs/benchmarks.md).")
@@ -172,7 +180,8 @@ def docs_section(results: Dict[str, Any]) -> str:
              _run_line(results) + f"; {meta.get('date', 'date unknown')}.",
              f"Machine: {machine.get('platform', '?')}, Python {machine.get('python', '?')}, "
              f"torch used {machine.get('torch_threads', '?')} threads{', GPU ' + machine['gpu'] if machine.get('gpu') else ', no GPU'}. "
-             "Wall time per section: " + ", ".join(f"{k} {v:.1f} s" for k, v in wall.items()) + ".", "",
+             "Wall time per section: " + ", ".join(f"{k} {v:.1f} s" for k, v in wall.items()) + "." + _load_text(meta),
+             "",
              *("#" + line if line.startswith("##") else line for line in render(results, markdown=True).split("\n")),
              "", DOCS_END]
     return "\n".join(lines)

@@ -71,6 +71,14 @@ def _machine() -> Dict[str, Any]:
     return info
 
 
+def _load() -> Optional[List[float]]:
+    """The machine's 1, 5 and 15 minute load averages: other work on the cores widens the spreads."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - platforms without it
+        return None
+
+
 def _git() -> Dict[str, Any]:
     """The commit the benchmarked odb comes from, and whether tracked files differ from it."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -109,7 +117,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     t_all = time.perf_counter()
     results: Dict[str, Any] = {"meta": {"command": "python -m odb.bench " + " ".join(argv or sys.argv[1:]),
                                         "quick": args.quick, "sizes": size, "machine": _machine(),
-                                        "git": _git(), "date": time.strftime("%Y-%m-%d %H:%M %Z")},
+                                        "git": _git(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+                                        "load_average_start": _load()},
                                "wall_s": {}}
 
     t0 = time.perf_counter()
@@ -162,6 +171,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["wall_s"]["e2e"] = time.perf_counter() - t0
 
     results["wall_s"]["total"] = time.perf_counter() - t_all
+    results["meta"]["load_average_end"] = _load()
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(args.out, "bench.png"))

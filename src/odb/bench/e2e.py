@@ -178,7 +178,8 @@ def run_epoch(loader: DataLoader, c: float, budget: int, is_odb: bool,
     workers_cpu = (child1.ru_utime - child0.ru_utime) + (child1.ru_stime - child0.ru_stime)
     return {"epoch_s": epoch, "loader_wait_s": wait, "wait_after_first_s": wait - first_wait,
             "loader_cpu_s": wait_cpu, "compute_s": c * padded, "step_s": step_s, "main_cpu_s": main_cpu,
-            "workers_cpu_s": workers_cpu, "main_switches": switches, "first_batch_s": float(first or 0.0), "steps": steps, "samples": samples,
+            "workers_cpu_s": workers_cpu, "main_switches": switches, "first_batch_s": float(first or 0.0),
+            "steps": steps, "samples": samples,
             "real_tokens": real, "padded_tokens": padded, "over_budget_batches": over, "max_batch_size": max_b}
 
 

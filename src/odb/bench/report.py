@@ -236,6 +236,13 @@ def _training_part(part: Dict[str, Any], cap: int, rounds: int, markdown: bool) 
                          _fmt(m.get("other_threads_cpu_s"), "{:.2f}"), _spread(m["tokens_per_s"])]
                         + [_fmt(r, "x{:.2f}") for r in ratios])
         out += [_table(header, rows, markdown), ""]
+        fit = w.get("step_cost")
+        if fit:
+            out += [f"step cost (rank 0, least squares over the {fit['steps_fitted']} steps of the padded arms, "
+                    f"R^2 {fit['r2']:.2f}): {fit['per_step_ms']:.1f} ms per step + {fit['per_1k_tokens_ms']:.1f} ms "
+                    f"per 1,000 padded tokens + {fit['attention_per_1k_tokens_x_1k_length_ms']:.2f} ms per 1,000 "
+                    f"tokens x 1,000 row length: a step's fixed cost is worth {fit['per_step_in_tokens']:.0f} tokens",
+                    ""]
         out += ["settings: " + "; ".join(f"{TRAIN_ARM_LABELS.get(a, a)}: {t}" for a, t in w["settings"].items()), ""]
     return out
 

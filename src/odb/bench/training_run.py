@@ -112,6 +112,7 @@ def train_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any,
     steps = real = padded = max_padded = 0
     largest: List[Tuple[int, int, Dict[str, Any]]] = []
     losses: List[torch.Tensor] = []
+    step_s: List[Tuple[int, int, float]] = []  # (padded tokens, longest row, seconds) of each step, this rank
     paused = 0.0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -138,6 +139,8 @@ def train_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any,
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+        if device.type == "cpu":  # CPU ops are synchronous: the step's wall time, its next() included
+            step_s.append((p, int(batch["input_ids"].shape[-1]), time.perf_counter() - w0))
         steps += 1
         max_padded = max(max_padded, p)
         if not ghost:
@@ -153,7 +156,7 @@ def train_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any,
     _barrier(world)
     wall = time.perf_counter() - t0 - paused
     out: Dict[str, Any] = {"wall_s": wall, "steps": steps, "real": real, "padded": padded, "max_padded": max_padded,
-                           "loader_s": waited, "other_threads_cpu_s": other_cpu,
+                           "loader_s": waited, "other_threads_cpu_s": other_cpu, "step_s": step_s,
                            "final_loss": float(torch.stack(losses[-5:]).mean()) if losses else float("nan")}
     if device.type == "cuda":
         out["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -161,6 +164,33 @@ def train_epoch(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any,
         module = getattr(model, "module", model)
         out["saved_mib"] = max(saved_bytes(module, b, autocast) for _, _, b in largest) / 2**20
     return out
+
+
+def fit_step_cost(samples: List[Tuple[int, int, float]]) -> Dict[str, float]:
+    """Least squares of rank 0's step seconds = a + b x padded tokens + c x padded tokens x row length.
+
+    Fitted over every step of the padded (sdpa) arms of a workload, so it says what a step costs
+    apart from its tokens (``a``: optimizer step, gradient all-reduce, dispatch, next()) and per
+    token (``b``; ``c`` is attention's share, which grows with the row length). ``a / b`` is the fixed
+    cost in tokens: the saving of one step fewer, in tokens of compute.
+
+    Example:
+        >>> shapes = [(p, n) for p in (64, 256, 512, 1024, 2048) for n in (16, 64)]
+        >>> fit = fit_step_cost([(p, n, 0.01 + 1e-5 * p + 1e-8 * p * n) for p, n in shapes])
+        >>> round(fit["per_step_ms"], 3), round(fit["per_step_in_tokens"])
+        (10.0, 1000)
+    """
+    import numpy as np
+
+    arr = np.asarray(samples, dtype=np.float64)
+    x = np.stack([np.ones(len(arr)), arr[:, 0], arr[:, 0] * arr[:, 1]], axis=1)
+    coef, *_ = np.linalg.lstsq(x, arr[:, 2], rcond=None)
+    pred = x @ coef
+    ss_tot = float(((arr[:, 2] - arr[:, 2].mean()) ** 2).sum())
+    a, b, c = (float(v) for v in coef)
+    return {"per_step_ms": a * 1e3, "per_1k_tokens_ms": b * 1e6, "attention_per_1k_tokens_x_1k_length_ms": c * 1e9,
+            "per_step_in_tokens": a / b if b > 0 else float("nan"), "steps_fitted": int(len(arr)),
+            "r2": 1.0 - float(((arr[:, 2] - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else float("nan")}
 
 
 def _reduce(values: List[float], op: str, world: int) -> List[float]:
@@ -203,6 +233,7 @@ def run_workload(name: str, samples: int, *, rank: int, world: int, device: torc
     max_len = int(lengths.max())
     rows = trl_rows(dataset, cap) if "trl_packing" in arms else None
     runs: Dict[str, List[Dict[str, Any]]] = {a: [] for a in arms}
+    step_samples: List[Tuple[int, int, float]] = []
     for r in range(rounds):
         order = arms[r % len(arms):] + arms[:r % len(arms)]
         for arm in order:
@@ -220,6 +251,8 @@ def run_workload(name: str, samples: int, *, rank: int, world: int, device: torc
                    "max_step_padded_tokens": int(mx[0]), "final_loss": e["final_loss"]}
             if r == 0:
                 run["saved_mib" if device.type == "cpu" else "peak_mib"] = mx[1] if device.type == "cpu" else mx[2]
+            if ATTENTION.get(arm, "sdpa") == "sdpa":
+                step_samples.extend(e["step_s"])
             runs[arm].append(run)
             log(f"[{world} rank(s)] {name} round {r + 1}/{rounds} {arm}: {e['steps']} steps, "
                 f"{e['wall_s']:.2f} s, {real / e['wall_s']:.0f} tokens/s")
@@ -243,6 +276,8 @@ def run_workload(name: str, samples: int, *, rank: int, world: int, device: torc
             "attention": ATTENTION.get(arm, "sdpa"), "final_loss": first["final_loss"],
             "same_batches_every_round": len({(x["steps"], x["real_tokens"], x["padded_tokens"]) for x in rs}) == 1,
             "steps_equal_on_ranks": all(x["steps_equal_on_ranks"] for x in rs)}
+    if step_samples:
+        out["step_cost"] = fit_step_cost(step_samples)
     med = {a: m["tokens_per_s"]["median"] for a, m in out["arms"].items()}
     out["odb_over"] = {o: {a: med[o] / med[a] for a in med if a != o} for o in ODB_ARMS if o in med}
     return out
