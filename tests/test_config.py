@@ -95,6 +95,17 @@ INVALID = [
     ("token_budget", {"token_budget": (1024, 1024), "layout": "packed"}, ValueError, _BAD),
     ("pad_to_multiple_of", {"pad_to_multiple_of": 8, "layout": "packed"}, ValueError, _BAD),
     ("batch_size_multiple", {"batch_size_multiple": 8, "layout": "packed"}, ValueError, _BAD),
+    ("shape_buckets", {"shape_buckets": 1}, ValueError, _BAD),
+    ("shape_buckets", {"shape_buckets": True}, TypeError, _BAD),
+    ("shape_buckets", {"shape_buckets": 8.0}, TypeError, _BAD),
+    ("shape_buckets", {"shape_buckets": ()}, ValueError, _BAD),
+    ("shape_buckets", {"shape_buckets": (256, 128)}, ValueError, _BAD),
+    ("shape_buckets", {"shape_buckets": (128, 128)}, ValueError, _BAD),
+    ("shape_buckets", {"shape_buckets": (0, 128)}, ValueError, _BAD),
+    ("shape_buckets", {"shape_buckets": (128, 256.0)}, TypeError, _BAD),
+    ("shape_buckets", {"shape_buckets": (100, 256), "pad_to_multiple_of": 8}, ValueError, _BAD),
+    ("shape_buckets", {"shape_buckets": (32768, 65536)}, ValueError, _BAD),  # no length within the budget
+    ("shape_buckets", {"shape_buckets": 8, "layout": "packed"}, ValueError, _BAD),
 ]
 
 
@@ -134,6 +145,7 @@ def test_every_validated_field_has_a_bad_value_in_the_table() -> None:
     {"token_budget": 4096, "oversize": "alone", "seed": 0, "loss_scaling": "none"},
     {"token_budget": 4096, "oversize": "skip", "loss_scaling": "sample", "join": False, "shift_labels": True},
     {"token_budget": 4096, "exchange_timeout_s": 1, "ignore_index": 0, "gradient_accumulation_steps": 4},
+    {"token_budget": 4096, "shape_buckets": (64, 256, 4096), "pad_to_multiple_of": 64},
 ])
 def test_valid_configs_keep_their_values(kwargs) -> None:
     cfg = ODBConfig(**kwargs)
@@ -185,3 +197,16 @@ def test_carry_limit(window_samples, max_carry, expected) -> None:
                                                ({"pack_efficiency": 0.9, "layout": "packed"}, 0.9)])
 def test_emit_efficiency_defaults_per_layout(options, expected) -> None:
     assert ODBConfig(token_budget=100, **options).emit_efficiency == expected
+
+
+def test_shape_buckets_int_becomes_the_halving_grid() -> None:
+    assert ODBConfig(token_budget=16384, shape_buckets=8).shape_buckets == (128, 256, 512, 1024, 2048, 4096, 8192,
+                                                                          16384)
+    # rounded down to pad_to_multiple_of, from the largest scheduled budget
+    assert ODBConfig(token_budget=1000, shape_buckets=3, pad_to_multiple_of=8).shape_buckets == (248, 496, 1000)
+    scheduled = ODBConfig(token_budget=1024, shape_buckets=3, budget_schedule=((0, 1024), (10, 4096)))
+    assert scheduled.shape_buckets == (1024, 2048, 4096)
+    # a list becomes a tuple, and a later budget change keeps the grid (the shapes stay those of the run)
+    cfg = ODBConfig(token_budget=1024, shape_buckets=[64, 128])
+    assert cfg.shape_buckets == (64, 128) and cfg.replace(token_budget=4096).shape_buckets == (64, 128)
+    assert cfg.emit_efficiency == 1.0 and cfg.replace(pack_efficiency=0.9).emit_efficiency == 0.9

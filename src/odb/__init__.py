@@ -10,6 +10,8 @@ Example:
 """
 
 from .apply import ODBHandle, apply
+from .bucket_collate import PadToBucket
+from .buckets import bucket_length, fit_buckets, geometric_buckets
 from .config import ODBConfig
 from .lengths import count_loss_tokens, default_length, seq2seq_lengths
 from .loader import ODBDataLoader
@@ -25,6 +27,7 @@ __all__ = [
     "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "PackedCollate", "PackedLayoutError",
     "check_packed_model", "apply", "attach_step_info", "count_loss_tokens",
     "default_length", "pop_step_info", "register_varlen_attention", "scale_loss", "seq2seq_lengths", "ShardSampler",
-    "linear_budget_ramp", "varlen_causal_attention",
+    "linear_budget_ramp", "varlen_causal_attention", "PadToBucket", "bucket_length", "fit_buckets",
+    "geometric_buckets",
 ]
 __version__ = "0.1.0"

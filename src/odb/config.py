@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
 
 from .arguments import check_options
@@ -63,11 +64,33 @@ class ODBConfig:
             emitted when its cost reaches this share of the budget. None (default): 0.99
             in the padded layout (a window that would emit less than 55% of its new samples
             adds its best carried batches that reach 0.95, so the loop does not wait), 0.95
-            in the packed one.
+            in the packed one; 1.0 with ``shape_buckets`` (where a sample counts as its bucket's
+            length, so only full batches of one bucket are emitted).
         pad_to_multiple_of: padded lengths are rounded up to a multiple of this.
         max_batch_size: the most samples per batch (None: no limit).
         batch_size_multiple: batch sizes are a multiple of this whenever the budget
             allows that many samples and that many remain in the window.
+        shape_buckets: bound the batch shapes a compiled model sees (torch.compile with
+            ``dynamic=False``, CUDA graphs, backends that need static shapes; docs/compile.md).
+            None (default): a batch is padded to its longest sample, and nearly every batch has
+            its own (B, L). A tuple of increasing lengths (multiples of ``pad_to_multiple_of``):
+            each batch's padded length L is the smallest of them that holds its longest sample,
+            and its cost is B x that L. An int n: n lengths halving from the budget (the largest
+            scheduled one with ``budget_schedule``), rounded down to ``pad_to_multiple_of``
+            (16384 and 8 give 128, 256, ..., 16384); kept as that tuple. Batches are emitted
+            full: B is what fits the budget at that L (capped by ``max_batch_size``, a multiple
+            of ``batch_size_multiple``), so each bucket has one shape, apart from the first batch
+            of an epoch, its last one and batches cut to align DDP ranks at an epoch's end.
+            Every length dimension is bucketed on its own. A sample longer than the largest
+            bucket, or whose bucket exceeds the budget, is oversize (see ``oversize``). The
+            loader pads each collated dict batch on to its bucket (``odb.PadToBucket``:
+            ``labels`` with ``ignore_index``, ``input_ids`` with the collator's pad token,
+            other sequence tensors with 0); a collate_fn returning another type pads to
+            ``odb.bucket_length(width, cfg.shape_buckets)`` itself. Padding to a bucket costs
+            tokens (a ratio r between neighbouring buckets, up to 1 - 1/r of a batch):
+            ``ODBStepInfo.padded_tokens`` and the epoch's token efficiency count it;
+            ``odb.geometric_buckets`` and ``odb.fit_buckets`` build finer grids for a known
+            range of lengths. Padded layout only.
         length_fn: ``length_fn(sample) -> int | tuple[int, ...]``; default reads
             ``input_ids`` (see ``odb.lengths.default_length``).
         quadratic_length: when set, each padded token costs ``1 + L / quadratic_length``
@@ -124,6 +147,7 @@ class ODBConfig:
     pad_to_multiple_of: int = 1
     max_batch_size: Optional[int] = None
     batch_size_multiple: int = 1
+    shape_buckets: Union[None, int, Tuple[int, ...]] = None
     length_fn: Optional[Callable[[Any], Union[int, Sequence[int]]]] = None
     quadratic_length: Optional[int] = None
     image_patches_key: Optional[str] = None
@@ -170,6 +194,7 @@ class ODBConfig:
             _fail("max_batch_size", self.max_batch_size,
                   f"must be >= batch_size_multiple={self.batch_size_multiple}",
                   "raise max_batch_size or lower batch_size_multiple")
+        self._check_shape_buckets()
         _check_int("quadratic_length", self.quadratic_length, 1, "pass None or a length such as 4096", optional=True)
         for name in ("length_fn", "loss_tokens_fn"):
             fn = getattr(self, name)
@@ -223,6 +248,46 @@ class ODBConfig:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 _fail(name, getattr(self, name), "must be a non-empty str", "pass a field name", TypeError)
 
+    def _check_shape_buckets(self) -> None:
+        value = self.shape_buckets
+        if value is None:
+            return
+        if self.layout == "packed":
+            _fail("shape_buckets", value, 'must be None with layout="packed": it pads the rows of padded batches to '
+                  "a few lengths, and a packed batch is one row without padding",
+                  'leave shape_buckets=None, or use layout="padded"')
+        fix = ("pass an int such as 8 (lengths halving from the budget), a tuple of increasing lengths such as "
+               "odb.geometric_buckets(128, 2048, 6), or None")
+        if isinstance(value, bool) or not isinstance(value, (numbers.Integral, tuple, list)):
+            _fail("shape_buckets", value, "must be None, an int or a tuple of ints", fix, TypeError)
+        if isinstance(value, numbers.Integral):
+            if value < 2:
+                _fail("shape_buckets", value, "must be >= 2 (one bucket pads every batch to the budget)", fix)
+            from .buckets import halving_buckets
+
+            budgets = list(self.token_budgets) + [int(b) for _, b in self.budget_schedule or ()]
+            object.__setattr__(self, "shape_buckets", halving_buckets(max(budgets), int(value), self.pad_to_multiple_of))
+            return
+        if not value:
+            _fail("shape_buckets", value, "must not be empty", fix)
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                _fail("shape_buckets", value, f"must hold ints, not {v!r}", fix, TypeError)
+            if v < 1:
+                _fail("shape_buckets", value, f"must hold positive lengths, not {v}", fix)
+            if v % self.pad_to_multiple_of:
+                _fail("shape_buckets", value, f"must hold multiples of pad_to_multiple_of={self.pad_to_multiple_of} "
+                      f"(a batch padded to a multiple would miss the bucket), not {v}",
+                      f"round each length up to a multiple of {self.pad_to_multiple_of}, e.g. "
+                      f"odb.geometric_buckets(..., multiple={self.pad_to_multiple_of})")
+        if any(b <= a for a, b in zip(value, value[1:])):
+            _fail("shape_buckets", value, "must be strictly increasing", "sort the lengths and drop repeats")
+        if value[0] > max(self.token_budgets):
+            _fail("shape_buckets", value, f"starts at {value[0]}, above token_budget={self.token_budget}: no batch "
+                  f"can take any of these lengths", f"use lengths up to the budget, e.g. "
+                  f"shape_buckets={max(2, len(value))} (the budget halved {max(1, len(value) - 1)} times)")
+        object.__setattr__(self, "shape_buckets", tuple(int(v) for v in value))
+
     def _check_layout(self) -> None:
         if self.layout not in _LAYOUTS:
             _fail("layout", self.layout, f"must be one of {_LAYOUTS}", 'use "padded" (default) or "packed"')
@@ -261,10 +326,13 @@ class ODBConfig:
         less than 55% of its new samples at 0.99 adds its best carried batches that reach 0.95
         (odb.window.FEED_SHARE).
         Packed rows reach 0.95 of the budget with nothing padded; waiting for fuller rows only
-        holds samples back.
+        holds samples back. With ``shape_buckets`` the planner counts each sample as its bucket's
+        length, so 1.0 means a full batch of one bucket: the one shape that bucket has.
         """
         if self.pack_efficiency is not None:
             return float(self.pack_efficiency)
+        if self.shape_buckets is not None:
+            return 1.0
         return 0.95 if self.layout == "packed" else 0.99
 
     def carry_limit(self, window_samples: int) -> int:

@@ -10,6 +10,10 @@ In the packed layout (``layout="packed"``) a batch is one row of its samples end
 end: it costs the sum of its samples' weights (``L`` each, ``L + L^2 / q`` with
 ``quadratic_length``), so a row of a few long samples and one of many short ones cost
 alike; nothing is padded.
+
+With ``shape_buckets`` a padded length is further rounded up to the smallest of a few
+bucket lengths (``odb.buckets``); a sample longer than the largest bucket fits no batch
+(oversize).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .buckets import bucket_lengths
 from .config import ODBConfig
 
 
@@ -36,6 +41,8 @@ class CostModel:
         32.0
         >>> CostModel((100,), layout="packed").batch_cost(np.array([[10], [3]]))
         13.0
+        >>> CostModel((100,), length_buckets=(16, 32)).pad(np.array([[10], [17]])).ravel().tolist()
+        [16, 32]
     """
 
     def __init__(
@@ -47,6 +54,7 @@ class CostModel:
         batch_size_multiple: int = 1,
         max_patches: Optional[int] = None,
         layout: str = "padded",
+        length_buckets: Optional[Tuple[int, ...]] = None,
     ) -> None:
         self.budgets = np.asarray(budgets, dtype=np.float64)
         self.pad_to = pad_to_multiple_of
@@ -55,11 +63,12 @@ class CostModel:
         self.multiple = batch_size_multiple
         self.max_patches = max_patches
         self.packed = layout == "packed"
+        self.buckets = None if length_buckets is None else tuple(int(v) for v in length_buckets)
 
     @classmethod
     def from_config(cls, cfg: ODBConfig) -> "CostModel":
         return cls(cfg.token_budgets, cfg.pad_to_multiple_of, cfg.quadratic_length, cfg.max_batch_size,
-                   cfg.batch_size_multiple, cfg.max_image_patches, cfg.layout)
+                   cfg.batch_size_multiple, cfg.max_image_patches, cfg.layout, cfg.shape_buckets)
 
     def scaled(self, factor: float) -> "CostModel":
         """The same model with every token budget multiplied by ``factor``."""
@@ -85,12 +94,31 @@ class CostModel:
                 f"the budget must be one int (summed over dimensions) or one per dimension. "
                 f"Fix: pass token_budget=<int> or a tuple of {n_dims} ints.")
 
+    @property
+    def bucketed(self) -> bool:
+        """Padded lengths are rounded to ``shape_buckets``."""
+        return self.buckets is not None
+
     def pad(self, lengths: np.ndarray) -> np.ndarray:
-        """Lengths (n, D) rounded up to pad_to_multiple_of."""
+        """Lengths (n, D) rounded up to pad_to_multiple_of, then to the smallest bucket that holds them."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        if self.pad_to == 1:
-            return lengths
-        return -(-lengths // self.pad_to) * self.pad_to
+        if self.pad_to != 1:
+            lengths = -(-lengths // self.pad_to) * self.pad_to
+        if self.buckets is not None:
+            lengths = bucket_lengths(lengths, self.buckets)
+        return lengths
+
+    def plan_tokens(self, lengths: np.ndarray, padded: np.ndarray) -> np.ndarray:
+        """(n,) what each sample counts toward a batch's packing efficiency: its real tokens, or with
+        ``shape_buckets`` its bucket's length (a batch of one bucket pads to it whatever its neighbours,
+        so only a full batch of one bucket is fully packed).
+
+        Example:
+            >>> CostModel((64,), length_buckets=(8, 16)).plan_tokens(np.array([[5]]), np.array([[8]])).tolist()
+            [8.0]
+        """
+        chosen = padded if self.buckets is not None else lengths
+        return np.asarray(chosen).sum(axis=1).astype(np.float64)
 
     def token_weight(self, padded: np.ndarray) -> np.ndarray:
         """Cost of one sample padded to these lengths, per dimension (float)."""
@@ -185,4 +213,6 @@ class CostModel:
             fit = np.floor(self.budgets[0] * _ULP / np.maximum(w.sum(axis=1), 1e-9))
         else:
             fit = np.floor(self.budgets[None, :] * _ULP / np.maximum(w, 1e-9)).min(axis=1)
+        if self.buckets is not None:  # longer than the largest bucket: no batch shape holds it
+            fit = np.where((np.asarray(padded) > self.buckets[-1]).any(axis=1), 0, fit)
         return np.minimum(fit, self.max_batch).astype(np.int64)

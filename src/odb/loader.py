@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default
 
 from .arguments import check_in_order, check_options
 from .batch_checks import BatchChecks
+from .bucket_collate import PadToBucket
 from .collate_check import PaddingHint
 from .config import CONFIG_FIELDS, ODBConfig
 from .dist import RankExchange, world
@@ -94,6 +95,9 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_cfg = cfg
         self._odb_shuffle = shuffle
         self._odb_seed = seed
+        if cfg.shape_buckets is not None and not isinstance(group_collate, PadToBucket):
+            # odb plans each batch at a bucket length; the collate pads to the longest sample: pad on to the bucket
+            group_collate = PadToBucket(group_collate, cfg.shape_buckets, ignore_index=cfg.ignore_index)
         self._odb_group_collate = PaddingHint(group_collate)  # a collate that cannot pad names the fix
         self._odb_label_check = LabelBudgetCheck(cfg.length_fn, cfg.label_key)
         self._odb_transform = sample_transform

@@ -255,7 +255,7 @@ def plan_window(
     if final:
         runs = [np.arange(s, e) for s, e in greedy_segments(counts, cost.multiple)]
     else:
-        tokens = lengths[order].sum(axis=1).astype(np.float64)
+        tokens = cost.plan_tokens(lengths[order], pad_s)
         ideal = fits[order] * pad_s.sum(axis=1).astype(np.float64)
         runs = [np.arange(s, e) for s, e in _dp_segments(tokens, counts, ideal, pack_efficiency, cost.multiple)]
         runs += _drain_carry(runs, tokens, ideal, pad_s, patch_s, cost, carry_limit)

@@ -32,7 +32,8 @@ from .stats import EpochStats
 STATE_VERSION = 3
 # Options that change which batches come out: a state saved under other values is refused.
 PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_size", "max_carry",
-                "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "quadratic_length",
+                "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
+                "quadratic_length",
                 "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling",
                 "budget_schedule", "probe_worst_case", "layout")
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",

@@ -116,10 +116,11 @@ class WindowPlanner:
         groups, carry = list(plan.groups), plan.carry
         short = FEED_SHARE * new_samples - sum(len(g) for g in groups)
         if (short > 0 and not final and len(carry) and self.cfg.pack_efficiency is None and not self.cost.packed
-                and efficiency > FEED_EFFICIENCY):
+                and not self.cost.bucketed and efficiency > FEED_EFFICIENCY):
             # Small ramp-up pools rarely reach 0.99: the window would hold back most of what it read and
             # the loop would wait while the next window is read. Keep batches flowing with the best carried
-            # runs that reach 0.95.
+            # runs that reach 0.95. Not with shape_buckets: their batches would not be full, and each partial
+            # size is one more shape for a compiled model.
             sub_patches = None if patches is None else np.asarray(patches)[carry]
             extra = feed_runs(lengths[carry], ids[carry], self.cost, sub_patches, short)
             taken = np.zeros(len(carry), dtype=bool)
