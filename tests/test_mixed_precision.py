@@ -26,12 +26,17 @@ wrong recipe misses by at least 5x the tolerance, so the comparison can fail.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Any, Dict, List
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+import odb
 import precision_workers as W
 from dist_harness import run_ranks
 
@@ -116,3 +121,147 @@ def test_two_ranks_ddp_with_ghost_steps_match_the_same_precision_reference(tmp_p
         missed = max(step_errors(p, a, ranks))
         assert missed > 5 * TOLERANCE[a["precision"]], f"{W.arm_name(a)}: the local token count passes ({missed})"
         print(f"{W.arm_name(a)}: misses by {missed:.2e}")
+
+
+# ---- gradient checkpointing ---------------------------------------------------------------------
+
+
+def info_of(local_tokens: int, scale: float, ghost: bool) -> odb.ODBStepInfo:
+    return odb.ODBStepInfo(step=0, epoch=0, local_samples=0 if ghost else 2, all_samples_this_step=4,
+                           local_loss_tokens=local_tokens, global_loss_tokens=20, real_tokens=10,
+                           padded_tokens=12, loss_scale=scale, is_ghost=ghost)
+
+
+def tiny_batch(supervised: bool) -> Dict[str, torch.Tensor]:
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
+    return {"input_ids": ids, "labels": ids.clone() if supervised else torch.full_like(ids, -100)}
+
+
+CHECKPOINTED = {  # how a loop hands TinyLM's block to a reentrant checkpoint
+    "module": lambda net: net.block,
+    "closure": lambda net: (lambda hidden: net.block(hidden)),
+    "partial": lambda net: functools.partial(type(net.block).forward, net.block),
+    "weights": lambda net: over_weights(net.block[0].weight, net.block[0].bias, net.block[2]),
+    "defaults": lambda net: (lambda hidden, w=net.block[0].weight, b=net.block[0].bias, block=net.block[2]:
+                             block(F.gelu(F.linear(hidden, w, b)))),
+}
+
+
+def over_weights(w: torch.Tensor, b: torch.Tensor, block: torch.nn.Module) -> Any:
+    """A closure over a weight and a bias tensor (and a module)."""
+    return lambda hidden: block(F.gelu(F.linear(hidden, w, b)))
+
+
+@pytest.mark.parametrize("form", sorted(CHECKPOINTED))
+@pytest.mark.parametrize("supervised", [True, False], ids=["ghost", "no-supervised-token"])
+def test_zero_loss_reaches_the_parameters_inside_a_reentrant_checkpoint(form, supervised):
+    """The parameters a reentrant checkpoint runs are not in the graph before backward. A ghost (a real sample:
+    finite loss) and a micro-batch without supervised tokens (NaN loss, 0/0) must still give each of them an
+    exact zero gradient, or DDP's all-reduce waits for them (before the fix: no gradient, grad None)."""
+    net = W.make_model("fp64")
+    batch = tiny_batch(supervised)
+    hidden = checkpoint(CHECKPOINTED[form](net), net.embed(batch["input_ids"]), use_reentrant=True)
+    loss = F.cross_entropy(net.head(hidden).reshape(-1, W.VOCAB), batch["labels"].reshape(-1), ignore_index=-100)
+    assert math.isfinite(float(loss.detach())) == supervised
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these forms may warn
+        zero = odb.scale_loss(loss, info_of(8 if supervised else 0, 0.0, ghost=supervised))
+    zero.backward()
+    assert float(zero.detach()) == 0.0
+    for name, param in net.named_parameters():
+        assert param.grad is not None, f"{name} got no gradient"
+        assert torch.equal(param.grad, torch.zeros_like(param)), name
+
+
+GLOBAL_BLOCK = torch.nn.Linear(16, 16).double()
+
+
+def _through_a_global(hidden: torch.Tensor) -> torch.Tensor:
+    return GLOBAL_BLOCK(hidden)
+
+
+def test_a_checkpointed_function_without_visible_weights_is_named_in_a_warning():
+    net = W.make_model("fp64")
+    batch = tiny_batch(False)
+    hidden = checkpoint(_through_a_global, net.embed(batch["input_ids"]), use_reentrant=True)
+    loss = F.cross_entropy(net.head(hidden).reshape(-1, W.VOCAB), batch["labels"].reshape(-1), ignore_index=-100)
+    with pytest.warns(UserWarning, match=r"(?s)loss is NaN or infinite.*_through_a_global.*use_reentrant=True.*"
+                                         r"Fix: checkpoint with use_reentrant=False"):
+        zero = odb.scale_loss(loss, info_of(0, 0.0, ghost=False))
+    zero.backward()
+    assert torch.equal(net.head.weight.grad, torch.zeros_like(net.head.weight))  # the rest still gets its zero
+
+
+@pytest.mark.parametrize("supervised", [True, False], ids=["ghost", "no-supervised-token"])
+def test_hf_llama_reentrant_checkpointing_zero_reaches_every_layer(supervised):
+    """HF's checkpointed layers hand torch a functools.partial of the layer's forward: a ghost's zero (finite
+    loss) and a NaN loss's zero give every trainable parameter of a tiny Llama a zero gradient."""
+    import hf_workers
+
+    model = W.hf_model({"checkpointing": "reentrant"})
+    sample = hf_workers.causal_sample(0, 9, unsupervised=not supervised)
+    loss = model(**hf_workers.pad_collate([sample])).loss
+    assert math.isfinite(float(loss.detach())) == supervised
+    odb.scale_loss(loss, info_of(5 if supervised else 0, 0.0, ghost=supervised)).backward()
+    missing = [n for n, t in model.named_parameters() if t.grad is None]
+    assert not missing, f"no gradient for {missing}"
+    assert all(not t.grad.any() for t in model.parameters())
+
+
+def check_checkpointed(p: Dict[str, Any], ranks: List[Dict[str, Any]], arms: List[Dict[str, Any]], reference: Any,
+                       tolerance: float) -> None:
+    for a in arms:
+        name = W.arm_name(a)
+        per_rank = [r[name] for r in ranks]
+        micro = [m for steps in per_rank for s in steps for m in s["micro"]]
+        ghosts = [sum(m["ghost"] for s in steps for m in s["micro"]) for steps in per_rank]
+        assert ghosts[0] == 0 and ghosts[1] > 0, ghosts
+        assert any(m["local"] == 0 and not m["ghost"] for m in micro), "the data must give masked micro-batches"
+        assert all(math.isfinite(m["logged"]) for m in micro)
+        ids = sorted(i for steps in per_rank for s in steps for i in s["ids"])
+        assert ids == list(range(sum(p["counts"])))
+        errors = []
+        for column in zip(*per_rank):
+            for other in column[1:]:
+                assert all(torch.equal(g0, g1) for g0, g1 in zip(column[0]["grads"], other["grads"])), name
+            assert all(torch.isfinite(g).all() for g in column[0]["grads"])
+            step = dict(column[0], ids=[i for s in column for i in s["ids"]])
+            ref = reference(p, a, step)
+            if not any(r.any() for r in ref):  # no supervised token in the whole step: exactly zero
+                assert not any(g.any() for g in step["grads"]), name
+                continue
+            errors.append(rel_error(step["grads"], ref))
+        assert errors and max(errors) < tolerance, (name, errors)
+        print(f"\n{name}, 2 ranks: max error {max(errors):.2e} over {len(errors)} optimizer steps (tolerance "
+              f"{tolerance:.0e}); ghost micro-batches on rank 1: {ghosts[1]}, without supervised tokens: "
+              f"{sum(m['local'] == 0 and not m['ghost'] for m in micro)}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_checkpointing_with_ghost_steps_under_ddp(tmp_path):
+    """TinyLM's block under reentrant and non-reentrant checkpointing, float64, 2 gloo ranks under DDP, 2
+    micro-batches per step, odb.scale_loss: rank 1's ghost steps and rank 0's micro-batches without supervised
+    tokens still reach the checkpointed parameters (before the fix, reentrant failed: DDP raised 'Expected to
+    have finished reduction in the prior iteration' on one rank while the other waited), and every optimizer
+    step's gradient equals the reference (tolerance 1e-10: float64, only the summation order differs)."""
+    arms = [arm("fp64", checkpointing=kind) for kind in ("reentrant", "non_reentrant")]
+    p = dict(DATA, masked=True, arms=arms)
+    ranks = run_ranks("precision_workers:train", 2, p, tmp_path, deadline_s=100)
+    check_checkpointed(p, ranks, arms, W.reference_grads, TOLERANCE["fp64"])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_hf_llama_gradient_checkpointing_with_ghost_steps_under_ddp(tmp_path):
+    """A tiny Llama (random weights, float64) with HF's gradient checkpointing, reentrant and not, and reentrant
+    with frozen input embeddings (enable_input_require_grads), in a plain loop with odb.scale_loss(model(**batch)
+    .loss, info) on 2 gloo ranks under DDP with ghost steps and micro-batches without supervised tokens: the run
+    completes and each step's gradient equals HF's loss over the step's samples in one batch (tolerance 1e-6:
+    HF computes the loss in float32; measured 1.4e-7)."""
+    arms = [{"checkpointing": "reentrant", "frozen_embeddings": False, "recipe": "scale_loss"},
+            {"checkpointing": "non_reentrant", "frozen_embeddings": False, "recipe": "scale_loss"},
+            {"checkpointing": "reentrant", "frozen_embeddings": True, "recipe": "scale_loss"}]
+    p = {"counts": [24, 3], "budget": 96, "buffer": 16, "lr": 0.1, "masked": True, "arms": arms}
+    ranks = run_ranks("precision_workers:hf_train", 2, p, tmp_path, deadline_s=130)
+    check_checkpointed(p, ranks, arms, W.hf_reference_grads, 1e-6)

@@ -21,9 +21,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import List
+import functools
+import warnings
+from typing import Any, List, Set
 
 import torch
+from torch.utils.checkpoint import CheckpointFunction
 
 from .step_info import ODBStepInfo
 
@@ -60,12 +63,21 @@ def zero_loss(loss: torch.Tensor) -> torch.Tensor:
     """A tensor of ``loss``'s shape and dtype, exactly 0, whose backward gives a zero gradient to every
     leaf tensor (parameter) that ``loss`` depends on, even when ``loss`` itself is NaN.
 
-    The zero is built from those leaves directly (an empty slice of each, summed), never
-    through ``loss``'s own graph, where a ``0 / 0`` would turn any gradient into NaN. The
-    parameters reached are those a backward of ``loss`` reaches, so DDP (with or without
-    ``find_unused_parameters``) sees the usual set. A parameter used only inside a
-    reentrant gradient checkpoint (``use_reentrant=True``) is not visible in the graph
-    before backward and gets no gradient; non-reentrant checkpointing is fine.
+    A finite ``loss`` (a ghost batch: a real sample) backpropagates ``loss * 0`` through its
+    own graph, so backward reaches exactly the parameters a real batch reaches, those inside
+    gradient checkpoints of either kind included, and each gets an exact zero (0 times a
+    finite local derivative; a graph whose derivatives are inf would make a real batch's
+    gradient inf or NaN too). Checking finiteness reads the loss's value (one device sync, on
+    these batches only).
+
+    A NaN or infinite ``loss`` (the mean over no supervised token, ``0 / 0``) is never
+    backpropagated through, where the ``0 / 0`` would turn any gradient into NaN: the zero is
+    built from the leaves of its graph directly (an empty slice of each, summed). A
+    reentrant gradient checkpoint (``use_reentrant=True``) hides the parameters it runs
+    until backward recomputes it; they are found from the checkpointed function instead
+    (a module, a method or ``functools.partial`` of one, or a closure over one or over a
+    weight, as HF's layers and ``checkpoint(self.block, x)`` pass it). Where a checkpointed
+    function holds none, a warning says that its parameters get no gradient from this batch.
 
     Example:
         >>> import torch
@@ -77,6 +89,8 @@ def zero_loss(loss: torch.Tensor) -> torch.Tensor:
     base = torch.zeros_like(loss.detach())
     if not loss.requires_grad:
         return base
+    if bool(torch.isfinite(loss.detach()).all()):
+        return base + loss * 0
     leaves = [loss] if loss.grad_fn is None else _graph_leaves(loss.grad_fn)
     if not leaves:
         return base
@@ -85,17 +99,69 @@ def zero_loss(loss: torch.Tensor) -> torch.Tensor:
 
 
 def _graph_leaves(root: torch.autograd.graph.Node) -> List[torch.Tensor]:
-    """The leaf tensors (gradient accumulators) reachable from ``root``, each once."""
+    """The leaf tensors (gradient accumulators) reachable from ``root``, each once, and the trainable
+    parameters of the modules that reentrant gradient checkpoints in the graph run."""
     leaves: List[torch.Tensor] = []
+    seen_leaves: Set[int] = set()
+
+    def add(leaf: torch.Tensor) -> None:
+        if id(leaf) not in seen_leaves:
+            seen_leaves.add(id(leaf))
+            leaves.append(leaf)
+
     seen = {root}
     stack = [root]
     while stack:
         node = stack.pop()
         variable = getattr(node, "variable", None)  # an AccumulateGrad node holds its leaf tensor
         if isinstance(variable, torch.Tensor):
-            leaves.append(variable)
+            add(variable)
+        if getattr(node, "_forward_cls", None) is CheckpointFunction:  # reentrant: runs its graph in backward
+            for param in _checkpointed_parameters(node.run_function):
+                add(param)
         for child, _ in node.next_functions:
             if child is not None and child not in seen:
                 seen.add(child)
                 stack.append(child)
     return leaves
+
+
+def _checkpointed_parameters(function: Any) -> List[torch.Tensor]:
+    """The trainable parameters of the modules (and the trainable leaf tensors) that a reentrantly checkpointed
+    ``function`` holds: itself, a bound method's owner, a ``functools.partial``'s function and arguments, a
+    closure's cells, a function's default arguments, three levels deep. Warns if it holds none."""
+    modules: List[torch.nn.Module] = []
+    tensors: List[torch.Tensor] = []
+    pending, seen = [(function, 0)], set()
+    while pending:
+        obj, depth = pending.pop()
+        if id(obj) in seen or depth > 3:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            modules.append(obj)
+            continue
+        if isinstance(obj, torch.Tensor):
+            if obj.is_leaf and obj.requires_grad:  # a weight held directly (a closure over it, a partial's argument)
+                tensors.append(obj)
+            continue
+        inner: List[Any] = [getattr(obj, "__self__", None)]  # a bound method's module
+        if isinstance(obj, functools.partial):
+            inner += [obj.func, *obj.args, *obj.keywords.values()]
+        for cell in getattr(obj, "__closure__", None) or ():  # a closure over a module
+            try:
+                inner.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        inner += list(getattr(obj, "__defaults__", None) or ())  # lambda h, w=weight: ...
+        inner += list((getattr(obj, "__kwdefaults__", None) or {}).values())
+        pending += [(o, depth + 1) for o in inner if o is not None]
+    if not modules and not tensors:
+        warnings.warn(
+            f"odb.scale_loss: this micro-batch's loss is NaN or infinite (no supervised token) and its graph runs "
+            f"{function!r} under reentrant gradient checkpointing (use_reentrant=True), whose parameters (if it "
+            f"uses any) odb cannot find, so they get no gradient from this batch; DDP without "
+            f"find_unused_parameters then fails or waits at its gradient all-reduce. Fix: checkpoint with "
+            f"use_reentrant=False, or pass checkpoint a module (or a bound method or functools.partial of one).",
+            stacklevel=5)
+    return tensors + [p for m in modules for p in m.parameters() if p.requires_grad]
