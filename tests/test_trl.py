@@ -235,6 +235,14 @@ def test_padding_free_switches_a_dense_mask_attention_to_odb_varlen(tmp_path, ca
     switched = [r.getMessage() for r in caplog.records if "switched" in r.getMessage()]
     assert len(switched) == 1 and "from 'eager' to 'odb_varlen'" in switched[0]
     assert "packed_attention='model'" in switched[0]
+    sdpa = W.H.llama()
+    sdpa.set_attn_implementation("sdpa")  # from_pretrained's default: the run of issue 19 that took 2.4x longer
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="odb"):
+        trainer = enable_odb(sft_trainer(tmp_path, model=sdpa, padding_free=True), token_budget=256)
+    assert trainer.model.config._attn_implementation == "odb_varlen"
+    switched = [r.getMessage() for r in caplog.records if "switched" in r.getMessage()]
+    assert len(switched) == 1 and "from 'sdpa' to 'odb_varlen'" in switched[0]
     with pytest.warns(UserWarning, match="dense block-diagonal mask"):  # kept on request: odb says what it costs
         kept = enable_odb(sft_trainer(tmp_path, padding_free=True), token_budget=256, packed_attention="model")
     assert kept.model.config._attn_implementation == "eager"
