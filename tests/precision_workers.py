@@ -114,11 +114,16 @@ def autocast(precision: str) -> Any:
 
 
 def token_loss(model: torch.nn.Module, batch: Dict[str, Any], precision: str, reduction: str) -> torch.Tensor:
-    """Cross-entropy over the supervised tokens (``mean``: what a model returns; ``sum``), under autocast."""
+    """Cross-entropy over the supervised tokens, under autocast: ``mean`` (torch's, what a model returns),
+    ``ratio`` (the same mean written as a custom loop's sum / count) or ``sum``."""
     with autocast(precision):
-        logits = model(batch["input_ids"])
-        return F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=IGNORE,
-                               reduction=reduction)
+        logits = model(batch["input_ids"]).reshape(-1, VOCAB)
+        labels = batch["labels"].reshape(-1)
+        if reduction != "ratio":
+            return F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction=reduction)
+        mask = labels != IGNORE
+        per_token = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+        return (per_token * mask).sum() / mask.sum()
 
 
 def scaled_loss(loss: torch.Tensor, info: odb.ODBStepInfo, recipe: str) -> torch.Tensor:
@@ -205,7 +210,8 @@ def train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, List[Dict[str, 
 
     An arm: ``precision`` (bf16, fp16, fp32, fp64), ``recipe`` (scaled_loss), ``loss_scaling`` (odb's
     option: ``exact``, or ``approx``: the local token count), ``accumulation`` (micro-batches per
-    optimizer step), optionally ``checkpointing`` (TinyLM's).
+    optimizer step), optionally ``checkpointing`` (TinyLM's) and ``loss`` (token_loss's reduction, default
+    ``mean``).
     """
     ds = Samples(p)
     out: Dict[str, List[Dict[str, Any]]] = {}
@@ -216,7 +222,8 @@ def train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, List[Dict[str, 
                                    loss_scaling=arm["loss_scaling"])
         net = make_model(arm["precision"], arm.get("checkpointing"))
         precision = arm["precision"]
-        out[arm_name(arm)] = epoch_steps(loader, net, lambda m, b: token_loss(m, b, precision, "mean"),
+        reduction = arm.get("loss", "mean")
+        out[arm_name(arm)] = epoch_steps(loader, net, lambda m, b: token_loss(m, b, precision, reduction),
                                          arm["recipe"], precision == "fp16", p["lr"])
     return out
 
