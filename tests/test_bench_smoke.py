@@ -30,11 +30,49 @@ def missing_citations(text: str, *folders: str) -> list:
                                               for b in (*folders, ROOT, os.path.join(ROOT, "docs"))))
 
 
+# The bench runs in a fresh copy of this checkout (a git repository of its own, every file committed), as
+# `make demo` in a fresh clone: what it changes there is its own doing. CHECKOUT holds that copy's
+# `git status` after the run and the run's stderr (a pipe, as in a log).
+CHECKOUT: dict = {}
+
+
+def git(*args: str, cwd: str) -> str:
+    proc = subprocess.run(["git", "-c", "user.name=odb-test", "-c", "user.email=odb-test@localhost", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"git {' '.join(args)}: {proc.stderr}"
+    return proc.stdout
+
+
+def fresh_copy(dest: str) -> "str | None":
+    """The files of this checkout (tracked and new, not ignored, as they are now) committed in a new repository
+    at ``dest``; None where the tests do not run from a git checkout."""
+    try:
+        listed = subprocess.run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard", "-z"],
+                                capture_output=True, text=True, timeout=60)
+    except OSError:  # no git
+        return None
+    if listed.returncode != 0:
+        return None
+    for path in filter(None, listed.stdout.split("\0")):
+        if os.path.isfile(os.path.join(ROOT, path)):  # not one deleted but not yet committed
+            os.makedirs(os.path.dirname(os.path.join(dest, path)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, path), os.path.join(dest, path))
+    git("init", "-q", cwd=dest)
+    git("add", "-A", cwd=dest)
+    git("commit", "-q", "--no-verify", "-m", "the checkout under test", cwd=dest)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "-m", "odb.bench", "--out", str(out), "--quick"],
-                          capture_output=True, text=True, timeout=300)
+    copy = fresh_copy(str(tmp_path_factory.mktemp("checkout")))
+    paths = [os.path.join(copy or ROOT, "src"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))  # the copy's odb
+    proc = subprocess.run([sys.executable, "-m", "odb.bench", "--out", str(out), "--quick"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=copy or ROOT)  # where `make demo` runs
+    status = git("status", "--porcelain", "--untracked-files=all", cwd=copy) if copy else None
+    CHECKOUT.update(copy=copy, status=status, stderr=proc.stderr)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "results.json") as f:
         return out, json.load(f), proc.stdout
@@ -62,6 +100,16 @@ def test_outputs_written(bench):
         assert row.rstrip().endswith("  " + _met(ok)), (row, ok)
     assert results["meta"]["quick"] is True
     assert not missing_citations(summary, str(out)), "the summary cites files that do not exist"
+
+
+def test_the_bench_changes_no_file_of_the_checkout_and_draws_no_bars_into_a_log(bench):
+    """`make demo` leaves `git status` clean: the benchmark writes under --out only (README.md and
+    docs/benchmarks.md change by `make publish`), and with stderr piped (a log) it draws no progress bars."""
+    if CHECKOUT["copy"] is None:
+        pytest.skip("not a git checkout: no fresh copy to run the benchmark in")
+    assert CHECKOUT["status"] == "", (f"python -m odb.bench --out <tmp>, run in a fresh copy of the checkout, left "
+                                      f"this git status there:\n{CHECKOUT['status']}Rule: it writes under --out only.")
+    assert "\r" not in CHECKOUT["stderr"], "a progress bar was redrawn into a piped stderr: bars belong on a terminal"
 
 
 def test_planning_invariants(bench):
