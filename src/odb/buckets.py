@@ -60,6 +60,15 @@ def geometric_buckets(shortest: int, longest: int, count: int, multiple: int = 8
     return tuple(sorted({int(-(-int(np.ceil(p - 1e-9)) // multiple) * multiple) for p in points}))
 
 
+def oversize_message(who: str, shown: object, longest: int, buckets: Sequence[int], budget: object,
+                     found: str = "") -> str:
+    """The error for a sample that no shape bucket holds within the budget (``oversize="error"``)."""
+    return (f"{who} has length {shown}, and shape_buckets={tuple(buckets)} has no bucket that holds it within "
+            f"token_budget={budget}{found} (a batch pads to the smallest bucket >= its longest sample). Rule: "
+            f"oversize='error' refuses such samples. Fix: add a bucket >= {longest} (at most the budget), truncate "
+            f"samples (e.g. tokenizer max_length), or pass oversize='alone' (own batch, its own shape) or 'skip'.")
+
+
 def bucket_lengths(lengths: np.ndarray, buckets: Sequence[int]) -> np.ndarray:
     """Each length rounded up to the smallest bucket that holds it; lengths above the largest bucket stay
     as they are (such a sample fits no bucket: the cost model treats it as oversize).

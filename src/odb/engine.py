@@ -21,6 +21,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tu
 import numpy as np
 
 from .align import StepPlan
+from .buckets import oversize_message
 from .config import ODBConfig
 from .pool import SamplePool
 from .ranks import RankAligner, Step
@@ -234,13 +235,8 @@ class EpochRun:
         lengths, _, patches = self.pool.meta(sid)
         policy, cfg = self.cfg.oversize, self.cfg
         if policy == "error" and cfg.shape_buckets is not None:
-            shown = lengths if len(lengths) > 1 else lengths[0]
-            raise ValueError(
-                f"sample {sid} has length {shown}, and shape_buckets={cfg.shape_buckets} has no bucket that holds it "
-                f"within token_budget={cfg.token_budget} (a batch pads to the smallest bucket >= its longest "
-                f"sample). Rule: oversize='error' refuses such samples. Fix: add a bucket >= {max(lengths)} (at most "
-                f"the budget), truncate samples (e.g. tokenizer max_length), or pass oversize='alone' (own batch, "
-                f"its own shape) or 'skip'.")
+            raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
+                                              max(lengths), cfg.shape_buckets, cfg.token_budget))
         if policy == "error":
             raise ValueError(
                 f"sample {sid} has length {lengths if len(lengths) > 1 else lengths[0]}"

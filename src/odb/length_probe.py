@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from .buckets import oversize_message
 from .config import ODBConfig
 from .cost import CostModel
 from .estimate import DEFAULT_PROBE, probe_size
@@ -145,6 +146,9 @@ def check_probed_fit(lengths: Any, cfg: ODBConfig, what: str, total: Optional[in
     k, length, needed = found
     shown = length[0] if len(length) == 1 else length
     who = f"sample {k}" if total is not None and len(lengths) == total else "a sample"
+    if cfg.shape_buckets is not None:
+        raise ValueError(oversize_message(who, shown, max(length), cfg.shape_buckets, cfg.token_budget,
+                                          f" (found when {what})"))
     raise ValueError(f"{who} has length {shown}, so alone it exceeds token_budget={cfg.token_budget} "
                      f"(found when {what}). Rule: oversize='error' refuses such samples, and the epoch would stop "
                      f"at it. Fix: raise token_budget (to at least {needed} for this sample), truncate samples "
