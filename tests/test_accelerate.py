@@ -19,11 +19,11 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+import accelerate  # noqa: F401  (pinned: a broken install fails, never skips)
 import integration_workers as iw
 from dist_harness import run_ranks
 from helpers import known_lengths
 
-pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
 
 LENGTHS = known_lengths(45, 3, 30, seed=7)

@@ -9,19 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("trl")
+import transformers  # noqa: F401  (pinned under `make test`, as trl is: a broken install fails, never skips)
 
-import odb  # noqa: E402
-from odb.bench import text_data  # noqa: E402
-from odb.bench.convergence import lr_for, time_to_loss  # noqa: E402
-from odb.bench.report import convergence_table, goals, training_table  # noqa: E402
-from odb.bench.training import training_goals  # noqa: E402
-from odb.bench.training_arms import ARMS, build_loader, fixed_batch_size, trl_rows  # noqa: E402
-from odb.bench.training_ddp import launch  # noqa: E402
-from odb.varlen_attention import native_varlen, varlen_causal_attention  # noqa: E402
+import odb
+from odb.bench import text_data
+from odb.bench.convergence import lr_for, time_to_loss
+from odb.bench.report import convergence_table, goals, training_table
+from odb.bench.training import training_goals
+from odb.bench.training_arms import ARMS, build_loader, fixed_batch_size, trl_rows
+from odb.bench.training_ddp import launch
+from odb.varlen_attention import native_varlen, varlen_causal_attention
 
 CAP = 256
+
+
+def with_trl_marked(arms):
+    """The arms as parameters, the one that runs TRL (trl.pack_dataset) marked ``trl``."""
+    return [pytest.param(a, marks=pytest.mark.trl) if a == "trl_packing" else a for a in arms]
 
 
 def _lengths(n=40, seed=0):
@@ -48,7 +52,7 @@ def test_fixed_batch_size_is_the_largest_whose_worst_case_fits():
     assert b * lengths.max() <= CAP < (b + 1) * lengths.max()
 
 
-@pytest.mark.parametrize("arm", ARMS)
+@pytest.mark.parametrize("arm", with_trl_marked(ARMS))
 def test_every_arm_trains_each_sample_once_within_the_cap(arm):
     """One process: the same samples (as token sequences) in every arm, each once, no step above the cap."""
     data = text_data.TextSamples(_lengths())
@@ -68,7 +72,7 @@ def test_every_arm_trains_each_sample_once_within_the_cap(arm):
         assert sorted(seen) == expected
 
 
-@pytest.mark.parametrize("arm", ["fixed", "group_by_length", "batch_rebalance", "trl_packing"])
+@pytest.mark.parametrize("arm", with_trl_marked(["fixed", "group_by_length", "batch_rebalance", "trl_packing"]))
 def test_two_ranks_together_cover_every_sample(arm):
     data = text_data.TextSamples(_lengths(41))
     rows = trl_rows(data, CAP) if arm == "trl_packing" else None

@@ -144,10 +144,10 @@ def test_hf_trainer_examples_on_two_processes(tmp_path, name):
 
 
 @pytest.mark.dist
+@pytest.mark.trl
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("flags", [[], ["--padding-free"]])
 def test_trl_sft_on_two_processes(tmp_path, flags):
-    pytest.importorskip("trl")
     out = run_example(TORCHRUN + [script("trl_sft.py"), "--samples", "48", "--epochs", "1",
                                   "--out", str(tmp_path / "out")] + flags, tmp_path, 180)
     found = re.search(r"\b(\d+) optimizer steps, train loss (nan|[\d.]+)", out, re.M)

@@ -27,14 +27,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("transformers")
-datasets = pytest.importorskip("datasets")
+import datasets  # pinned under `make test` and test-min: a broken install fails, never skips
+import hf_workers as W
+from transformers import Trainer, TrainingArguments
 
-import hf_workers as W  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
-
-import odb  # noqa: E402
-from odb.integrations.hf import collator_options, enable_odb  # noqa: E402
+import odb
+from odb.integrations.hf import collator_options, enable_odb
 
 EXACT = 1e-6  # the losses run in float32 inside transformers (logits.float())
 IGNORE = -100

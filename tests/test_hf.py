@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+import accelerate  # noqa: F401  (transformers' Trainer needs it; pinned: a broken install fails, never skips)
+import datasets
+import hf_workers as W
+from dist_harness import run_ranks
+from transformers import Trainer, TrainingArguments
 
-import hf_workers as W  # noqa: E402
-from dist_harness import run_ranks  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
-
-import odb  # noqa: E402
-from odb.integrations.hf import ODBTrainer, configure_trainer, enable_odb  # noqa: E402
+import odb
+from odb.integrations.hf import ODBTrainer, configure_trainer, enable_odb
 
 EXACT = 1e-6  # the Llama loss runs in float32 inside transformers (logits.float()); T5's in float64
 
@@ -308,7 +307,6 @@ def test_examples_run(tmp_path, monkeypatch, capsys, script):
 
 
 def test_hf_datasets_dataset_with_lengths_and_unused_columns(tmp_path):
-    datasets = pytest.importorskip("datasets")
     rows = W.causal_dataset(20)
     ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
                                      "labels": [r["labels"].tolist() for r in rows],

@@ -17,11 +17,10 @@ from typing import Any, Dict
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-
-import hf_workers as W  # noqa: E402
-from dist_harness import run_ranks  # noqa: E402
+import accelerate  # noqa: F401  (pinned under `make test` and test-min: a broken install fails, never skips)
+import hf_workers as W
+import transformers  # noqa: F401
+from dist_harness import run_ranks
 
 SAVE_EVERY_2 = dict(save_strategy="steps", save_steps=2, optim="adamw_torch", lr_scheduler_type="linear",
                     warmup_steps=1)

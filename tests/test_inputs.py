@@ -257,7 +257,6 @@ def test_in_order_false_is_refused_before_anything_changes():
 
 @pytest.fixture
 def hf():
-    pytest.importorskip("transformers")
     import hf_workers
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 

@@ -17,12 +17,11 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-pytest.importorskip("lightning")
-
-import integration_workers as iw  # noqa: E402  (after the skip: it imports lightning)
-from dist_harness import free_port  # noqa: E402
-from helpers import known_lengths  # noqa: E402
-from odb.integrations.lightning import ODBLightningLoader  # noqa: E402
+import integration_workers as iw
+import lightning.pytorch  # noqa: F401  (pinned under `make test` and test-min: a broken install fails, never skips)
+from dist_harness import free_port
+from helpers import known_lengths
+from odb.integrations.lightning import ODBLightningLoader
 
 pytestmark = pytest.mark.timeout(150)
 

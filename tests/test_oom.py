@@ -195,7 +195,7 @@ def test_a_custom_splitter_serves_other_batch_types():
 
 def test_hf_causal_lm_split_with_trimmed_padding_is_exact():
     """A tiny Llama in float64, right-padded rows trimmed per piece, labels shifted as HF does."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
     torch.manual_seed(0)

@@ -21,13 +21,13 @@ from typing import List
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+import transformers  # noqa: F401  (pinned under `make test` and test-min: a broken install fails, never skips)
 
-import odb  # noqa: E402
-import packed_workers  # noqa: E402
-from dist_harness import run_ranks  # noqa: E402
-from helpers import IGNORE, LengthDataset, known_lengths, make_sample  # noqa: E402
-from odb.packed_models import PackedLayoutError, check_packed_model  # noqa: E402
+import odb
+import packed_workers
+from dist_harness import run_ranks
+from helpers import IGNORE, LengthDataset, known_lengths, make_sample
+from odb.packed_models import PackedLayoutError, check_packed_model
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "odb_varlen"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # pinned under `make test` and test-min: a broken install fails, never skips
 
 import odb
 from odb import varlen_causal_attention
@@ -56,7 +57,6 @@ def test_bad_boundaries_are_refused_with_the_rule(bounds: list) -> None:
 
 
 # ---- transformers ------------------------------------------------------------------------------
-transformers = pytest.importorskip("transformers")
 
 
 def _llama(attn: str):  # type: ignore[no-untyped-def]
