@@ -3,17 +3,19 @@ quality at its defaults on every benchmark workload (planning only, nothing time
 
 import numpy as np
 import pytest
+import transformers  # noqa: F401  (LengthGroupedSampler; pinned: a broken install fails, never skips)
 
 import odb
-from odb.bench.planning import (DEFAULT, SHORT_EPOCHS, _baselines, _compare, batch_metrics, load_workloads,
-                                odb_loader_run, oracle_batches, short_epochs)
+from odb.bench.planning import (DEFAULT, SHORT_EPOCHS, LengthGroupedSampler, _baselines, _compare, batch_metrics,
+                                load_workloads, odb_loader_run, oracle_batches, short_epochs)
 from odb.bench.report import order_rho_max
 from odb.bench.workloads import encoder_decoder_lengths, lognormal_lengths
 
-pytest.importorskip("transformers")
-
 BUDGET = 16384
 HEAVY_TAILED = ("pareto",)
+# The benchmark's seven planning workloads (python -m odb.bench), the two real ones read from odb/bench/data.
+WORKLOADS = ["lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00", "pareto-a1.2", "sharegpt-gpt2",
+             "encdec-synthetic", "gettext-en-de"]
 
 
 def as_lists(batches):
@@ -74,7 +76,15 @@ def test_batch_metrics_on_a_hand_made_plan():
 # ---- odb at its defaults against LengthGroupedSampler and the oracle ----------------------------
 @pytest.fixture(scope="module")
 def workloads():
-    return load_workloads(20000, log=lambda m: None)
+    """20,000 samples of each workload, as `make demo` plans them (about 0.5 s per workload here)."""
+    def refuse(message: str) -> None:
+        raise AssertionError(f"the benchmark's real workloads do not load ({message}): they ship with odb "
+                             f"(src/odb/bench/data/*.npz). Fix: reinstall odb (pip install -e .)")
+
+    out = load_workloads(20000, log=refuse)
+    assert sorted(out) == sorted(WORKLOADS)
+    assert LengthGroupedSampler is not None, "transformers has no LengthGroupedSampler: the baseline is missing"
+    return out
 
 
 def _floor(odb_eff: float, grouped: float, oracle: float, name: str) -> float:
@@ -87,11 +97,10 @@ def _floor(odb_eff: float, grouped: float, oracle: float, name: str) -> float:
     return oracle - (0.06 if name.startswith(HEAVY_TAILED) else 0.04)
 
 
-@pytest.mark.parametrize("name", ["lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00", "pareto-a1.2",
-                                  "sharegpt-gpt2", "encdec-synthetic", "gettext-en-de"])
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_odb_defaults_plan_as_well_as_length_grouping_and_near_the_oracle(workloads, name):
-    if name not in workloads:
-        pytest.skip(f"{name} is not available here")
+    """The benchmark's planning goals at odb's defaults (docs/benchmarks.md, "Goals"), asserted: a regression
+    of the planner's defaults fails `make test`, not only the benchmark's table."""
     x = workloads[name]
     methods = _baselines(x, BUDGET, seed=0)
     run = odb_loader_run(x, odb.ODBConfig(token_budget=BUDGET), seed=0)
@@ -99,16 +108,19 @@ def test_odb_defaults_plan_as_well_as_length_grouping_and_near_the_oracle(worklo
     _compare(methods)
     d, grouped, oracle = methods[DEFAULT], methods["length_grouped"], methods["oracle"]
     assert d["samples_emitted"] == len(x) and d["over_budget_batches"] == 0.0
-    # full epochs (measured: odb 0.985-0.994 against LengthGrouped's 0.968-0.986 on one-length workloads,
-    # 0.898 / 0.812 against 0.846 / 0.789 on the two-length ones)
-    assert d["token_efficiency"] >= _floor(d["token_efficiency"], grouped["token_efficiency"],
-                                           oracle["token_efficiency"], name)
-    # measured 0.986-0.994 of the oracle's tokens per step with one length, 1.08-1.09 with two
+    # Full epochs: at least LengthGroupedSampler's token efficiency, the benchmark's goal (measured at seed 0:
+    # 0.984-0.993 against 0.968-0.986 on the lognormal and ShareGPT workloads, 0.959 against 0.836 on Pareto,
+    # 0.898 / 0.812 against 0.846 / 0.789 on the two-length ones; the closest, ShareGPT, 0.984 against 0.982)
+    assert d["token_efficiency"] >= grouped["token_efficiency"], (d["token_efficiency"], grouped["token_efficiency"])
+    # Useful fill against the oracle's, the benchmark's goal of 0.97 (0.95 for heavy tails); measured 0.984-0.994
+    # with one length, 1.078 / 1.091 with two
     assert d["ratio_to_oracle"] >= (0.95 if name.startswith(HEAVY_TAILED) else 0.97)
     if x.shape[1] == 2:  # the banded order of two lengths (odb.planner.sort_order) beats the sort by the total
-        assert d["ratio_to_oracle"] >= 1.03 and d["token_efficiency"] >= grouped["token_efficiency"]
-    # the emitted order follows length no more than a random order of as many batches would at 3 sigma, and
-    # never by more than 0.1 (measured: 0.00-0.03 over 882-1,982 steps, 0.17 / 0.25 over 116 / 55 steps)
+        assert d["ratio_to_oracle"] >= 1.03
+    # The emitted order follows length no more than a random order of as many batches would at 3 sigma, and no
+    # more than 0.1 on long epochs: |rho| <= max(0.1, 3 / sqrt(steps - 1)) (docs/algorithm.md, "Order"; measured
+    # at seed 0: -0.03 to -0.00 over 882-1,985 steps, +0.06 over Pareto's 95, +0.17 over the encoder-decoder
+    # pairs' 116, +0.25 over gettext's 55)
     assert abs(d["order_spearman"]) <= order_rho_max(d["steps"])
 
     for n, e in short_epochs(x, BUDGET).items():
