@@ -70,12 +70,14 @@ def bench(tmp_path_factory):
     paths = [os.path.join(copy or ROOT, "src"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))  # the copy's odb
     proc = subprocess.run([sys.executable, "-m", "odb.bench", "--out", str(out), "--quick"], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=copy or ROOT)  # where `make demo` runs
+                          capture_output=True, timeout=300, cwd=copy or ROOT)  # where `make demo` runs
+    # bytes, decoded here: text=True would read each '\r' of a progress bar as a newline
+    stdout, stderr = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
     status = git("status", "--porcelain", "--untracked-files=all", cwd=copy) if copy else None
-    CHECKOUT.update(copy=copy, status=status, stderr=proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    CHECKOUT.update(copy=copy, status=status, stderr=stderr)
+    assert proc.returncode == 0, stderr[-3000:]
     with open(out / "results.json") as f:
-        return out, json.load(f), proc.stdout
+        return out, json.load(f), stdout
 
 
 def test_outputs_written(bench):
