@@ -13,6 +13,7 @@ from odb.bench.workloads import encoder_decoder_lengths, lognormal_lengths
 
 BUDGET = 16384
 HEAVY_TAILED = ("pareto",)
+SHORT_EPOCH_RHO_MAX = 0.35  # |rank correlation| of the batch order with length on short epochs (see below)
 # The benchmark's seven planning workloads (python -m odb.bench), the two real ones read from odb/bench/data.
 WORKLOADS = ["lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00", "pareto-a1.2", "sharegpt-gpt2",
              "encdec-synthetic", "gettext-en-de"]
@@ -129,3 +130,8 @@ def test_odb_defaults_plan_as_well_as_length_grouping_and_near_the_oracle(worklo
         assert eff >= _floor(eff, ms["length_grouped"]["token_efficiency"], ms["oracle"]["token_efficiency"],
                              name), (n, ms[DEFAULT], ms["length_grouped"], ms["oracle"])
         assert e["samples"] in SHORT_EPOCHS
+        # Short epochs drift beyond noise: their ramp-up windows emit long batches first (docs/algorithm.md,
+        # "Order"). Mean of 3 seeds, measured -0.27 to +0.10 where an epoch has 20 or more batches (ShareGPT
+        # -0.27 / -0.24 at 600 / 2,000 samples, lognormal CV 1.00 -0.26 / -0.18); fewer batches are noise.
+        if ms[DEFAULT]["steps"] >= 20:
+            assert abs(ms[DEFAULT]["order_spearman"]) <= SHORT_EPOCH_RHO_MAX, (n, ms[DEFAULT]["order_spearman"])
