@@ -201,6 +201,9 @@ def _update(path: str, new: str, check: bool, source: str) -> bool:
     with open(path) as f:
         old = f.read()
     if check or new == old:
+        if new != old:
+            print(f"{path}: its generated section differs from {source}. Fix: make publish (or python "
+                  f"scripts/update_readme.py {source}); edit the results file, never the generated text", file=sys.stderr)
         return new == old
     with open(path, "w") as f:
         f.write(new)

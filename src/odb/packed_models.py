@@ -184,7 +184,7 @@ def _warn_dense_mask(model: Any, name: str) -> None:
                       f"whole row: a row of T tokens costs T^2 in attention, whatever its samples (a padded batch "
                       f"of the same samples is then faster). For packed rows that cost what their samples cost, use "
                       f"attn_implementation='flash_attention_2' (CUDA, flash-attn installed) or odb's "
-                      f"'odb_varlen' (any device): model.set_attn_implementation(odb.register_varlen_attention()).",
+                      f"'odb_varlen' (torch only, no flash-attn): model.set_attn_implementation(odb.register_varlen_attention()).",
                       UserWarning, stacklevel=3)
         _WARNED.add(model)
 

@@ -1,4 +1,4 @@
-"""Attention over a packed row that costs what its samples cost, on any device (``"odb_varlen"``).
+"""Attention over a packed row that costs what its samples cost (``"odb_varlen"``; measured on CPU).
 
 A packed row of T tokens holding samples of lengths L1..Ln needs causal attention inside
 each sample only. transformers' ``sdpa`` and ``eager`` get this right with a dense
@@ -9,7 +9,7 @@ and more than the padded batch of the same samples pays. The flash-attention ker
 
 ``varlen_causal_attention`` runs ``torch.nn.functional.scaled_dot_product_attention``
 once per sample with ``is_causal=True``: exact, no mask built, the cost of the samples,
-on CPU and on any GPU. On CUDA tensors in half precision without dropout it calls
+on CPU and on a GPU alike (tested here on CPU only). On CUDA tensors in half precision without dropout it calls
 PyTorch's own flash kernel for packed rows, ``torch.nn.attention.varlen.varlen_attn``,
 once per row instead, where the installed torch has it (``native_varlen``).
 ``register_varlen_attention()`` adds it to transformers as the
