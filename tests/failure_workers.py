@@ -9,13 +9,17 @@ failure through odb's exchange, not through a timeout or a dead process.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import time
+import traceback
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import odb
 from helpers import LengthDataset, known_lengths, make_sample, pad_collate
@@ -50,6 +54,37 @@ class FailingDataset(Dataset):
         return make_sample(int(index), self.lengths[index])
 
 
+class KilledWorkerDataset(Dataset):
+    """LengthDataset whose item ``bad`` SIGKILLs the DataLoader worker that reads it (as the kernel's
+    out-of-memory killer would); never the main process."""
+
+    def __init__(self, lengths: List[int], bad: int) -> None:
+        self.lengths, self.bad = lengths, bad
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        if index == self.bad and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return make_sample(int(index), self.lengths[index])
+
+
+class KilledWorkerStream(IterableDataset):
+    """A stream over ``indices`` (this rank's shard), sharded by worker; the worker that reaches
+    ``bad`` SIGKILLs itself."""
+
+    def __init__(self, lengths: List[int], indices: List[int], bad: int) -> None:
+        self.lengths, self.indices, self.bad = lengths, indices, bad
+
+    def __iter__(self):
+        info = get_worker_info()
+        for i in self.indices[info.id::info.num_workers] if info is not None else self.indices:
+            if i == self.bad and info is not None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield make_sample(i, self.lengths[i])
+
+
 def _shard(rank: int, world: int, n: int) -> List[int]:
     return list(range(rank, n, world))
 
@@ -75,23 +110,42 @@ def _loader(rank: int, world: int, p: Dict[str, Any]) -> odb.ODBDataLoader:
         options["collate_fn"] = FailingCollate(bad)
     elif how == "worker" and failing:
         dataset = FailingDataset(lengths, bad)
+    elif how == "killed" and failing:
+        dataset = KilledWorkerDataset(lengths, bad)
+    elif how == "killed_stream":
+        dataset = KilledWorkerStream(lengths, sampler, bad if failing else -1)
+        sampler = None
     elif how == "ghost" and failing:
         sampler = []  # nothing to build a ghost batch from
     elif how == "mismatch" and failing:
         options[p["option"]] = p["value"]
     if how in ("worker", "known_collate"):
         options["num_workers"] = 1
-    if how == "known_collate":
+    if how in ("killed", "killed_stream", "kill_worker"):
+        options["num_workers"] = 2
+    if how == "known_collate" or p.get("known"):
         options["lengths"] = lengths
+    if "window_budgets" in p:
+        options["window_budgets"] = p["window_budgets"]
     if "accumulation" in p and "gradient_accumulation_steps" not in options:
         options["gradient_accumulation_steps"] = p["accumulation"]
-    return odb.ODBDataLoader(dataset, sampler=sampler, **options)
+    if sampler is not None:
+        options["sampler"] = sampler
+    return odb.ODBDataLoader(dataset, **options)
+
+
+def _raised_in(err: Optional[BaseException]) -> Optional[str]:
+    """The function the error left first on its way out: for an error raised by a signal handler (torch's
+    SIGCHLD handler for a dead worker), the function that was running when the signal came."""
+    frames = traceback.extract_tb(err.__traceback__) if err is not None else []
+    names = [f.name for f in frames if "signal_handling" not in f.filename]
+    return names[-1] if names and len(names) < len(frames) else None
 
 
 def _record(err: Optional[BaseException], steps: int, start: float) -> Dict[str, Any]:
     return {"type": None if err is None else type(err).__name__, "error": None if err is None else str(err),
             "failed_rank": getattr(err, "rank", None), "t": time.time(), "elapsed": time.monotonic() - start,
-            "steps": steps}
+            "steps": steps, "raised_in": _raised_in(err)}
 
 
 def one_rank_fails(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
@@ -105,11 +159,14 @@ def one_rank_fails(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
             if rank == p["failing"] and steps == p.get("after", -1):
                 if p["how"] == "break":
                     break
+                if p["how"] == "kill_worker":  # the out-of-memory killer picks a worker while the step runs
+                    os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
                 if p["how"] == "abort":  # what odb's HF check does when a collated batch lost its labels
                     error = ValueError("odb counted 17 supervised tokens in the batch but the collated batch "
                                        "holds 0 (labels != -100) on purpose")
                     loader.odb_abort(error)
                     raise error
+            time.sleep(p.get("step_s", 0.0))  # a training step: the training thread is in the user's code
     except Exception as caught:  # the process stays alive
         err = caught
     out = _record(err, steps, start)

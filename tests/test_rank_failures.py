@@ -88,6 +88,53 @@ def test_a_rank_that_stops_iterating_stops_the_others(tmp_path):
     _check(results, None, "", "stopped iterating its odb loader")
 
 
+# ---- a worker process killed on one rank -------------------------------------------------------------
+
+TORCH_DEATH = re.compile(r"DataLoader worker \(pid(?:\(s\))? (\d+)\)")  # torch's own words, on the failing rank
+ODB_DEATH = re.compile(r"RuntimeError: DataLoader worker \(pid (\d+)\) (?:of this rank's odb loader was killed "
+                       r"by SIGKILL|is killed by signal: Killed)")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world, how, extra", [
+    (2, "killed", {}),
+    (2, "kill_worker", {"after": 3, "step_s": 0.2, "window_budgets": 4}),
+    (3, "killed_stream", {"step_s": 0.05, "window_budgets": 4}),
+    (2, "killed", {"known": True}),
+], ids=["waiting-for-a-batch", "inside-the-training-step", "stream-3-ranks", "known-lengths"])
+def test_a_worker_killed_on_one_rank_is_named_with_its_cause_on_every_rank(tmp_path, world, how, extra):
+    """A DataLoader worker of rank 1 is SIGKILLed (as the out-of-memory killer would): the dataset kills
+    the worker reading a sample (map-style; a stream sharded by rank and worker; known lengths), or the
+    training loop kills a worker while its step runs. torch raises the death on rank 1's training thread
+    from its SIGCHLD handler: while it waits for odb's next batch, or inside the training step, where odb
+    sees only a stop. The other ranks must name rank 1 and the death, with the worker's pid (before:
+    "rank 1 stopped iterating its odb loader ... Fix: every rank must iterate its odb loaders in the same
+    order"; with known lengths the ranks could also wait in the step exchange until exchange_timeout_s)."""
+    results = run_ranks("failure_workers:one_rank_fails", world, {**BASE, "how": how, "then_epoch": True, **extra},
+                        tmp_path, deadline_s=DEADLINE_S)
+    own = results[1]
+    assert own["type"] in ("RuntimeError", "ConnectionResetError"), own  # torch's error: the death, or its sign
+    if how == "kill_worker":
+        assert own["raised_in"] == "one_rank_fails", own  # torch raised it in the training step, outside odb
+    pid = TORCH_DEATH.search(own["error"])
+    for rank, out in enumerate(results):
+        if rank == 1:
+            continue
+        assert out["type"] == "ODBRankFailed" and out["failed_rank"] == 1, out
+        text = out["error"]
+        assert re.match(rf"odb rank {rank} of {world}: rank 1 failed at epoch 0, [a-z ]+ \d+ \(", text), text
+        death = ODB_DEATH.search(text)
+        assert death, text
+        assert pid is None or death.group(1) == pid.group(1), (text, own["error"])
+        assert "stopped iterating" not in text and "Fix: fix the cause in rank 1's error" in text, text
+    spread = max(o["t"] for o in results) - min(o["t"] for o in results)
+    assert spread < SPREAD_S, f"ranks raised {spread:.1f} s apart"
+    assert max(o["elapsed"] for o in results) < 15.0, [o["elapsed"] for o in results]
+    # The processes go on: a fresh loader (no workers) runs a whole epoch on every rank.
+    assert sorted(i for o in results for i in o["then_ids"]) == list(range(BASE["n"]))
+
+
 # ---- options that change the plan --------------------------------------------------------------
 
 
@@ -153,6 +200,32 @@ def test_a_destroyed_and_recreated_default_group_is_not_reused(tmp_path, num_wor
 
 
 # ---- one process: the pieces ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["online", "known-lengths"])
+def test_workers_are_forked_while_no_thread_of_odb_runs(known):
+    """A process forked while another thread is inside torch (odb's batch thread in an exchange) can
+    inherit a lock held forever: with known lengths and num_workers=2 under 2 gloo ranks, a worker hung
+    in its first torch op about once in six epochs (both ranks then waited until exchange_timeout_s).
+    The batch thread now starts once the inner loader has forked its workers."""
+    import os
+    import threading
+
+    from helpers import LengthDataset, known_lengths, pad_collate
+
+    at_fork: List[List[str]] = []
+    os.register_at_fork(before=lambda: at_fork.append(
+        [t.name for t in threading.enumerate() if t.name.startswith("odb-") and t.is_alive()]))
+    lengths = known_lengths(300, 1, 40, seed=3)
+    loader = odb.ODBDataLoader(LengthDataset(lengths), token_budget=256, collate_fn=pad_collate, num_workers=2,
+                               seed=0, shuffle=True, lengths=lengths if known else None, shift_labels=True)
+    start = len(at_fork)  # register_at_fork hooks cannot be removed: count this test's forks only
+    for epoch in range(2):
+        ids = [i for b in loader for i in odb.pop_step_info(b).sample_ids]
+        assert sorted(ids) == list(range(300))
+    forks = at_fork[start:]
+    assert len(forks) == 4, forks  # 2 workers per epoch
+    assert forks == [[]] * 4, f"odb threads alive when a worker was forked: {forks}"
 
 
 def test_a_reason_keeps_its_start_and_end_within_the_slot():
@@ -240,3 +313,26 @@ def test_pipeline_announces_how_it_ended_early_once(depth, use, fail_at, expecte
         assert heard == [None], "a stop is announced as one"
     else:
         assert len(heard) == 1 and isinstance(heard[0], expected), heard
+
+
+def test_a_pipeline_started_late_runs_its_producer_at_the_first_request_and_announces_a_stop_before():
+    import time
+
+    started: List[bool] = []
+
+    def produce():
+        started.append(True)
+        yield from range(3)
+
+    p = BatchPipeline(produce(), depth=2, start=False)
+    time.sleep(0.1)
+    assert started == [], "the producer must not run before the first next()"
+    assert list(p) == [0, 1, 2] and started == [True]
+    heard: List[Any] = []
+    q = BatchPipeline(produce(), depth=2, start=False, announce=heard.append)
+    q.close()  # stopped before its thread ever ran: the stop is still announced, once
+    end = time.monotonic() + 5.0
+    while not heard and time.monotonic() < end:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert heard == [None] and started == [True]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -75,6 +75,7 @@ def release_group(group: Any) -> None:
 # ones are released at exit, after a short barrier on each: a gloo group still alive while the interpreter
 # finalizes can abort the process ("terminate called without an active exception", pytorch issue 190489).
 _LIVE: List["RankExchange"] = []
+_ANNOUNCING = threading.Lock()
 EXIT_BARRIER_S = 10.0
 
 
@@ -169,6 +170,8 @@ class RankExchange:
         self.timeout_s = timeout_s
         self.group: Optional[Any] = group
         self.dead = False
+        self._interrupted: Optional[BaseException] = None  # raised on this thread while it exchanged
+        self._announced = False
         if self.owns_group and self.world_size > 1:
             self.group = new_metadata_group(timeout_s)
             _LIVE.append(self)
@@ -197,30 +200,49 @@ class RankExchange:
         gathered = self._gather(message, where)
         statuses = gathered[:, 0]
         if not statuses.any():
+            self._raise_interrupted()
             return gathered[:, 1:].reshape((self.world_size,) + values.shape)
         self.dead = True
         slots = self._gather(encode_reason(reason if status != OK else ""), where)
+        self._raise_interrupted()
         if status != OK:
             return None
         raise peer_error(self.rank, self.world_size, where, statuses.tolist(), [decode_reason(s) for s in slots])
+
+    def _raise_interrupted(self) -> None:
+        err, self._interrupted = self._interrupted, None
+        if err is not None:
+            raise err
 
     def announce(self, shape: Tuple[int, ...], where: str, error: Optional[BaseException]) -> None:
         """Join the next exchange (whose values have ``shape`` on every rank) with a failure
         (``error``) or a stop (None) instead of data, so the other ranks raise at once.
 
-        Blocks until every rank reached that exchange; does nothing on a dead exchange.
+        Blocks until every rank reached that exchange; does nothing on a dead exchange, or after the
+        first announcement (two would be two collectives of one rank).
         """
-        if self.dead or self.world_size <= 1:
-            return
+        with _ANNOUNCING:
+            if self.dead or self.world_size <= 1 or self._announced:
+                return
+            self._announced = True
         status, reason = failure_of(error)
         self.all_gather(np.zeros(shape, dtype=np.int64), where, status, reason)
 
     def _gather(self, message: np.ndarray, where: str) -> np.ndarray:
         local = torch.as_tensor(message)
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        work = None
         try:
-            dist.all_gather(parts, local, group=self.group)
+            work = dist.all_gather(parts, local, group=self.group, async_op=True)
+            work.wait()
         except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
+            if work is not None and work.is_completed() and work.exception() is None:
+                # The exchange went through; the error was raised on this thread by a signal handler that ran
+                # once the wait returned (torch raises a DataLoader worker's death so). Every rank has this
+                # message: all_gather raises the error once its exchange is over, so the ranks stay in step
+                # and this rank can still announce the error at the next exchange.
+                self._interrupted = self._interrupted or err
+                return torch.stack(parts).numpy()
             self.dead = True
             raise ODBExchangeError(
                 f"odb rank {self.rank} of {self.world_size}: the metadata exchange at {where} failed or waited "
@@ -231,16 +253,18 @@ class RankExchange:
         return torch.stack(parts).numpy()
 
 
-def announce_in_background(exchange: Any, shape: Tuple[int, ...], where: str,
-                           error: Optional[BaseException]) -> Optional[threading.Thread]:
+def announce_in_background(exchange: Any, shape: Tuple[int, ...], where: str, error: Optional[BaseException],
+                           cause: Optional[Callable[[Optional[BaseException]], Optional[BaseException]]] = None
+                           ) -> Optional[threading.Thread]:
     """``exchange.announce`` on a daemon thread, so the announcing rank raises its own error at once
-    (the others may reach that exchange only later). None when there is nothing to announce."""
+    (the others may reach that exchange only later). None when there is nothing to announce.
+    ``cause(error)``, when given and not None, is announced instead (asked on that thread: it may wait)."""
     if exchange is None or getattr(exchange, "dead", True) or exchange.world_size <= 1:
         return None
 
     def run() -> None:
         try:
-            exchange.announce(shape, where, error)
+            exchange.announce(shape, where, (cause(error) if cause is not None else None) or error)
         except Exception:  # best effort: the group may be broken too (a dead peer); this rank raises anyway
             pass
 

@@ -24,7 +24,7 @@ from torch.utils.data import Sampler
 from .config import ODBConfig
 from .dist import announce_in_background
 from .resume import Cursor
-from .source import Record
+from .source import Record, WorkerWatch
 from .step_info import ODBStepInfo, attach_step_info, pop_step_info
 
 _CHUNK = 256
@@ -131,20 +131,26 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
 
 def known_epoch(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBConfig, exchange: Any,
                 on_batch: Callable[[Cursor, float, int], None],
-                resume_totals: Optional[Sequence[int]] = None) -> Iterator[Any]:
+                resume_totals: Optional[Sequence[int]] = None, watch: Optional[WorkerWatch] = None) -> Iterator[Any]:
     """Batches from the inner loader with their step infos, an optimizer step at a time.
 
     ``on_batch(cursor, waited_s, loss_tokens)`` is told of every batch handed to the training loop.
     A resumed epoch may start inside an optimizer step: its first step is the rest of that one,
     scaled by the step's ``resume_totals`` (saved in the state).
     When the epoch ends early (an error, e.g. in a worker's collate, or the loop stopped), the
-    other ranks learn it at their next step exchange instead of waiting there.
+    other ranks learn it at their next step exchange instead of waiting there; a worker of ``watch``
+    that died is announced as the cause.
     """
     try:
         yield from _known_steps(batches, sampler, cfg, exchange, on_batch, resume_totals)
     except BaseException as err:
-        announce_in_background(exchange, (cfg.gradient_accumulation_steps,), "the next step exchange",
-                               None if isinstance(err, GeneratorExit) else err)
+        error = None if isinstance(err, GeneratorExit) else err
+        shape, where = (cfg.gradient_accumulation_steps,), "the next step exchange"
+        try:
+            announce_in_background(exchange, shape, where, error, watch.failure if watch is not None else None)
+        except Exception as late:  # raised meanwhile by a signal handler (torch's, for a worker that died)
+            announce_in_background(exchange, shape, where, late)
+            raise late from err
         raise
 
 

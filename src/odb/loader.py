@@ -29,7 +29,7 @@ from .packed_collate import PackedCollate
 from .pipeline import BatchPipeline
 from .resume import Cursor
 from .sampling import ChunkSampler, EpochShuffleSampler, IndexedDataset, TransformedIterable
-from .source import ChunkCollate, SampleMeter, SampleSource, stream_records, unpack_records
+from .source import ChunkCollate, SampleMeter, SampleSource, WorkerWatch, stream_records, unpack_records
 from .stream_state import StatefulStream, StreamMarks, has_own_state
 from .stats import EpochStats
 
@@ -251,9 +251,18 @@ class ODBLoaderMixin(ResumableLoader):
         # The training thread collates what the batch thread has not reached. Not under DDP: there a batch is
         # collated before the ranks confirm its step, so a failing collate stops every rank at the same step.
         run.lazy = self._odb_cfg.ready_batches > 0 and run.world_size == 1
-        self._odb_pipeline = BatchPipeline(iter(run), depth=max(self._odb_cfg.ready_batches, 0),
-                                           announce=run.aligner.announce,  # a failure or stop reaches every rank
-                                           make=made if run.lazy else None)
+        watch = source.watch  # a worker that died is the cause to announce, not the stop or error it led to
+
+        def announce(error: Optional[BaseException]) -> None:  # a failure or stop reaches every rank
+            run.aligner.announce(watch.failure(error) or error)
+
+        self._odb_pipeline = BatchPipeline(iter(run), depth=max(self._odb_cfg.ready_batches, 0), announce=announce,
+                                           make=made if run.lazy else None,
+                                           # Known lengths: the inner loader forks its workers below; a thread
+                                           # inside torch (the exchange) while they fork can leave a lock held in
+                                           # them forever, so the batch thread starts at the inner loader's first
+                                           # request for a batch, once its workers exist.
+                                           start=known is None)
         if known is None:
             self._odb_step_exchange = False
             return self._odb_epoch(run, self._odb_pipeline)
@@ -266,8 +275,9 @@ class ODBLoaderMixin(ResumableLoader):
         steps = RankExchange(self._odb_cfg.exchange_timeout_s, self._odb_group) if exchange is not None else None
         self._odb_step_exchange = steps
         resume_totals = run_state["step_tokens"] if run_state is not None else None  # a step split by the resume
-        return self._odb_known_epoch(run, self._odb_pipeline, known_epoch(iter(inner), sampler, self._odb_cfg, steps,
-                                                                          self._odb_consumed, resume_totals))
+        batches = watch.follow(iter(inner))  # workers start here (a persistent inner loader's, the first time)
+        return self._odb_known_epoch(run, self._odb_pipeline, known_epoch(batches, sampler, self._odb_cfg, steps,
+                                                                          self._odb_consumed, resume_totals, watch))
 
     def __len__(self) -> int:
         """Batches per epoch: exact after a full epoch, else an estimate from sample lengths."""
@@ -311,10 +321,19 @@ class ODBLoaderMixin(ResumableLoader):
         self._odb_pipeline_done = True
         pipeline, run = self._odb_pipeline, self._odb_run
         if pipeline is not None:
+            late = None
+            try:  # a worker that died: torch raised it on the training thread, maybe outside odb; tell the others
+                died = run.source.watch.failure() if run is not None and not pipeline.done else None
+            except Exception as err:  # torch's signal handler raised the death just now
+                died = late = err
+            if died is not None:
+                pipeline.abort(died)
             pipeline.stop()
             if run is not None:
                 run.close()
             self._odb_pipeline_done = pipeline.close()
+            if late is not None:
+                raise late
 
     def _odb_epoch(self, run: EpochRun, pipeline: BatchPipeline) -> Iterator[Any]:
         key = self._odb_cfg.step_info_key
@@ -328,6 +347,9 @@ class ODBLoaderMixin(ResumableLoader):
                 check.handed_out(batch, info)
                 yield batch
             check.finished()
+        except Exception as err:  # raised while odb had the training thread: the other ranks hear this error
+            pipeline.abort(err)  # (the batch thread's own errors were told already; a worker's death comes here
+            raise  # from torch's SIGCHLD handler when the thread waits for a batch)
         finally:
             if self._odb_pipeline is pipeline:
                 self._odb_stop()  # a `break` or an error: let go of the workers now
@@ -442,21 +464,23 @@ class ODBLoaderMixin(ResumableLoader):
             self._odb_chunk_sampler.skip, self._odb_chunk_sampler.order = skip, order
         packed = self.num_workers > 0
         meter = SampleMeter(cfg)
+        watch = WorkerWatch()
         if not self._odb_is_iterable():
-            chunks: Iterator[Any] = (unpack_records(c, packed, meter) for c in iter(inner))  # workers start here
+            batches = watch.follow(iter(inner))  # workers start here
+            chunks: Iterator[Any] = (unpack_records(c, packed, meter) for c in batches)
             marks = None
         else:
             first, marks, wrapper = (stream["start"] if stream else 0), None, self._odb_stream
             if wrapper is not None:
                 wrapper.start = stream["states"] if stream else None
                 marks = StreamMarks(first, wrapper.start, self.num_workers)
-            batches = iter(inner)  # workers start here, on this thread, each with its copy of the wrapper
+            batches = watch.follow(iter(inner))  # workers start here, on this thread, each with its copy of the wrapper
             if wrapper is not None:
                 wrapper.start = None
             chunks = stream_records(batches, packed, meter, first, marks.on_chunk if marks is not None else None)
         chunks = self._odb_label_check.wrap(chunks)  # warns when target labels go unbudgeted
         return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=cfg.window_tokens,
-                            threaded=cfg.ready_batches > 0), marks
+                            threaded=cfg.ready_batches > 0, watch=watch), marks
 
     @staticmethod
     def _odb_pin(batch: Any) -> Any:

@@ -40,7 +40,8 @@ class BatchPipeline:
     """
 
     def __init__(self, produce: Iterator[Any], depth: int, name: str = "odb-batches",
-                 announce: Optional[Announce] = None, make: Optional[Callable[[Any], Any]] = None) -> None:
+                 announce: Optional[Announce] = None, make: Optional[Callable[[Any], Any]] = None,
+                 start: bool = True) -> None:
         self._produce = produce
         self._make = make
         self.wait_s = 0.0  # time the consumer waited in next(), in all
@@ -56,7 +57,8 @@ class BatchPipeline:
         if depth > 0:
             self._queue = queue.Queue(maxsize=depth)
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-            self._thread.start()
+            if start:  # else at the first next(): after the caller forked its worker processes
+                self._thread.start()
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -143,6 +145,8 @@ class BatchPipeline:
         raise item.error
 
     def _get(self) -> Any:
+        if self._thread.ident is None and not self._stop.is_set():
+            self._thread.start()
         while True:
             try:
                 return self._queue.get(timeout=1.0)
@@ -154,7 +158,7 @@ class BatchPipeline:
         """Ask the producer to stop at its next item (returns at once); it announces a stop."""
         self._done = True
         self._stop.set()
-        if self._queue is None:
+        if self._queue is None or self._thread.ident is None:  # no producer thread runs to announce it
             self._end_elsewhere(self._aborted)
 
     def abort(self, error: BaseException) -> None:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import signal
 import threading
+import weakref
+from multiprocessing import connection as mp_connection
 
 import torch
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
@@ -64,6 +67,72 @@ def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     if not data:  # frombuffer refuses an empty buffer
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+
+
+def dead_worker(batches: Any, wait_s: float = 0.0) -> Optional[RuntimeError]:
+    """The death of a worker of ``batches`` (a DataLoader's iterator that has not shut its workers
+    down), as an error to tell the other ranks; None while every worker lives, or without workers.
+    ``wait_s``: how long to wait for a death to show (the main process can see a dying worker's
+    connection reset a moment before the worker has exited).
+
+    Example:
+        >>> dead_worker(iter([1, 2])) is None
+        True
+    """
+    if getattr(batches, "_shutdown", True):  # shut down (it stopped its workers itself), or no workers
+        return None
+    try:
+        workers = {w.sentinel: w for w in list(getattr(batches, "_workers", ()))}  # ready once a worker exits
+    except ValueError:  # a closed process: the iterator is being shut down
+        return None
+    for sentinel in mp_connection.wait(list(workers), timeout=wait_s) if workers else ():
+        worker = workers[sentinel]
+        worker.join(timeout=1.0)  # its exit code (it has closed its files, so it is about to end)
+        code = worker.exitcode
+        if code is None or code == 0:
+            continue
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            oom = " (the kernel's out-of-memory killer sends it when host memory runs out)" \
+                if -code == signal.SIGKILL else ""
+            return RuntimeError(f"DataLoader worker (pid {worker.pid}) of this rank's odb loader was killed by "
+                                f"{name}{oom}")
+        return RuntimeError(f"DataLoader worker (pid {worker.pid}) of this rank's odb loader exited with code "
+                            f"{code}")
+    return None
+
+
+class WorkerWatch:
+    """Whether a worker process of an epoch's inner loader died, as the error the other ranks should hear.
+
+    torch raises a worker's death on the main thread from its SIGCHLD handler, wherever that thread
+    is (often inside the training step, out of odb's reach, which then sees only a stop), and the
+    loader's next read may fail with a consequence (a reset connection, "exited unexpectedly") before
+    that. odb announces the death instead of a stop or its consequences. The iterator is held
+    weakly: its workers end when it is dropped, as without the watch.
+    """
+
+    def __init__(self) -> None:
+        self._ref: Optional[weakref.ref] = None
+        self._died: Optional[RuntimeError] = None
+        self._lock = threading.Lock()
+
+    def follow(self, batches: Any) -> Any:
+        """Watch ``batches`` (an inner DataLoader's iterator); returns it."""
+        try:
+            self._ref = weakref.ref(batches)
+        except TypeError:  # no workers to watch (an iterator that takes no weak reference)
+            self._ref = None
+        return batches
+
+    def failure(self, error: Optional[BaseException] = None) -> Optional[RuntimeError]:
+        """The death of a worker (the first one seen, kept), or None. With an ``error`` to announce,
+        waits up to 0.25 s for a death to show: the error may be its first sign."""
+        with self._lock:
+            batches = self._ref() if self._ref is not None else None
+            if self._died is None and batches is not None:
+                self._died = dead_worker(batches, 0.25 if error is not None else 0.0)
+            return self._died
 
 
 class SourceClosed(RuntimeError):
@@ -166,8 +235,10 @@ class SampleSource:
     """
 
     def __init__(self, chunks: Iterable[List[Record]], *, cap_samples: int, cap_tokens: Optional[int],
-                 threaded: bool, on_close: Optional[Callable[[], None]] = None) -> None:
+                 threaded: bool, on_close: Optional[Callable[[], None]] = None,
+                 watch: Optional[WorkerWatch] = None) -> None:
         self._chunks: Iterator[List[Record]] = iter(chunks)
+        self.watch = watch if watch is not None else WorkerWatch()  # the inner loader's workers
         self._cap_samples, self._cap_tokens = cap_samples, cap_tokens
         self._buf: Deque[Record] = collections.deque()
         self._buf_tokens = 0
@@ -307,13 +378,15 @@ class SampleSource:
 
     def close(self) -> None:
         """Stop reading and let go of the inner loader (and so of its worker processes)."""
+        died = self.watch.failure() is not None
         with self._cond:
             self._closed = True
             self._buf.clear()
             self._cond.notify_all()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            # The reader may be inside the inner loader's next(); it returns within one chunk.
+        if thread is not None and thread is not threading.current_thread() and not died:
+            # The reader may be inside the inner loader's next(); it returns within one chunk (after a worker
+            # died, only when torch's check of its workers runs, up to 5 s later: not waited for).
             thread.join(timeout=5.0)
         self._chunks = iter(())
         if self._on_close is not None:
