@@ -228,3 +228,59 @@ def test_shape_buckets_keep_the_budget_and_every_sample_once(setup: Tuple[np.nda
         assert cfg.max_batch_size is None or len(g) <= cfg.max_batch_size
     for sid in oversize.tolist():  # only samples whose bucket cannot hold one copy within the budget
         assert bucket_length(int(lengths[sid]), cfg.shape_buckets) > cfg.token_budget
+
+
+class TrainerCollate:
+    """MaskCollate without the sample ids (the Trainer hands every batch key to the model)."""
+
+    def __call__(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+        batch = MaskCollate()([{**s, "idx": None} for s in samples])  # the Trainer drops the ids
+        batch.pop("idx")
+        return batch
+
+
+class RecordingPad(odb.PadToBucket):
+    """odb's bucket padding (odb does not wrap a PadToBucket again) that records the shapes it hands out."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shapes: List[Tuple[int, ...]] = []
+
+    def __call__(self, samples: List[Any]) -> Any:
+        batch = super().__call__(samples)
+        self.shapes.append(tuple(batch["input_ids"].shape))
+        return batch
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["torch_compile", "torch_compile+shape_buckets+static"])
+def test_hf_trainer_torch_compile_with_odb(static: bool, tmp_path: Any, monkeypatch: Any) -> None:
+    # Trainer(torch_compile=True) compiles through Accelerate with dynamic unset (automatic dynamic shapes);
+    # Accelerate's own ACCELERATE_DYNAMO_USE_DYNAMIC=false makes the graphs static. Graphs are counted with dynamo's
+    # counters here: the Trainer takes a backend name, not a callable.
+    from torch._dynamo.utils import counters
+    from odb.integrations.hf import enable_odb
+
+    buckets = (32, 64, 128, 256)
+    collate = RecordingPad(TrainerCollate(), buckets) if static else TrainerCollate()
+    if static:
+        monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "false")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True,
+                                          torch_compile=True, torch_compile_backend="eager", num_train_epochs=1,
+                                          save_strategy="no", logging_strategy="no", dataloader_num_workers=0,
+                                          learning_rate=1e-3)
+    data = LengthDataset(workload(300))
+    samples = [{k: data[i][k] for k in ("input_ids", "labels", "idx")} for i in range(len(data))]
+    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=samples, data_collator=collate)
+    enable_odb(trainer, token_budget=BUDGET, shift_labels=True, **({"shape_buckets": buckets} if static else {}))
+    torch._dynamo.reset()
+    counters.clear()
+    trainer.train()
+    graphs = counters["stats"]["unique_graphs"]
+    assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)  # compiled, not eager
+    assert graphs >= 1
+    if static:
+        # one static graph per shape (automatic dynamic shapes would have stopped at 2 for these 3 or more)
+        assert 3 <= graphs == len(set(collate.shapes)) <= 8, sorted(set(collate.shapes))
+        assert {w for _, w in collate.shapes} <= set(buckets)
+    else:
+        assert graphs <= 3
