@@ -180,8 +180,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, {os.cpu_count()} CPUs, commit {commit}, "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{args.samples} samples, token_budget={BUDGET}, median of {args.epochs} timed epochs after the first\n")
-    print("| arm | distinct (B, L) in epoch 1 | graphs (epoch 1 + later) | compile s | real tokens/s | vs eager "
-          "| token efficiency |")
+    print("| arm | distinct (B, L) in epoch 1 | graphs (epoch 1 + later) | compile s | real tokens/s (epochs' range) "
+          "| vs eager | token efficiency |")
     print("|---|---|---|---|---|---|---|")
     base = None
     for name, mode, dynamic, buckets in arms:
@@ -189,7 +189,8 @@ def main() -> None:
         base = base if base is not None else r["tokens_per_s"]
         graphs = "-" if mode is None else f"{r['graphs']} ({r['graphs_first']} + {r['graphs_later']})"
         compile_s = "-" if mode is None else f"{r['compile_s']:.0f}"
-        print(f"| {name} | {r['shapes']} | {graphs} | {compile_s} | {r['tokens_per_s']:,.0f} | "
+        spread = f"{min(r['rates']) / 1000:.1f}-{max(r['rates']) / 1000:.1f}k"
+        print(f"| {name} | {r['shapes']} | {graphs} | {compile_s} | {r['tokens_per_s']:,.0f} ({spread}) | "
               f"{r['tokens_per_s'] / base:.2f} | {r['efficiency']:.3f} |", flush=True)
     print(f"\nload average at the end of training {os.getloadavg()[0]:.1f}\n")
     print("Planning only: distinct (B, L) / steps / token efficiency of one epoch\n")

@@ -30,7 +30,7 @@ from odb.config import ODBConfig
 from odb.cost import CostModel
 from odb.window import flatten, plan_stream
 
-from helpers import IGNORE, LengthDataset, StreamDataset
+from helpers import IGNORE, LengthDataset, StreamDataset, epoch
 
 BUDGET = 1024
 VOCAB = 64
@@ -76,8 +76,8 @@ class GraphCounter:
         return gm.forward
 
 
-def loader_for(lengths: List[int], **options: Any) -> odb.ODBDataLoader:
-    return odb.ODBDataLoader(LengthDataset(lengths), token_budget=BUDGET, shuffle=True, seed=0,
+def loader_for(sample_lengths: List[int], **options: Any) -> odb.ODBDataLoader:
+    return odb.ODBDataLoader(LengthDataset(sample_lengths), token_budget=BUDGET, shuffle=True, seed=0,
                              collate_fn=MaskCollate(), shift_labels=True, **options)
 
 
@@ -150,6 +150,17 @@ def test_shape_buckets_epoch_is_exact_and_reports_its_padding() -> None:
     assert len(full) >= len(bucketed) - 2, bucketed
     # the padding the option costs shows in the step infos (here most samples are far below their bucket)
     assert eff < plain_eff - 0.1 and 0.5 < eff
+
+
+def test_shape_buckets_with_known_lengths_and_workers() -> None:
+    # lengths= plans in the batch sampler and the workers collate (and pad to the bucket) whole batches
+    lengths = workload(200)
+    online = [(tuple(b["input_ids"].shape), list(b["idx"]))
+              for b in epoch(loader_for(lengths, shape_buckets=(32, 64, 128, 256)))]
+    known = [(tuple(b["input_ids"].shape), list(b["idx"]))
+             for b in epoch(loader_for(lengths, shape_buckets=(32, 64, 128, 256), lengths=lengths, num_workers=2))]
+    assert known == online
+    assert {shape[1] for shape, _ in known} <= {32, 64, 128, 256}
 
 
 def test_pad_to_bucket_leaves_a_causal_lm_loss_unchanged() -> None:
