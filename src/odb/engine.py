@@ -145,7 +145,9 @@ class EpochRun:
         """Continue from a saved state; ``samples`` maps every retained position to (index, sample, meta)."""
         restore_epoch(self, state, samples)
         self.aligner.unconfirmed = len(self.pending) + len(self.chunk) - self.chunk_pos  # made and confirmed later
-        self.take_snapshot()
+        # The saved ghost stays: moving it here (take_snapshot) would pick another sample than the interrupted
+        # run, whose next move comes with its next window, as the resumed run's does.
+        self.snapshot, self._since = epoch_state(self), 0
 
     def register(self, sid: int, index: int, sample: Any, meta: Any) -> None:
         """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
