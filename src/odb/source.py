@@ -95,10 +95,8 @@ def dead_worker(batches: Any, wait_s: float = 0.0) -> Optional[RuntimeError]:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
             oom = " (the kernel's out-of-memory killer sends it when host memory runs out)" \
                 if -code == signal.SIGKILL else ""
-            return RuntimeError(f"DataLoader worker (pid {worker.pid}) of this rank's odb loader was killed by "
-                                f"{name}{oom}")
-        return RuntimeError(f"DataLoader worker (pid {worker.pid}) of this rank's odb loader exited with code "
-                            f"{code}")
+            return RuntimeError(f"DataLoader worker (pid {worker.pid}) was killed by {name}{oom}")
+        return RuntimeError(f"DataLoader worker (pid {worker.pid}) exited with code {code}")
     return None
 
 
