@@ -214,8 +214,9 @@ def test_workers_are_forked_while_no_thread_of_odb_runs(known):
     from helpers import LengthDataset, known_lengths, pad_collate
 
     at_fork: List[List[str]] = []
+    earlier = set(threading.enumerate())  # threads of loaders that earlier tests left behind are not this one's
     os.register_at_fork(before=lambda: at_fork.append(
-        [t.name for t in threading.enumerate() if t.name.startswith("odb-") and t.is_alive()]))
+        [t.name for t in threading.enumerate() if t.name.startswith("odb-") and t.is_alive() and t not in earlier]))
     lengths = known_lengths(300, 1, 40, seed=3)
     loader = odb.ODBDataLoader(LengthDataset(lengths), token_budget=256, collate_fn=pad_collate, num_workers=2,
                                seed=0, shuffle=True, lengths=lengths if known else None, shift_labels=True)

@@ -200,7 +200,9 @@ class EpochRun:
         lengths = self.pool.lengths(ids)
         if self.stats.windows == 0 and self.rank == 0:
             self._note_one_length(lengths)
-        planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final)
+        # The probe's window emits all it holds: its longest samples must not wait in the carry for a fuller batch.
+        probe = cfg.probe_worst_case and self.stats.windows == 0
+        planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final or probe)
         self.stats.windows += 1
         groups = list(planned.groups)
         for sid in planned.oversize.tolist():

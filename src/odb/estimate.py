@@ -67,11 +67,11 @@ def estimate_steps(lengths: np.ndarray, n_samples: int, cfg: ODBConfig, *, world
         >>> cfg = ODBConfig(token_budget=4096)
         >>> x = np.random.default_rng(0).lognormal(6, 0.5, 5000).astype(int)
         >>> estimate_steps(x, 5000, cfg)   # all lengths known: the loader's plan, simulated
-        611
+        607
         >>> estimate_steps(x[:512], 5000, cfg)   # a probe of 512, bootstrapped to 5000
-        605
+        599
         >>> estimate_steps(x, 2500, cfg, world_size=2)   # per rank, 2 ranks of 2500 samples
-        312
+        309
     """
     lengths = _as_2d(lengths)
     n, m = int(n_samples), len(lengths)

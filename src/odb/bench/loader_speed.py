@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import resource
+import warnings
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -35,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import odb
+from odb.batch_checks import ShiftLabelsWarning
 
 PAD_ID = 0
 GOALS = {"samples_per_s_ratio_min": 0.9, "cpu_s_ratio_max": 1.25, "first_batch_extra_s_max": 0.3}
@@ -113,6 +115,14 @@ def measure_epoch(make_loader: Callable[[], DataLoader], series: Optional[Dict[s
 
     With ``series``, an odb loader's per-step metrics (ODBStepInfo) are appended to it.
     """
+    # The collate's labels repeat input_ids (a causal LM's) and no model shifts them here: odb's advice to
+    # pass shift_labels=True concerns the loss, which this loader-only measurement has none of.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShiftLabelsWarning)
+        return _timed_epoch(make_loader, series)
+
+
+def _timed_epoch(make_loader: Callable[[], DataLoader], series: Optional[Dict[str, List[float]]]) -> Dict[str, float]:
     loader = make_loader()
     gc.collect()
     self0, child0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -130,8 +140,8 @@ def measure_epoch(make_loader: Callable[[], DataLoader], series: Optional[Dict[s
         if first is None:
             first = time.perf_counter() - t0
         samples += int(batch["input_ids"].shape[0])
-        if series is not None and "odb_step_info" in batch:
-            info = odb.pop_step_info(batch)
+        info = odb.pop_step_info(batch) if "odb_step_info" in batch else None  # as a training loop does
+        if series is not None and info is not None:
             for key, value in (("batch_size", info.local_samples), ("padding_ratio", info.padding_ratio),
                                ("buffered_samples", info.buffered_samples), ("loader_wait_ms", info.loader_wait_s * 1e3),
                                ("padded_tokens", info.padded_tokens)):
@@ -164,7 +174,9 @@ class ReplayBatches:
 
 def record_batches(loader: Any) -> List[List[int]]:
     """The dataset indices of every batch of one epoch of an odb loader (its ``ODBStepInfo.sample_ids``)."""
-    return [list(odb.pop_step_info(batch).sample_ids) for batch in loader]
+    with warnings.catch_warnings():  # see measure_epoch
+        warnings.simplefilter("ignore", ShiftLabelsWarning)
+        return [list(odb.pop_step_info(batch).sample_ids) for batch in loader]
 
 
 SETTINGS = {"defaults": {}, "buffer_size=256": {"buffer_size": 256}}
