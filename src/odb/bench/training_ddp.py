@@ -2,7 +2,8 @@
 
 ``launch(params, world, timeout_s)`` starts ``python -m odb.bench.training_ddp`` once per
 rank (a fresh interpreter each, ``torch.set_num_threads(threads)``), waits for all of
-them within one deadline, kills what is left after it, and returns rank 0's result.
+them within one deadline, kills what is left after it (after asking each for its threads' stacks,
+which the error then shows), and returns rank 0's result.
 A rank that fails is reported with the end of its output. Rank 0's progress lines go to
 the parent's stderr.
 """
@@ -10,8 +11,10 @@ the parent's stderr.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,6 +61,10 @@ def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0) -> Dict
                 time.sleep(0.1)
         finally:
             late = [r for r, p in enumerate(procs) if p.poll() is None]
+            if late and hasattr(signal, "SIGUSR1"):  # a hung rank: its threads' stacks say where it waits
+                for r in late:
+                    procs[r].send_signal(signal.SIGUSR1)
+                time.sleep(2.0)
             for p in procs:
                 if p.poll() is None:
                     p.kill()
@@ -69,6 +76,8 @@ def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0) -> Dict
         codes = {r: p.returncode for r, p in enumerate(procs)}
         if late or any(codes.values()) or not (tmp / "result.json").exists():
             logs = "".join(f"\n--- rank {r} (exit {codes[r]}) output ends:\n{_tail(tmp / f'rank{r}.log')}"
+                           + (f"\n--- rank {r}'s threads when it was stopped:\n{_tail(tmp / f'rank{r}.stacks', 6000)}"
+                              if r in late else "")
                            for r in range(world))
             what = f"did not finish within {timeout_s:.0f} s (killed: ranks {late})" if late else "failed"
             raise RuntimeError(f"training benchmark on {world} process(es) {what}.{logs}")
@@ -78,6 +87,9 @@ def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0) -> Dict
 
 def _child(argv: List[str]) -> None:
     rank, world, port, tmp, timeout_s = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3]), float(argv[4])
+    stacks = open(tmp / f"rank{rank}.stacks", "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         import torch
 
