@@ -236,7 +236,7 @@ class RankExchange:
             work = dist.all_gather(parts, local, group=self.group, async_op=True)
             work.wait()
         except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
-            if work is not None and work.is_completed() and work.exception() is None:
+            if work is not None and work.is_completed() and _went_through(work):
                 # The exchange went through; the error was raised on this thread by a signal handler that ran
                 # once the wait returned (torch raises a DataLoader worker's death so). Every rank has this
                 # message: all_gather raises the error once its exchange is over, so the ranks stay in step
@@ -251,6 +251,15 @@ class RankExchange:
                 f"must iterate its odb loaders in the same order; raise exchange_timeout_s for very slow "
                 f"steps.") from err
         return torch.stack(parts).numpy()
+
+
+def _went_through(work: Any) -> bool:
+    """Whether a completed collective holds no error. torch before 2.7 cannot hand a stored error to Python
+    (``Work.exception()`` raises TypeError on its exception_ptr): there, that TypeError means an error."""
+    try:
+        return work.exception() is None
+    except TypeError:
+        return False
 
 
 def announce_in_background(exchange: Any, shape: Tuple[int, ...], where: str, error: Optional[BaseException],

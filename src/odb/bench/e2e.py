@@ -44,7 +44,7 @@ import resource
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -195,19 +195,24 @@ def _run_epoch(loader: DataLoader, c: float, budget: int, is_odb: bool,
 
 
 def make_loaders(dataset: Dataset, budget: int, fit_b: int, mean_b: int, num_workers: int,
-                 seed: int) -> Dict[str, Callable[[], DataLoader]]:
+                 seed: int, worker_init_fn: Optional[Callable[[int], None]] = None
+                 ) -> Dict[str, Callable[[], DataLoader]]:
+    """Every arm's loader; ``worker_init_fn`` (the same for every arm) is None at the benchmark's defaults."""
     def plain(b: int) -> Callable[[], DataLoader]:
         return lambda: DataLoader(dataset, batch_size=b, shuffle=True, collate_fn=pad_collate,
-                                  num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
+                                  num_workers=num_workers, generator=torch.Generator().manual_seed(seed),
+                                  worker_init_fn=worker_init_fn)
 
     def grouped() -> DataLoader:
         sampler = LengthGroupedSampler(fit_b, lengths=np.asarray(dataset.lengths).tolist(),
                                        generator=torch.Generator().manual_seed(seed))
-        return DataLoader(dataset, batch_size=fit_b, sampler=sampler, collate_fn=pad_collate, num_workers=num_workers)
+        return DataLoader(dataset, batch_size=fit_b, sampler=sampler, collate_fn=pad_collate, num_workers=num_workers,
+                          worker_init_fn=worker_init_fn)
 
     makers: Dict[str, Callable[[], DataLoader]] = {
         "odb": lambda: odb.ODBDataLoader(dataset, token_budget=budget, shuffle=True, seed=seed,
-                                         collate_fn=pad_collate, num_workers=num_workers),
+                                         collate_fn=pad_collate, num_workers=num_workers,
+                                         worker_init_fn=worker_init_fn),
         "plain-fit": plain(fit_b),
     }
     if LengthGroupedSampler is not None:
@@ -218,11 +223,12 @@ def make_loaders(dataset: Dataset, budget: int, fit_b: int, mean_b: int, num_wor
 
 def run_setting(name: str, ratio: float, step_kind: str, dataset: Dataset, data_s: float, budget: int, fit_b: int,
                 mean_b: int, num_workers: int, repeats: int, gil_step: GilStep,
-                progress: Callable[..., Any]) -> Dict[str, Any]:
+                progress: Callable[..., Any], worker_init_fn: Optional[Callable[[int], None]] = None
+                ) -> Dict[str, Any]:
     real_total = int(np.asarray(dataset.lengths).sum())
     c = ratio * data_s / real_total  # seconds per padded token
     step: Callable[[float], None] = time.sleep if step_kind == "sleep" else gil_step
-    makers = make_loaders(dataset, budget, fit_b, mean_b, num_workers, seed=0)
+    makers = make_loaders(dataset, budget, fit_b, mean_b, num_workers, seed=0, worker_init_fn=worker_init_fn)
     names = list(makers)
     runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in names}
     schedule = [(r, k) for r in range(repeats) for k in (names if r % 2 == 0 else names[::-1])]
