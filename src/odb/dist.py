@@ -75,7 +75,6 @@ def release_group(group: Any) -> None:
 # ones are released at exit, after a short barrier on each: a gloo group still alive while the interpreter
 # finalizes can abort the process ("terminate called without an active exception", pytorch issue 190489).
 _LIVE: List["RankExchange"] = []
-_ANNOUNCING = threading.Lock()
 EXIT_BARRIER_S = 10.0
 
 
@@ -172,6 +171,7 @@ class RankExchange:
         self.dead = False
         self._interrupted: Optional[BaseException] = None  # raised on this thread while it exchanged
         self._announced = False
+        self._announcing = threading.Lock()  # the training thread and the batch thread may both announce
         if self.owns_group and self.world_size > 1:
             self.group = new_metadata_group(timeout_s)
             _LIVE.append(self)
@@ -221,7 +221,7 @@ class RankExchange:
         Blocks until every rank reached that exchange; does nothing on a dead exchange, or after the
         first announcement (two would be two collectives of one rank).
         """
-        with _ANNOUNCING:
+        with self._announcing:
             if self.dead or self.world_size <= 1 or self._announced:
                 return
             self._announced = True

@@ -238,10 +238,10 @@ class EpochRun:
     def _oversize(self, sid: int) -> List[np.ndarray]:
         lengths, _, patches = self.pool.meta(sid)
         policy, cfg = self.cfg.oversize, self.cfg
-        if policy == "error" and cfg.shape_buckets is not None:
-            raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
-                                              max(lengths), cfg.shape_buckets, cfg.token_budget))
         if policy == "error":
+            if cfg.shape_buckets is not None:  # the rule is the buckets', not the budget alone
+                raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
+                                                  max(lengths), cfg.shape_buckets, cfg.token_budget))
             raise ValueError(
                 f"sample {sid} has length {lengths if len(lengths) > 1 else lengths[0]}"
                 f"{f' and {patches} image patches' if cfg.image_patches_key else ''}, so alone it "

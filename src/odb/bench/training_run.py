@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 import odb
@@ -180,8 +181,6 @@ def fit_step_cost(samples: List[Tuple[int, int, float]]) -> Dict[str, float]:
         >>> round(fit["per_step_ms"], 3), round(fit["per_step_in_tokens"])
         (10.0, 1000)
     """
-    import numpy as np
-
     arr = np.asarray(samples, dtype=np.float64)
     x = np.stack([np.ones(len(arr)), arr[:, 0], arr[:, 0] * arr[:, 1]], axis=1)
     coef, *_ = np.linalg.lstsq(x, arr[:, 2], rcond=None)
