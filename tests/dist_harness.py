@@ -15,6 +15,7 @@ finish, or quoting a rank's traceback with its rank number. A rank listed in
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import socket
@@ -106,7 +107,7 @@ def _unfinished(procs: List[subprocess.Popen], tmp: Path) -> str:
     return f"\n(rank(s) {late} had not finished and were killed)" if late else ""
 
 
-def _tail(tmp: Path, rank: int, chars: int = 3000) -> str:
+def _tail(tmp: Path, rank: int, chars: int = 8000) -> str:
     path = tmp / f"rank{rank}.log"
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no output)"
 
@@ -114,6 +115,9 @@ def _tail(tmp: Path, rank: int, chars: int = 3000) -> str:
 def _child_main(argv: List[str]) -> None:
     worker, rank, world, port, tmp, deadline_s = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4]), \
         float(argv[5])
+    # A rank still running shortly before the deadline writes every thread's stack to its log, which the
+    # parent quotes when it kills it: a hang names where it waits.
+    faulthandler.dump_traceback_later(max(deadline_s - 3.0, 1.0), exit=False)
     try:
         import torch
         import torch.distributed as dist

@@ -337,3 +337,21 @@ def test_a_pipeline_started_late_runs_its_producer_at_the_first_request_and_anno
         time.sleep(0.01)
     time.sleep(0.1)
     assert heard == [None] and started == [True]
+
+
+def test_a_completed_gather_is_told_from_a_failed_one_where_torch_cannot_hand_its_error_over():
+    """torch before 2.7 raises TypeError from Work.exception(): there the parts decide. A completed
+    all_gather interrupted by torch's SIGCHLD handler (a worker died) must count as gone through, or this
+    rank drops out of the exchange its peers finished with it and they wait for it until the timeout."""
+    from odb.dist import _UNSET, _went_through
+
+    class OldWork:  # what torch 2.6's Work.exception() does
+        def exception(self):
+            raise TypeError("Unable to convert function return value to a Python type")
+
+    local = torch.tensor([0, 5, 7])
+    arrived = [torch.tensor([0, 3, 4]), local.clone()]
+    assert _went_through(OldWork(), arrived, local, 1)
+    missing = [torch.full_like(local, _UNSET), local.clone()]
+    assert not _went_through(OldWork(), missing, local, 1)
+    assert not _went_through(OldWork(), [torch.tensor([0, 3, 4]), torch.tensor([0, 5, 8])], local, 1)

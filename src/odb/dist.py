@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 OK, FAILED, STOPPED = 0, 1, 2
+_UNSET = -1  # what an all_gather part holds until the rank's message arrives
 REASON_BYTES = 1024  # utf-8 bytes of a failure reason carried to the other ranks (longer ones are cut)
 
 
@@ -230,13 +231,15 @@ class RankExchange:
 
     def _gather(self, message: np.ndarray, where: str) -> np.ndarray:
         local = torch.as_tensor(message)
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        # Every message starts with a status word or a reason's byte (>= 0): a part still holding _UNSET
+        # was never received.
+        parts = [torch.full_like(local, _UNSET) for _ in range(self.world_size)]
         work = None
         try:
             work = dist.all_gather(parts, local, group=self.group, async_op=True)
             work.wait()
         except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
-            if work is not None and work.is_completed() and _went_through(work):
+            if work is not None and work.is_completed() and _went_through(work, parts, local, self.rank):
                 # The exchange went through; the error was raised on this thread by a signal handler that ran
                 # once the wait returned (torch raises a DataLoader worker's death so). Every rank has this
                 # message: all_gather raises the error once its exchange is over, so the ranks stay in step
@@ -253,13 +256,14 @@ class RankExchange:
         return torch.stack(parts).numpy()
 
 
-def _went_through(work: Any) -> bool:
+def _went_through(work: Any, parts: List[torch.Tensor], local: torch.Tensor, rank: int) -> bool:
     """Whether a completed collective holds no error. torch before 2.7 cannot hand a stored error to Python
-    (``Work.exception()`` raises TypeError on its exception_ptr): there, that TypeError means an error."""
+    (``Work.exception()`` raises TypeError on its exception_ptr): there, the collective went through when
+    every rank's part arrived (none still holds _UNSET) and this rank's is its own message."""
     try:
         return work.exception() is None
     except TypeError:
-        return False
+        return all(int(p[0]) != _UNSET for p in parts) and torch.equal(parts[rank], local)
 
 
 def announce_in_background(exchange: Any, shape: Tuple[int, ...], where: str, error: Optional[BaseException],
