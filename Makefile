@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	# LLaMA-Factory's own requirements pull another torch: install it and the few packages its SFT
 	# path imports without dependency resolution. Its tests are part of `make test`: a failed install
-	# stops here (and tests/test_llamafactory.py fails, never skips, where it does not import).
+	# stops here (and tests/integrations/test_llamafactory.py fails, never skips, where it does not import).
 	$(PY) -m pip install -q --no-deps -c constraints.txt llamafactory peft trl datasets dill multiprocess xxhash \
 		pyarrow pandas pytz omegaconf antlr4-python3-runtime requests urllib3 certifi charset-normalizer
 	touch $(STAMP)
@@ -64,12 +64,12 @@ $(STAMP_MIN): pyproject.toml constraints-min.txt
 venv-min: $(STAMP_MIN)
 
 # Not part of it: TRL (pyproject.toml declares no TRL version; trl 0.24 needs accelerate>=1.4, above the
-# accelerate floor): tests/test_trl.py and every test marked trl; the benchmark's tests (the demo and the
+# accelerate floor): tests/integrations/test_trl.py and every test marked trl; the benchmark's tests (the demo and the
 # training benchmark compare against TRL's packing; they never ran at the floors); and LLaMA-Factory
 # (0.9.5 needs Python >= 3.11: its tests skip here, saying so). Nothing else skips for a missing package.
 test-min: $(STAMP_MIN)
-	$(PY_MIN) -m pytest -q -m "not trl" --ignore=tests/test_trl.py --ignore=tests/test_bench_smoke.py \
-		--ignore=tests/test_bench_training.py
+	$(PY_MIN) -m pytest -q -m "not trl" --ignore=tests/integrations/test_trl.py --ignore=tests/bench/test_bench_smoke.py \
+		--ignore=tests/bench/test_bench_training.py
 
 clean:
 	rm -rf $(VENV) $(VENV_MIN) out .pytest_cache .hypothesis

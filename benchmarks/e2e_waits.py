@@ -14,7 +14,7 @@ import time
 import warnings
 
 import odb
-from odb.batch_checks import ShiftLabelsWarning
+from odb.loader.batch_checks import ShiftLabelsWarning
 from odb.bench.e2e import COMPUTE_RATIO, BusyDataset, GilStep, data_cpu_s
 from odb.bench.loader_speed import pad_collate
 from odb.bench.workloads import lognormal_lengths

@@ -24,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from odb.bench.workloads import LOGNORMAL, MAX_LEN, encoder_decoder_lengths, lognormal_lengths
-from odb.cost import CostModel
-from odb.planner import WindowPlan, plan_window, sort_order
+from odb.plan.cost import CostModel
+from odb.plan.planner import WindowPlan, plan_window, sort_order
 
 BUDGET = 16384
 

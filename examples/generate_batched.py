@@ -6,7 +6,7 @@
 Inputs of very different lengths are grouped by length so that every call to
 ``generate`` costs at most rows x (longest input + max_new_tokens) <= token_budget;
 outputs come back in input order, each as ``generate`` returns it for that input alone.
-A batch that runs out of memory is halved and retried (odb.generation).
+A batch that runs out of memory is halved and retried (odb.train.generation).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
 from odb.bench.workloads import lognormal_lengths
-from odb.generation import generate_batched, plan_generation_batches
+from odb.train.generation import generate_batched, plan_generation_batches
 
 
 def main() -> None:

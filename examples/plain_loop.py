@@ -1,7 +1,7 @@
 """Plain PyTorch loop with odb: one process, CPU by default.
 
     python examples/plain_loop.py
-    python examples/plain_loop.py --samples 40 --workers 0   # a quick run (tests/test_examples.py)
+    python examples/plain_loop.py --samples 40 --workers 0   # a quick run (tests/project/test_examples.py)
 """
 
 from __future__ import annotations

@@ -9,19 +9,19 @@ Example:
     1.0
 """
 
-from .apply import ODBHandle, apply
-from .bucket_collate import PadToBucket
-from .buckets import bucket_length, fit_buckets, geometric_buckets
-from .config import ODBConfig
-from .lengths import count_loss_tokens, default_length, seq2seq_lengths
-from .loader import ODBDataLoader
-from .loss import scale_loss
-from .packed_collate import PackedCollate
-from .packed_models import PackedLayoutError, check_packed_model
-from .sampling import ShardSampler
-from .schedule import linear_budget_ramp
-from .step_info import ODBStepInfo, attach_step_info, pop_step_info
-from .varlen_attention import register_varlen_attention, varlen_causal_attention
+from odb.loader.apply import ODBHandle, apply
+from odb.data.bucket_collate import PadToBucket
+from odb.plan.buckets import bucket_length, fit_buckets, geometric_buckets
+from odb.config import ODBConfig
+from odb.data.lengths import count_loss_tokens, default_length, seq2seq_lengths
+from odb.loader.dataloader import ODBDataLoader
+from odb.train.loss import scale_loss
+from odb.packed.collate import PackedCollate
+from odb.packed.models import PackedLayoutError, check_packed_model
+from odb.data.sampling import ShardSampler
+from odb.plan.schedule import linear_budget_ramp
+from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
+from odb.packed.attention import register_varlen_attention, varlen_causal_attention
 
 __all__ = [
     "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "PackedCollate", "PackedLayoutError",

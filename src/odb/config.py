@@ -8,7 +8,7 @@ import math
 import numbers
 from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
 
-from .arguments import check_options
+from odb.arguments import check_options
 
 OversizePolicy = Literal["error", "alone", "skip"]
 LossScaling = Literal["exact", "approx", "sample", "none"]
@@ -92,7 +92,7 @@ class ODBConfig:
             ``odb.geometric_buckets`` and ``odb.fit_buckets`` build finer grids for a known
             range of lengths. Padded layout only.
         length_fn: ``length_fn(sample) -> int | tuple[int, ...]``; default reads
-            ``input_ids`` (see ``odb.lengths.default_length``).
+            ``input_ids`` (see ``odb.data.lengths.default_length``).
         quadratic_length: when set, each padded token costs ``1 + L / quadratic_length``
             (attention grows with L^2; as lhotse's quadratic duration).
         image_patches_key: sample field holding the number of image patches.
@@ -230,7 +230,7 @@ class ODBConfig:
                   "pass True (causal LM) or False (every label counts)", TypeError)
         _check_int("ignore_index", self.ignore_index, -(2**62), "pass an int such as -100")
         if self.budget_schedule is not None:
-            from .schedule import check_schedule
+            from odb.plan.schedule import check_schedule
 
             if isinstance(self.token_budget, tuple):
                 _fail("budget_schedule", self.budget_schedule, "needs an int token_budget, not per-dimension budgets",
@@ -263,7 +263,7 @@ class ODBConfig:
         if isinstance(value, numbers.Integral):
             if value < 2:
                 _fail("shape_buckets", value, "must be >= 2 (one bucket pads every batch to the budget)", fix)
-            from .buckets import halving_buckets
+            from odb.plan.buckets import halving_buckets
 
             budgets = list(self.token_budgets) + [int(b) for _, b in self.budget_schedule or ()]
             object.__setattr__(self, "shape_buckets", halving_buckets(max(budgets), int(value), self.pad_to_multiple_of))
@@ -324,7 +324,7 @@ class ODBConfig:
         carry of up to a full window, odb's token efficiency is above length-grouped fixed
         batches' on full epochs (docs/algorithm.md). With the default, a window that would emit
         less than 55% of its new samples at 0.99 adds its best carried batches that reach 0.95
-        (odb.window.FEED_SHARE).
+        (odb.plan.window.FEED_SHARE).
         Packed rows reach 0.95 of the budget with nothing padded; waiting for fuller rows only
         holds samples back. With ``shape_buckets`` the planner counts each sample as its bucket's
         length, so 1.0 means a full batch of one bucket: the one shape that bucket has.

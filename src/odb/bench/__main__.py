@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from odb import __version__
-from .planning import BUFFER_SIZES, load_workloads, run_planning
-from .report import plot, plot_step_metrics, render
-from .workloads import lognormal_lengths
+from odb.bench.planning import BUFFER_SIZES, load_workloads, run_planning
+from odb.bench.report import plot, plot_step_metrics, render
+from odb.bench.workloads import lognormal_lengths
 
 # name -> (full, quick)
 SIZES: Dict[str, tuple] = {
@@ -129,7 +129,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     t0 = time.perf_counter()
     try:  # the rank simulation drives odb's internals, which may change under it: report, do not stop
-        from .ranks_bench import run_ranks
+        from odb.bench.ranks_bench import run_ranks
 
         results["ranks"] = run_ranks({k: v for k, v in workloads.items() if k.startswith("lognormal")},
                                      world=8, budget=16384, buffer_size=512,
@@ -140,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     results["wall_s"]["ranks"] = time.perf_counter() - t0
 
     if not args.skip_loader:
-        from .loader_speed import run_loader_speed
+        from odb.bench.loader_speed import run_loader_speed
 
         t0 = time.perf_counter()
         results["loader"] = run_loader_speed(lognormal_lengths(600.0, 0.48, size["loader_samples"]), num_workers=2,
@@ -149,21 +149,21 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["wall_s"]["loader"] = time.perf_counter() - t0
 
     if not args.skip_train:
-        from .training import run_training
+        from odb.bench.training import run_training
 
         t0 = time.perf_counter()
         results["training"] = run_training(quick=args.quick, device=args.device, out_dir=args.out)
         results["wall_s"]["training"] = time.perf_counter() - t0
 
     if not args.skip_packing:
-        from .packing import run_packing
+        from odb.bench.packing import run_packing
 
         t0 = time.perf_counter()
         results["packing"] = run_packing(size["planning_samples"], real=not args.no_real, progress=progress)
         results["wall_s"]["packing"] = time.perf_counter() - t0
 
     if not args.skip_e2e:
-        from .e2e import run_e2e
+        from odb.bench.e2e import run_e2e
 
         t0 = time.perf_counter()
         results["e2e"] = run_e2e(size["e2e_samples"], num_workers=2, budget=8192, repeats=size["e2e_repeats"],

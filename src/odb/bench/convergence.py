@@ -27,9 +27,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .text_data import TextSamples, held_out_batch, workload_lengths
-from .training_arms import ATTENTION, ODB_ARMS, build_loader
-from .training_run import _autocast, _reduce, build_model, set_epoch, train_epoch, wrap
+from odb.bench.text_data import TextSamples, held_out_batch, workload_lengths
+from odb.bench.training_arms import ATTENTION, ODB_ARMS, build_loader
+from odb.bench.training_run import _autocast, _reduce, build_model, set_epoch, train_epoch, wrap
 
 SAME_LR = "_same_lr"
 MAX_EPOCHS_PER_BUDGET = 6  # an arm may train up to 6x the first arm's epochs within its time

@@ -51,11 +51,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import odb
-from odb.batch_checks import ShiftLabelsWarning
-from odb.window import plan_stream
+from odb.loader.batch_checks import ShiftLabelsWarning
+from odb.plan.window import plan_stream
 
-from .loader_speed import pad_collate
-from .workloads import lognormal_lengths
+from odb.bench.loader_speed import pad_collate
+from odb.bench.workloads import lognormal_lengths
 
 try:  # transformers is a bench extra: the length-grouped arm runs where it is installed
     from transformers.trainer_pt_utils import LengthGroupedSampler

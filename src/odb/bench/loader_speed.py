@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import odb
-from odb.batch_checks import ShiftLabelsWarning
+from odb.loader.batch_checks import ShiftLabelsWarning
 
 PAD_ID = 0
 GOALS = {"samples_per_s_ratio_min": 0.9, "cpu_s_ratio_max": 1.25, "first_batch_extra_s_max": 0.3}

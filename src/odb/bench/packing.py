@@ -33,7 +33,7 @@ import numpy as np
 
 from odb import ODBConfig
 
-from .planning import load_workloads, odb_loader_run, time_planner
+from odb.bench.planning import load_workloads, odb_loader_run, time_planner
 
 FILL_MIN, VS_TRL_MAX_GAP = 0.98, 0.01
 

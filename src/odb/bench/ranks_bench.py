@@ -13,9 +13,9 @@ from typing import Any, Callable, Dict
 
 import numpy as np
 
-from ..align import decide_steps, global_steps, shared_step_order, step_imbalance
-from ..config import ODBConfig
-from ..simulate import simulate_ranks
+from odb.plan.align import decide_steps, global_steps, shared_step_order, step_imbalance
+from odb.config import ODBConfig
+from odb.epoch.simulate import simulate_ranks
 
 
 def run_ranks(workloads: Dict[str, np.ndarray], world: int = 8, budget: int = 16384, buffer_size: int = 512,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .workloads import lognormal_lengths
+from odb.bench.workloads import lognormal_lengths
 
 VOCAB = 256
 PAD_ID = 0
@@ -122,7 +122,7 @@ def workload_lengths(name: str, n: int, seed: int = 0, full_length: bool = False
     if name == "heavy-tailed":
         raw = lognormal_lengths(900.0, 1.0, n, seed)
     else:
-        from .realdata import load_real_lengths
+        from odb.bench.realdata import load_real_lengths
 
         real = load_real_lengths("gettext-en-de" if name == "short-pairs" else "sharegpt-gpt2")
         raw = _subsample(np.asarray(real, dtype=np.int64).reshape(len(real), -1).sum(axis=1), n, seed)

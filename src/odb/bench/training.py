@@ -22,9 +22,9 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from .text_data import VOCAB
-from .training_arms import ARMS
-from .training_run import MODELS
+from odb.bench.text_data import VOCAB
+from odb.bench.training_arms import ARMS
+from odb.bench.training_run import MODELS
 
 MODEL = MODELS["cpu"]  # the CPU model (benchmarks/packed_step_cost.py builds it too)
 __all__ = ["MODEL", "VOCAB", "run_training", "training_goals"]
@@ -67,7 +67,7 @@ def run_training(*, quick: bool = False, device: str = "cpu", out_dir: Optional[
                  timeout_s: float = 1500.0, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)
                  ) -> Dict[str, Any]:
     """The training section of ``python -m odb.bench``: results (and ``training_loss.png`` under ``out_dir``)."""
-    from .training_ddp import launch
+    from odb.bench.training_ddp import launch
 
     size = SIZES["quick" if quick else "full"]
     kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -90,7 +90,7 @@ def run_training(*, quick: bool = False, device: str = "cpu", out_dir: Optional[
         out["wall_s"]["ranks1"] = time.perf_counter() - t0
         out["goals"] = training_goals(out["ranks2"])
         if out_dir:
-            from .report import plot_convergence
+            from odb.bench.report import plot_convergence
 
             plot_convergence(out["convergence"], os.path.join(out_dir, "training_loss.png"))
     else:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import odb
 
-from .text_data import PAD_ID, TextSamples, pad_collate
+from odb.bench.text_data import PAD_ID, TextSamples, pad_collate
 
 ARMS = ("fixed", "group_by_length", "batch_rebalance", "trl_packing", "odb_padded", "odb_packed")
 ODB_ARMS = ("odb_padded", "odb_packed")

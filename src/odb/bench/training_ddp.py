@@ -100,7 +100,7 @@ def _child(argv: List[str]) -> None:
 
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        from .training_run import run_worker
+        from odb.bench.training_run import run_worker
 
         result = run_worker(rank, world, params)
         if world > 1:

@@ -31,8 +31,8 @@ import torch
 
 import odb
 
-from .text_data import VOCAB, TextSamples, describe, workload_lengths
-from .training_arms import ARMS, ATTENTION, ODB_ARMS, arm_settings, build_loader, fixed_batch_size, trl_rows
+from odb.bench.text_data import VOCAB, TextSamples, describe, workload_lengths
+from odb.bench.training_arms import ARMS, ATTENTION, ODB_ARMS, arm_settings, build_loader, fixed_batch_size, trl_rows
 
 # use_cache=False: no KV cache in training (with one, transformers would not build a packed row's mask).
 MODELS: Dict[str, Dict[str, Any]] = {
@@ -305,7 +305,7 @@ def run_worker(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, Any]:
     if params.get("workloads"):
         out["workloads"] = run_throughput(rank, world, params)
     if params.get("convergence"):
-        from .convergence import run_convergence
+        from odb.bench.convergence import run_convergence
 
         out["convergence"] = run_convergence(rank, world, {**params, **params["convergence"]})
     return out

@@ -41,11 +41,11 @@ from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 
-from ..loader import ODBLoaderMixin
-from ..loss import scale_loss as exact_scale
-from ..step_info import ODBStepInfo, attach_step_info, pop_step_info
-from .checks import check_accumulation, check_odb_loader, check_sharding
-from .states import gather_states, restore_rank_state
+from odb.loader.dataloader import ODBLoaderMixin
+from odb.train.loss import scale_loss as exact_scale
+from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
+from odb.integrations.checks import check_accumulation, check_odb_loader, check_sharding
+from odb.integrations.states import gather_states, restore_rank_state
 
 __all__ = ["ODBAcceleratedLoader", "configure_accelerator", "scale_loss", "skip_first_batches"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from ..loader import ODBLoaderMixin
+from odb.loader.dataloader import ODBLoaderMixin
 
 
 def check_odb_loader(loader: Any, who: str) -> ODBLoaderMixin:

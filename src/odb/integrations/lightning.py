@@ -50,12 +50,12 @@ try:  # the unified package first; the standalone pytorch_lightning package othe
 except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl
 
-from ..dist import world
-from ..loader import ODBLoaderMixin
-from ..loss import scale_loss as exact_scale
-from ..step_info import ODBStepInfo, StepInfoNotPoppedWarning, pop_step_info
-from .checks import check_accumulation, check_odb_loader, check_sharding
-from .states import gather_states, restore_rank_state, saved_elsewhere
+from odb.comm.dist import world
+from odb.loader.dataloader import ODBLoaderMixin
+from odb.train.loss import scale_loss as exact_scale
+from odb.step_info import ODBStepInfo, StepInfoNotPoppedWarning, pop_step_info
+from odb.integrations.checks import check_accumulation, check_odb_loader, check_sharding
+from odb.integrations.states import gather_states, restore_rank_state, saved_elsewhere
 
 __all__ = ["ODBCallback", "ODBLightningLoader", "scale_loss"]
 _END = object()

@@ -56,11 +56,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 from torch.utils.data import DataLoader
 
-from ..apply import ODBHandle, apply
-from ..config import ODBConfig
-from ..cost import CostModel
-from ..loader import make_config
-from ..packed_collate import PackedCollate
+from odb.loader.apply import ODBHandle, apply
+from odb.config import ODBConfig
+from odb.plan.cost import CostModel
+from odb.loader.dataloader import make_config
+from odb.packed.collate import PackedCollate
 
 __all__ = ["enable_odb", "import_llamafactory", "run_exp"]
 
@@ -300,7 +300,7 @@ def _transformers5_args(parsed: Any) -> Any:
 # ---- the trainer ------------------------------------------------------------------------
 def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config: Optional[ODBConfig],
                     lengths: Optional[Sequence[int]], options: Dict[str, Any]) -> Any:
-    from . import hf
+    from odb.integrations import hf
 
     attention = options.pop("packed_attention", "odb_varlen")
     args = getattr(trainer, "args", None)
@@ -439,12 +439,12 @@ def _check_not_prepacked(dataset: Any) -> None:
 
 
 def _prepare_packed_model(model: Any, attention: str) -> None:
-    """Ready the model for neat_packing's packed rows (``odb.packed_models.prepare_packed_model``: an sdpa/eager
+    """Ready the model for neat_packing's packed rows (``odb.packed.models.prepare_packed_model``: an sdpa/eager
     model is switched to ``odb_varlen`` unless ``attention="model"``), or refuse a model whose packed samples see
     each other."""
     if model is None:
         return
-    from ..packed_models import PackedLayoutError, prepare_packed_model
+    from odb.packed.models import PackedLayoutError, prepare_packed_model
 
     try:
         prepare_packed_model(model, attention=attention)

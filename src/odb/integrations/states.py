@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..dist import RankExchange, world
-from ..loader import ODBLoaderMixin
+from odb.comm.dist import RankExchange, world
+from odb.loader.dataloader import ODBLoaderMixin
 
 
 _previous: Optional[RankExchange] = None  # the last gather's exchange, released by the next (or at exit)

@@ -42,7 +42,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from ..config import ODBConfig
+from odb.config import ODBConfig
 
 __all__ = ["SFTLossTokens", "enable_odb", "sft_options"]
 
@@ -183,7 +183,7 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
     if sft is None or not isinstance(trainer, sft.SFTTrainer):
         raise TypeError(f"odb.integrations.trl.enable_odb got {type(trainer).__name__}, not a trl.SFTTrainer. Fix: "
                         f"pass the SFTTrainer instance, or use odb.integrations.hf.enable_odb for other Trainers.")
-    from .hf import enable_odb as enable
+    from odb.integrations.hf.trainer import enable_odb as enable
 
     return enable(trainer, token_budget, config=config, lengths=lengths, packed_attention=packed_attention,
                   **odb_options)

@@ -1,0 +1,111 @@
+"""The samples an epoch holds between reading and emitting, with what odb measured of them.
+
+A sample is known by its position in the epoch's order (unique even when the sampler
+repeats a dataset index); its dataset index rides along for the step info.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from odb.plan.cost import CostModel
+from odb.data.source import Meta
+
+
+class SamplePool:
+    """Samples by position (window, carry, planned steps) with their metas and dataset indices.
+
+    Example:
+        >>> pool = SamplePool()
+        >>> pool.add(7, "s", ((5,), 4, 0), index=3)
+        >>> pool.lengths([7]).tolist(), pool.loss_tokens([7]), pool.indices([7])
+        ([[5]], 4, [3])
+    """
+
+    def __init__(self) -> None:
+        self._samples: Dict[int, Any] = {}
+        self._meta: Dict[int, Meta] = {}
+        self._index: Dict[int, int] = {}
+        self.tokens = 0  # real tokens of the samples held
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __contains__(self, sid: int) -> bool:
+        return sid in self._meta
+
+    def add(self, sid: int, sample: Any, meta: Meta, index: int) -> None:
+        """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
+        if sid in self._meta:  # positions are unique by construction: this is odb's own bug
+            raise RuntimeError(f"odb internal error: position {sid} of the epoch's order (dataset index {index}) "
+                               f"was read twice. Fix: report it with the sampler and dataset used.")
+        self._samples[sid] = sample
+        self._meta[sid] = meta
+        self._index[sid] = index
+        self.tokens += sum(meta[0])
+
+    def meta(self, sid: int) -> Meta:
+        return self._meta[sid]
+
+    def indices(self, ids: Iterable[int]) -> List[int]:
+        """Dataset indices of the samples at these positions."""
+        return [self._index[int(i)] for i in ids]
+
+    def dims(self) -> int:
+        meta = next(iter(self._meta.values()), None)
+        return len(meta[0]) if meta else 1
+
+    def lengths(self, ids: Iterable[int]) -> np.ndarray:
+        rows = [self._meta[int(i)][0] for i in ids]
+        return np.array(rows, dtype=np.int64).reshape(len(rows), -1) if rows else \
+            np.empty((0, self.dims()), dtype=np.int64)
+
+    def patches(self, ids: Iterable[int]) -> np.ndarray:
+        return np.array([self._meta[int(i)][2] for i in ids], dtype=np.int64)
+
+    def loss_tokens(self, ids: Iterable[int]) -> int:
+        return sum(self._meta[int(i)][1] for i in ids)
+
+    def real_tokens(self, ids: Iterable[int]) -> int:
+        return sum(sum(self._meta[int(i)][0]) for i in ids)
+
+    def cost(self, ids: np.ndarray, cost: CostModel) -> int:
+        """B x L of a group (summed over length dimensions); in the packed layout, its row's cost."""
+        return cost.group_cost(self.lengths(ids))
+
+    def longest(self, ids: np.ndarray) -> int:
+        return max(sum(self._meta[int(i)][0]) for i in ids)
+
+    @staticmethod
+    def first_position(ids: np.ndarray) -> int:
+        return int(min(ids))
+
+    def pop(self, ids: Iterable[int]) -> Tuple[List[Any], List[Meta]]:
+        """Remove a group that is being emitted: its samples and metas."""
+        samples, metas = [], []
+        for i in ids:
+            i = int(i)
+            samples.append(self._samples.pop(i))
+            meta = self._meta.pop(i)
+            self._index.pop(i)
+            self.tokens -= sum(meta[0])
+            metas.append(meta)
+        return samples, metas
+
+    def forget(self, ids: Iterable[int]) -> None:
+        """Drop samples that will never be emitted (skipped or dropped)."""
+        for i in ids:
+            i = int(i)
+            if i in self._meta:
+                self.tokens -= sum(self._meta.pop(i)[0])
+                self._samples.pop(i)
+                self._index.pop(i)
+
+    def lowest(self) -> Optional[int]:
+        """The first position held (None when empty)."""
+        return min(self._meta) if self._meta else None
+
+    def sample(self, sid: int) -> Optional[Any]:
+        return self._samples.get(sid)

@@ -1,0 +1,379 @@
+"""One epoch of odb batching, as a chain of small stages.
+
+source (records a window ahead) -> window (pool + ramp) -> WindowPlanner (pure) ->
+RankAligner (one exchange per window) -> optimizer-step chunks -> collate -> finalize.
+
+``EpochRun`` produces ``(batch, Cursor)`` pairs; the loader runs it on a background
+thread (odb.epoch.pipeline). A Cursor says where the epoch stands once its batch has been
+consumed, cheaply: a reference to the state taken after the last planned window plus
+the number of steps emitted since (see odb.resume).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import threading
+import warnings
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
+
+import numpy as np
+
+from odb.plan.align import StepPlan
+from odb.plan.buckets import oversize_message
+from odb.config import ODBConfig
+from odb.epoch.pool import SamplePool
+from odb.epoch.ranks import RankAligner, Step
+from odb.resume.state import Cursor, epoch_state, restore_epoch
+from odb.plan.schedule import budget_at
+from odb.data.source import SampleSource
+from odb.epoch.stats import EpochStats
+from odb.step_info import ODBStepInfo, attach_step_info
+from odb.plan.window import WindowPlanner, window_limits
+
+ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
+
+
+class LazyBatch:
+    """A planned batch whose collate runs once, on the first thread that asks for it.
+
+    The batch thread collates every batch right after queuing it; when it falls behind
+    (a training step that holds the GIL makes it wait for the GIL at every torch call),
+    the training thread collates the batch it needs itself instead of waiting for those
+    hand-offs. One lock per epoch: the user's collate_fn never runs on two threads at once.
+
+    Example:
+        >>> import threading
+        >>> b = LazyBatch([1, 2], None, lambda samples, info: sum(samples), threading.Lock())
+        >>> b.get(), b.get()
+        (3, 3)
+    """
+
+    __slots__ = ("_samples", "_info", "_finish", "_lock", "_batch", "_error")
+
+    def __init__(self, samples: List[Any], info: Any, finish: Callable[[List[Any], Any], Any],
+                 lock: Any) -> None:
+        self._samples: Optional[List[Any]] = samples
+        self._info, self._finish, self._lock = info, finish, lock
+        self._batch: Any = None
+        self._error: Optional[BaseException] = None
+
+    def get(self) -> Any:
+        """The collated batch (collated now, on this thread, unless it already is)."""
+        with self._lock:
+            if self._samples is not None:
+                samples, self._samples = self._samples, None
+                try:
+                    self._batch = self._finish(samples, self._info)
+                except BaseException as err:  # raised to every thread that asks
+                    self._error = err
+            if self._error is not None:
+                raise self._error
+            return self._batch
+
+
+def made(item: Any) -> Any:
+    """``(batch, cursor)`` with a LazyBatch collated (odb.epoch.pipeline's ``make``)."""
+    batch, cursor = item
+    return (batch.get(), cursor) if type(batch) is LazyBatch else item
+
+
+class EpochRun:
+    """Iterates ``(batch, cursor)`` of one epoch. Built by the loader; not public API."""
+
+    def __init__(self, cfg: ODBConfig, source: SampleSource, collate_fn: Callable[[List[Any]], Any],
+                 *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, exchange: Any = None,
+                 finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None,
+                 notices: Optional[Set[str]] = None) -> None:
+        self.cfg = cfg
+        self.notices = notices if notices is not None else set()  # warnings given once per loader, not per epoch
+        self.total = total  # samples this epoch brings (None: unknown, e.g. an IterableDataset)
+        self.source = source
+        self._collate = collate_fn
+        self._finalize = finalize
+        self.epoch, self.seed, self.shuffle, self.drop_last = epoch, seed, shuffle, drop_last
+        exchange = exchange if exchange is not None and exchange.world_size > 1 else None
+        self.rank = exchange.rank if exchange is not None else 0
+        self.world_size = exchange.world_size if exchange is not None else 1
+        self.stats = EpochStats()
+        self.pool = SamplePool()
+        self.planner = WindowPlanner(cfg)
+        self.aligner = RankAligner(exchange, self.planner, self.pool, self.stats, epoch=epoch, seed=seed,
+                                   shuffle=shuffle)
+        self.arrived = 0  # samples taken from the source into windows
+        self.window_index = 0
+        self.planned_final = False
+        # Steps planned but not emitted yet, and the optimizer step being emitted.
+        self.pending: Deque[Step] = collections.deque()
+        self.chunk: List[Step] = []
+        self.chunk_pos = 0
+        self.ghost: Optional[Tuple[int, Any, Any, int]] = None  # (position, sample copy, meta, dataset index)
+        # Resume bookkeeping (odb.resume): re-partitions of this epoch's order across ranks, and the
+        # resume points of an IterableDataset with its own state (odb.data.stream_state), when it has one.
+        self.layers: List[Dict[str, Any]] = []
+        self.stream_marks: Any = None
+        self.step = 0
+        self.snapshot: Dict[str, Any] = {}  # epoch_state after the last planned window
+        self._since = 0
+        # Batches left to collate (LazyBatch) by whichever thread needs them first (odb.epoch.pipeline).
+        self.lazy = False
+        self._collate_lock = threading.Lock()
+
+    @property
+    def finished(self) -> bool:
+        """Every step of the epoch has been produced."""
+        return self.aligner.all_done and not self.pending and self.chunk_pos >= len(self.chunk)
+
+    def close(self) -> None:
+        self.source.close()
+
+    # ---- resume ----------------------------------------------------------------------
+    def take_snapshot(self) -> None:
+        if self.stream_marks is not None:
+            self._keep_ghost_recent()
+        self.snapshot, self._since = epoch_state(self), 0
+
+    def _keep_ghost_recent(self) -> None:
+        """A stream resumes from before the first sample its state holds, the ghost's included: keep the
+        ghost a copy of a held sample, so the stream's replay stays about a window long."""
+        low = self.pool.lowest()
+        if self.ghost is not None and low is not None and self.ghost[0] < low:
+            self.ghost = (low, copy.deepcopy(self.pool.sample(low)), self.pool.meta(low), self.pool.indices([low])[0])
+
+    def restore(self, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
+        """Continue from a saved state; ``samples`` maps every retained position to (index, sample, meta)."""
+        restore_epoch(self, state, samples)
+        self.aligner.unconfirmed = len(self.pending) + len(self.chunk) - self.chunk_pos  # made and confirmed later
+        # The saved ghost stays: moving it here (take_snapshot) would pick another sample than the interrupted
+        # run, whose next move comes with its next window, as the resumed run's does.
+        self.snapshot, self._since = epoch_state(self), 0
+
+    def register(self, sid: int, index: int, sample: Any, meta: Any) -> None:
+        """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
+        self.pool.add(sid, sample, meta, index)
+        if self.ghost is None and not self.aligner.local_only:
+            # A copy: the user's collate_fn may change the real sample when it is emitted.
+            self.ghost = (sid, copy.deepcopy(sample), meta, index)
+
+    # ---- window and plan -----------------------------------------------------------
+    def set_token_budget(self, budget: Any) -> None:
+        """Plan the next windows under ``budget`` (steps already planned keep theirs)."""
+        if budget != self.cfg.token_budget:
+            self.cfg = self.cfg.replace(token_budget=budget)
+            self.planner.set_config(self.cfg)
+
+    def _follow_schedule(self) -> None:
+        schedule = self.cfg.budget_schedule
+        if schedule is not None:
+            planned = self.step + len(self.chunk) - self.chunk_pos + len(self.pending)
+            self.set_token_budget(budget_at(schedule, planned // self.cfg.gradient_accumulation_steps))
+
+    def _remaining(self) -> Optional[int]:
+        return None if self.total is None else max(self.total - self.arrived, 0)
+
+    def _read_window(self) -> Tuple[List[int], bool]:
+        records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining(),
+                                                          len(self.planner.carried_ids)))
+        ids = []
+        for sid, index, sample, meta in records:
+            self.register(int(sid), int(index), sample, meta)
+            self.arrived += 1
+            ids.append(int(sid))
+        return ids, ended
+
+    def _plan_next_window(self) -> List[Step]:
+        self._follow_schedule()
+        groups: List[np.ndarray] = []
+        if not self.planned_final:
+            ids, final = self._read_window()
+            groups = self._plan(ids, final)
+            self.planned_final = final
+        elif len(self.planner.carried_ids):  # groups deferred by the alignment after the data ended
+            groups = self._plan([], True)
+        self.window_index += 1
+        return self.aligner.align(groups, self.planned_final, self.window_index)
+
+    def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
+        cfg = self.cfg
+        patches = self.pool.patches(ids) if cfg.image_patches_key else None
+        lengths = self.pool.lengths(ids)
+        if self.stats.windows == 0 and self.rank == 0:
+            self._note_one_length(lengths)
+        # The probe's window emits all it holds: its longest samples must not wait in the carry for a fuller batch.
+        probe = cfg.probe_worst_case and self.stats.windows == 0
+        planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final or probe)
+        self.stats.windows += 1
+        groups = list(planned.groups)
+        for sid in planned.oversize.tolist():
+            groups.extend(self._oversize(sid))
+        if final and self.drop_last:
+            keep = [g for g in groups if self.aligner.cost(g) >= 0.5 * sum(cfg.token_budgets)]
+            kept = {id(g) for g in keep}
+            for g in groups:
+                if id(g) not in kept:
+                    self.stats.dropped_samples += len(g)
+                    self.pool.forget(g)
+            groups = keep
+        return self._order(groups)
+
+    def _note_one_length(self, lengths: np.ndarray) -> None:
+        """Warn (once per loader) when every sample of the epoch's first window has one length: the batches
+        are then a fixed batch size's, and odb has nothing to group (e.g. run_clm.py's block_size chunks)."""
+        if "one_length" in self.notices or len(lengths) < ONE_LENGTH_MIN or (lengths != lengths[0]).any():
+            return
+        self.notices.add("one_length")
+        cost = self.planner.cost
+        fit = int(cost.copies_that_fit_unrounded(cost.pad(lengths[:1]))[0])
+        length = int(lengths[0, 0]) if lengths.shape[1] == 1 else tuple(int(v) for v in lengths[0])
+        what = "rows of" if self.cfg.layout == "packed" else "batches of"
+        warnings.warn(f"odb: all {len(lengths)} samples of the epoch's first window have length {length}, so odb "
+                      f"builds fixed {what} {fit} samples (token_budget={self.cfg.token_budget}), as a fixed batch "
+                      f"size would: there is nothing to group by length, and no padding to save. Samples cut to one "
+                      f"length (e.g. group_texts / block_size chunks of concatenated texts) leave odb nothing to "
+                      f"gain. Fix: tokenize without concatenating (one sample per text, truncated to a max_length), "
+                      f"so odb groups samples of different lengths; layout='packed' then also fills every row "
+                      f"without padding (docs/packing.md).", UserWarning, stacklevel=2)
+
+    def _oversize(self, sid: int) -> List[np.ndarray]:
+        lengths, _, patches = self.pool.meta(sid)
+        policy, cfg = self.cfg.oversize, self.cfg
+        if policy == "error":
+            if cfg.shape_buckets is not None:  # the rule is the buckets', not the budget alone
+                raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
+                                                  max(lengths), cfg.shape_buckets, cfg.token_budget))
+            raise ValueError(
+                f"sample {sid} has length {lengths if len(lengths) > 1 else lengths[0]}"
+                f"{f' and {patches} image patches' if cfg.image_patches_key else ''}, so alone it "
+                f"exceeds token_budget={cfg.token_budget}"
+                f"{f' / max_image_patches={cfg.max_image_patches}' if cfg.image_patches_key else ''}. "
+                f"Rule: oversize='error' refuses such samples. Fix: raise token_budget, truncate samples "
+                f"(e.g. tokenizer max_length), or pass oversize='alone' (own batch) or 'skip'.")
+        if policy == "alone":
+            self.stats.oversize_alone += 1
+            return [np.array([sid], dtype=np.int64)]
+        self.stats.oversize_skipped += 1
+        self.pool.forget([sid])
+        return []
+
+    def _order(self, groups: List[np.ndarray]) -> List[np.ndarray]:
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.epoch, self.stats.windows])
+            groups = [groups[k] for k in rng.permutation(len(groups))]
+        else:
+            groups = sorted(groups, key=self.pool.first_position)
+        if self.cfg.probe_worst_case and self.stats.windows == 1 and groups:
+            worst = max(range(len(groups)), key=lambda k: (self.pool.longest(groups[k]),
+                                                           self.aligner.cost(groups[k])))
+            groups.insert(0, groups.pop(worst))
+        return groups
+
+    # ---- emitting ------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Tuple[Any, Cursor]]:
+        k = self.cfg.gradient_accumulation_steps
+        held: List[Tuple[Any, Cursor]] = []  # batches made, not yet confirmed by every rank
+        while True:
+            if self.chunk_pos >= len(self.chunk):
+                yield from self._confirmed(held)  # before planning: the next exchange may be a header
+                planned = False
+                while len(self.pending) < k and not self.aligner.all_done:
+                    self.pending.extend(self._plan_next_window())
+                    planned = True
+                if planned:
+                    self.take_snapshot()
+                if not self.pending:
+                    break
+                self.chunk = [self.pending.popleft() for _ in range(min(k, len(self.pending)))]
+                self.chunk_pos = 0
+            j = self.chunk_pos
+            self.chunk_pos += 1
+            plan, ids = self.chunk[j]
+            batch = self._make_batch(plan, ids, [p for p, _ in self.chunk], j)
+            self._since += 1
+            held.append((batch, Cursor(self.snapshot, self._since, dataclasses.replace(self.stats))))
+            if len(held) >= self.aligner.confirm_every:
+                yield from self._confirmed(held)
+        yield from self._confirmed(held)
+        self._warn_at_end()
+
+    def _confirmed(self, held: List[Tuple[Any, Cursor]]) -> Iterator[Tuple[Any, Cursor]]:
+        """The held batches, once every rank has made its own (one exchange for them all); empties ``held``."""
+        if held:
+            first, last = self.step - len(held), self.step - 1
+            steps = f"{first}-{last}" if last > first else f"{first}"
+            self.aligner.confirm(len(held), f"epoch {self.epoch}, step {steps}")
+            out, held[:] = list(held), []
+            yield from out
+
+    def _warn_at_end(self) -> None:
+        fill = self.stats.padded_tokens / max(self.stats.steps * sum(self.cfg.token_budgets), 1)
+        if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5:
+            warnings.warn(f"odb rank {self.rank}: batches filled only {fill:.0%} of token_budget on "
+                          f"average in epoch {self.epoch} (split groups: {self.stats.split_groups}, ghost steps: "
+                          f"{self.stats.ghost_steps}): this rank's shard holds far fewer tokens than others'. "
+                          f"Fix: shuffle samples across ranks (DistributedSampler(shuffle=True)) or balance "
+                          f"shards by tokens.", stacklevel=3)
+        if self.stats.oversize_skipped:
+            warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
+                          f"{self.cfg.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=3)
+
+    def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], chunk: List[StepPlan], j: int) -> Any:
+        ghost = plan.group is None
+        if ghost:
+            if self.ghost is None:
+                raise RuntimeError("odb must emit a ghost batch on a rank that received no sample this epoch. "
+                                   "Fix: give every rank at least one sample (shard the data so no rank is empty).")
+            ids = np.array([self.ghost[0]])
+            samples, metas = [self.ghost[1]], [self.ghost[2]]
+            indices: List[int] = []
+        else:
+            ids = group
+            indices = self.pool.indices(ids)  # what users see: dataset indices, not positions
+            samples, metas = self.pool.pop(ids)
+        lengths = np.array([m[0] for m in metas], dtype=np.int64)
+        real = int(lengths.sum())
+        padded = self.planner.cost.group_tokens(lengths)
+        local_loss = 0 if ghost else plan.local_loss_tokens
+        info = ODBStepInfo(
+            step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
+            all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,
+            global_loss_tokens=sum(p.global_loss_tokens for p in chunk), real_tokens=0 if ghost else real,
+            padded_tokens=padded, loss_scale=0.0 if ghost else self._scale(plan, chunk),
+            is_ghost=ghost, world_size=self.world_size, micro_step=j, micro_steps=len(chunk),
+            sample_ids=tuple(indices), buffered_samples=len(self.pool),
+            rank_imbalance=plan.imbalance)
+        self.step += 1
+        st = self.stats
+        st.steps += 1
+        st.buffered_max = max(st.buffered_max, len(self.pool))
+        st.buffered_tokens_max = max(st.buffered_tokens_max, self.pool.tokens)
+        st.buffered_sum += len(self.pool)
+        st.imbalance_sum += plan.imbalance
+        st.imbalance_max = max(st.imbalance_max, plan.imbalance)
+        st.ghost_steps += ghost
+        st.samples += info.local_samples
+        st.real_tokens += info.real_tokens
+        st.padded_tokens += padded
+        st.loss_tokens += local_loss
+        if self.lazy:
+            return LazyBatch(samples, info, self._finish, self._collate_lock)
+        return self._finish(samples, info)
+
+    def _finish(self, samples: List[Any], info: ODBStepInfo) -> Any:
+        batch = self._collate(samples)
+        if self._finalize is not None:
+            batch = self._finalize(batch)
+        return attach_step_info(batch, info, self.cfg.step_info_key)
+
+    def _scale(self, plan: StepPlan, chunk: List[StepPlan]) -> float:
+        mode, w = self.cfg.loss_scaling, self.world_size
+        if mode == "none":
+            return 1.0
+        if mode == "sample":
+            total = sum(p.global_samples for p in chunk)
+            return w * plan.local_samples / total if total else 0.0
+        if mode == "approx":
+            local_total = sum(p.local_loss_tokens for p in chunk)
+            return plan.local_loss_tokens / local_total if local_total else 0.0
+        total = sum(p.global_loss_tokens for p in chunk)
+        return w * plan.local_loss_tokens / total if total else 0.0

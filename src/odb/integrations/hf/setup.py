@@ -1,0 +1,255 @@
+"""Setup pieces of the HF Trainer integration: odb's per-trainer state, the progress callback,
+the checks of TrainingArguments and of the Trainer's loop API, and configure_trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import sys
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import transformers
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from odb.config import ODBConfig
+from odb.loader.dataloader import ODBDataLoader
+from odb.step_info import ODBStepInfo
+from odb.integrations.hf.progress import SampleProgress, WindowMetrics
+
+_GROUPING = ("group_by_length", "batch_rebalance")
+# The Trainer methods whose 5.x behaviour this module builds on (checked when odb is enabled).
+_LOOP_API = {"_run_epoch": {"epoch", "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch",
+                            "steps_trained_in_current_epoch"},
+             "_init_training_state": {"resume_from_checkpoint"}, "get_batch_samples": {"epoch_iterator"},
+             "set_initial_training_values": {"dataloader"}, "_save_checkpoint": {"trial"},
+             "_load_rng_state": {"checkpoint"}}
+# transformers 5.3.0-5.5.3 also hand gradient_accumulation_steps to the Accelerator, so every micro-batch's loss
+# is divided by it twice (fixed in 5.5.4): the gradient would not be odb's exact token mean.
+MIN_TRANSFORMERS = "5.5.4"
+
+
+class ODBRun:
+    """odb's state inside one Trainer (one attribute, so the Trainer's namespace stays clean)."""
+
+    def __init__(self, cfg: ODBConfig, lengths: Optional[Sequence[int]], shift: bool) -> None:
+        self.cfg, self.lengths, self.shift = cfg, lengths, shift
+        self.loader: Optional[ODBDataLoader] = None
+        self.progress = SampleProgress(None, 1)
+        self.window = WindowMetrics()
+        self.infos: Dict[int, ODBStepInfo] = {}  # id(micro-batch) -> its info, for the current step
+        self.step_infos: Tuple[ODBStepInfo, ...] = ()
+        self.active: Optional[ODBStepInfo] = None
+        self.resume = False  # the next epoch continues from a loaded loader state
+        # The checkpoint whose RNG states the resumed epoch restores once its iterator is built (see
+        # ODBTrainerMixin.get_batch_samples); None when there is nothing to restore.
+        self.rng_checkpoint: Optional[str] = None
+        self.first_pull = False  # the next get_batch_samples is the first of a resumed epoch
+        self.empty_resume = False  # ...and found nothing left (the state was saved after its last step)
+        self.exhausted = False
+        # The collator's supervised tokens exist only once it has run (masked LM, left padding): counted then.
+        self.count_after_collate = False
+        self.collator_name = ""
+        self.banner: Optional["BannerLines"] = None  # rewrites the Trainer's train-start banner (log_batching)
+
+
+class ProgressCallback(TrainerCallback):
+    """Sets ``state.epoch`` and ``state.max_steps`` from the samples seen (runs before the Trainer's own
+    flow callback, which stops training once ``global_step`` reaches ``max_steps``)."""
+
+    def __init__(self, run: ODBRun) -> None:
+        self.run = run
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run.banner is not None:  # the banner has been logged
+            self.run.banner.finish()
+            self.run.banner = None
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        progress = self.run.progress
+        state.epoch = progress.epochs_done
+        if progress.target_epochs:
+            state.max_steps = state.global_step if progress.reached() else \
+                state.global_step + progress.steps_left_estimate()
+
+    def on_epoch_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        run = self.run
+        if run.exhausted:
+            run.progress.end_epoch()
+            state.epoch = run.progress.epochs_done
+        if run.empty_resume and not run.progress.reached():
+            control.should_training_stop = False  # the Trainer stops after an epoch without batches
+        run.empty_resume = False
+
+
+def configure_trainer(args: TrainingArguments, **changes: Any) -> TrainingArguments:
+    """A copy of ``args`` set up for odb training, with ``changes`` applied on top.
+
+    odb decides each batch's size from the token budget, so the copy has
+    ``per_device_train_batch_size=1`` (the Trainer's logged batch sizes then count
+    micro-batches), ``auto_find_batch_size=False`` (lower ``token_budget`` instead) and
+    ``train_sampling_strategy="random"`` in place of the length-grouping strategies that
+    odb replaces, and ``dataloader_in_order=True`` (odb reads samples in sampler order).
+    ``enable_odb`` refuses those settings rather than changing them.
+
+    Example:
+        >>> args = configure_trainer(TrainingArguments("out", per_device_train_batch_size=8),
+        ...                          num_train_epochs=2)               # doctest: +SKIP
+        >>> args.per_device_train_batch_size                          # doctest: +SKIP
+        1
+    """
+    fixed: Dict[str, Any] = {"per_device_train_batch_size": 1, "auto_find_batch_size": False}
+    if getattr(args, "train_sampling_strategy", None) in _GROUPING:
+        fixed["train_sampling_strategy"] = "random"
+    if getattr(args, "dataloader_in_order", True) is False:
+        fixed["dataloader_in_order"] = True
+    fixed.update(changes)
+    return dataclasses.replace(args, **fixed)
+
+
+def loss_shifts_labels(trainer: Trainer) -> bool:
+    """Whether the model's loss drops each row's first label (causal LM), as the Trainer decides it."""
+    known = getattr(trainer, "_loss_shifts_labels", None)  # transformers >= 5.2x computes it
+    if known is not None:
+        return bool(known)
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    model = trainer.model  # a PEFT wrapper forwards these attributes to the model it wraps
+    causal = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+    return causal and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+
+
+def check_args(trainer: Trainer) -> None:
+    args = trainer.args
+    problems = []
+    if getattr(args, "train_sampling_strategy", None) in _GROUPING:
+        problems.append(f"train_sampling_strategy={args.train_sampling_strategy!r} groups samples by length, "
+                        f"which odb does itself (fix: 'random' or 'sequential')")
+    if getattr(args, "dataloader_in_order", True) is False:
+        problems.append("dataloader_in_order=False lets workers hand over samples as they finish, so odb's batches "
+                        "would depend on worker timing and a resumed run would skip or repeat samples (fix: True; "
+                        "odb's reader thread already keeps the workers a window ahead)")
+    if args.auto_find_batch_size:
+        problems.append("auto_find_batch_size=True shrinks a batch size odb does not use (fix: False, and "
+                        "lower token_budget on out-of-memory)")
+    if args.n_gpu > 1:
+        problems.append(f"this process drives n_gpu={args.n_gpu} GPUs through torch.nn.DataParallel, which splits "
+                        f"odb's batches (fix: one process per GPU, e.g. torchrun --nproc_per_node={args.n_gpu})")
+    sizes = {"tensor": trainer.get_tp_size(), "context": trainer.get_cp_size(), "sequence": trainer.get_sp_size()}
+    problems += [f"{kind} parallelism of size {size} gives ranks the same batch, while odb gives every rank its "
+                 f"own (fix: data parallelism only: DDP, FSDP or DeepSpeed ZeRO)" for kind, size in sizes.items()
+                 if size > 1]
+    if problems:
+        raise ValueError("odb cannot train with these TrainingArguments: " + "; ".join(problems) +
+                         ". odb.integrations.hf.configure_trainer(args) returns a copy without the batch-size "
+                         "settings.")
+
+
+def check_loop_api() -> None:
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(
+            f"odb.integrations.hf needs transformers>={MIN_TRANSFORMERS}: transformers {transformers.__version__} "
+            f"divides the loss by gradient_accumulation_steps twice (in its Trainer and in its Accelerator), so "
+            f"the gradient would not be odb's exact token mean. Fix: install transformers>={MIN_TRANSFORMERS} "
+            f"(make test-min tests 5.18, make test 5.23), or use odb.ODBDataLoader in your own training loop.")
+    for name, needed in _LOOP_API.items():
+        method = getattr(Trainer, name, None)
+        params = sorted(inspect.signature(method).parameters) if method is not None else []
+        if not needed <= set(params):
+            found = f"{name}({', '.join(params)})" if method is not None else "no such method"
+            raise RuntimeError(
+                f"odb.integrations.hf needs Trainer.{name}({', '.join(sorted(needed))}) of the transformers 5 "
+                f"training loop; transformers {transformers.__version__} has {found}. Fix: install "
+                f"transformers>={MIN_TRANSFORMERS} (make test-min tests 5.18, make test 5.23), or use "
+                f"odb.ODBDataLoader in your own training loop.")
+
+
+def prepare_packed_rows(trainer: Trainer, attention: str) -> None:
+    """Ready the model for odb's packed rows (``odb.packed.models.prepare_packed_model``: an sdpa/eager
+    model switches to odb_varlen); a model whose packed samples see each other is refused with the fix
+    for the collator that makes the rows."""
+    from odb.packed.collate import PackedCollate
+    from odb.packed.models import PackedLayoutError, prepare_packed_model
+
+    model = trainer.model
+    if model is None:
+        return
+    collator = trainer.data_collator
+    name = type(collator).__name__
+    collate = None
+    if getattr(collator, "padding_free", False):
+        what = "SFTConfig(padding_free=True)"
+        fix = ("With TRL: set padding_free=False (odb then pads each batch to its longest sample), or load the model "
+               "with an attn_implementation that isolates packed samples.")
+    elif name == "DataCollatorWithFlattening":
+        what = name
+        collate = PackedCollate(use_cache=None)  # it passes no use_cache: the model's config decides
+        fix = ("With the Trainer: collate with DataCollatorForLanguageModeling(mlm=False) or DataCollatorForSeq2Seq "
+               "(odb then pads each batch to its longest sample).")
+    else:
+        what, fix = "layout='packed'", "Or use layout='padded'."
+    try:
+        prepare_packed_model(model, collate, attention=attention)
+    except PackedLayoutError as err:
+        raise PackedLayoutError(f"{what} trains on packed rows, and {err} {fix}") from None
+
+
+BANNER_BATCH = "Instantaneous batch size per device"
+BANNER_TOTAL = "Total train batch size"
+BANNER_EPOCHS = f"Num Epochs = {sys.maxsize:,}"  # what the banner prints for the epochs odb leaves open under max_steps
+
+
+class BannerLines(logging.Filter):
+    """Rewrites the batch-size lines of the Trainer's train-start banner (logger ``transformers.trainer``),
+    which print the unused ``per_device_train_batch_size``: odb sizes each batch by the token budget.
+
+    Installed by ``log_batching`` right before the banner and removed by ``ProgressCallback.on_train_begin``
+    right after it; a banner worded otherwise (another transformers) leaves the lines as they are, and
+    ``finish`` then logs odb's line under the banner instead."""
+
+    def __init__(self, cfg: ODBConfig, per_device: int, mean_per_step: Optional[int],
+                 max_steps: Optional[int] = None) -> None:
+        super().__init__("odb-banner")
+        cost = "the sum of its samples' lengths: one packed row" if cfg.layout == "packed" else \
+            "its samples x its longest sample, padded"
+        how = (f"as many samples as fit token_budget={cfg.token_budget} tokens per process (a batch costs {cost}), "
+               f"so the batch size varies from step to step; per_device_train_batch_size={per_device} is not used "
+               f"(the logs' odb_mean_batch_size is the real one)")
+        self.batch_line = f"  {BANNER_BATCH} = set by odb: {how}"
+        self.fallback_line = f"  odb: each batch holds {how}"
+        self.total_line = None if mean_per_step is None else \
+            (f"  {BANNER_TOTAL} (w. parallel, distributed & accumulation) = about {mean_per_step:,} samples per "
+             f"optimizer step on average (odb: it varies)")
+        self.epochs_line = None if max_steps is None else f"  Num Epochs = as many as max_steps={max_steps:,} takes"
+        self.rewritten = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage().strip()
+        if text.startswith(BANNER_BATCH):
+            record.msg, record.args, self.rewritten = self.batch_line, (), True
+        elif text.startswith(BANNER_TOTAL) and self.total_line is not None:
+            record.msg, record.args = self.total_line, ()
+        elif text == BANNER_EPOCHS and self.epochs_line is not None:
+            record.msg, record.args = self.epochs_line, ()
+        return True
+
+    def finish(self) -> None:
+        """Stop rewriting; log odb's line if the banner had no line to rewrite."""
+        from transformers.trainer import logger
+
+        logger.removeFilter(self)
+        if not self.rewritten:
+            logger.info(self.fallback_line)
+            self.rewritten = True
+
+
+def log_batching(run: ODBRun, per_device: int, mean_per_step: Optional[int], max_steps: Optional[int]) -> None:
+    """Make the Trainer's banner, logged next, say how odb sizes the batches (see ``BannerLines``)."""
+    from transformers.trainer import logger
+
+    for old in [f for f in logger.filters if isinstance(f, BannerLines)]:  # a train() that stopped before its banner
+        logger.removeFilter(old)
+    run.banner = BannerLines(run.cfg, per_device, mean_per_step, max_steps)
+    logger.addFilter(run.banner)

@@ -1,0 +1,99 @@
+"""odb.apply: turn a DataLoader that a framework already built into an ODB loader, in place."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from torch.utils.data import BatchSampler, DataLoader, default_collate
+
+from odb.config import ODBConfig
+from odb.loader.dataloader import ODBLoaderMixin, check_inputs, draw_seed, group_collate_for, make_config, shuffles
+from odb.packed.collate import PackedCollate
+
+_SUBCLASSES: Dict[type, type] = {}
+
+
+def _odb_class(cls: type) -> type:
+    # One subclass per loader type, used only by loaders that odb.apply converted: the
+    # framework's own class (and every other loader of it) is never modified.
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(f"ODB{cls.__name__}", (ODBLoaderMixin, cls), {"__module__": __name__, "_odb_original": cls})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+class ODBHandle:
+    """What odb.apply returns: the converted loader and a way to undo the conversion.
+
+    Example:
+        >>> import torch, odb
+        >>> dl = torch.utils.data.DataLoader([{"input_ids": torch.ones(3)}] * 4, batch_size=1)
+        >>> handle = odb.apply(dl, token_budget=8, buffer_size=4)
+        >>> handle.loader is dl
+        True
+        >>> handle.remove(); type(dl).__name__
+        'DataLoader'
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    @property
+    def config(self) -> ODBConfig:
+        return self.loader.odb_config
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        return self.loader.odb_stats
+
+    def remove(self) -> None:
+        """Give the loader back its original class and behaviour."""
+        loader = self.loader
+        if isinstance(loader, ODBLoaderMixin) and hasattr(type(loader), "_odb_original"):
+            loader.__class__ = type(loader)._odb_original
+
+
+def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
+          shuffle: Optional[bool] = None, collate_fn: Optional[Callable] = None,
+          lengths: Optional[Sequence[int]] = None, process_group: Any = None, **options: Any) -> ODBHandle:
+    """Make ``loader`` (a DataLoader built with batch_size=1 or None) batch by token budget, in place.
+
+    Frameworks that hold a reference to the loader keep it; the loader's dataset,
+    sampler, workers and collate_fn are used as they are. ``shuffle`` (batch order
+    within windows) defaults to whether the sampler shuffles. With ``batch_size=None``
+    the loader's collate_fn is applied per sample in the workers and ``collate_fn``
+    (default: default_collate) collates each planned group. With ``layout="packed"``
+    and no collate of the user's, groups are collated by ``odb.PackedCollate``.
+
+    Example:
+        >>> import torch, odb
+        >>> dl = torch.utils.data.DataLoader([{"input_ids": torch.ones(3)}] * 4, batch_size=1)
+        >>> _ = odb.apply(dl, token_budget=8, buffer_size=4)
+        >>> [odb.pop_step_info(b).local_samples for b in dl]
+        [2, 2]
+    """
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"odb.apply got {type(loader).__name__}, not a torch DataLoader. "
+                        f"Fix: pass the DataLoader itself (or build odb.ODBDataLoader).")
+    if isinstance(loader, ODBLoaderMixin):
+        raise ValueError("odb.apply got a loader that is already an odb loader. "
+                         "Fix: apply once, or call handle.remove() first to reconfigure.")
+    if loader.batch_size not in (1, None) or (
+            loader.batch_size is None and not isinstance(loader.batch_sampler, (type(None),))) or (
+            loader.batch_size == 1 and type(loader.batch_sampler) is not BatchSampler):
+        raise ValueError(f"odb.apply got a loader with batch_size={loader.batch_size!r} and batch_sampler="
+                         f"{type(loader.batch_sampler).__name__}: odb needs single samples. "
+                         f"Fix: build the DataLoader with batch_size=1 (or None) and no batch_sampler.")
+    cfg = make_config(config, token_budget, options, "odb.loader.apply")
+    check_inputs(cfg, lengths, getattr(loader, "in_order", True))
+    if collate_fn is None and cfg.layout == "packed" and (loader.batch_size is None
+                                                          or loader.collate_fn is default_collate):
+        collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
+    group_collate, transform = group_collate_for(loader, collate_fn)
+    seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator, loader.sampler)
+    loader.__class__ = _odb_class(type(loader))
+    loader._odb_setup(cfg, shuffle=shuffles(loader) if shuffle is None else bool(shuffle), seed=seed,
+                      group_collate=group_collate, sample_transform=transform, own_sampler=None, lengths=lengths,
+                      process_group=process_group)
+    return ODBHandle(loader)

@@ -1,0 +1,130 @@
+"""Checks on the batches an odb loader hands to the training loop: mistakes that would train silently.
+
+Two, each reported once per loader as a warning with the fix:
+
+- a dict batch whose step info was never popped (``odb.step_info.UnpoppedCheck``): the
+  model swallowed it with ``**batch`` and the loss went unscaled;
+- the first batch's labels are a causal LM's (they repeat ``input_ids`` at every supervised
+  position) while odb counts every label (``ShiftCheck``): HF causal LMs shift labels inside
+  their loss, so each row's first label is not in the mean odb scales to.
+
+Both cost a dictionary lookup per batch; the label comparison runs on one batch only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+from odb.config import ODBConfig
+from odb.step_info import ODBStepInfo, UnpoppedCheck
+
+__all__ = ["BatchChecks", "ShiftCheck", "ShiftLabelsWarning"]
+
+
+class ShiftLabelsWarning(UserWarning):
+    """odb's supervised-token count and a causal LM's shifted loss disagree (see ``ShiftCheck``)."""
+
+
+class ShiftCheck:
+    """Looks at the first non-ghost dict batch with ``labels`` and ``input_ids`` tensors of one shape.
+
+    Labels equal to ``input_ids`` at every supervised position (at least two of them) are a
+    causal LM's unshifted labels: what ``DataCollatorForLanguageModeling(mlm=False)`` and most
+    SFT pipelines build, and what HF causal LMs shift inside their loss. Then:
+
+    - ``shift_labels`` left unset (None): odb counted every label, one token per row more
+      than the loss averages over. Warns: pass ``shift_labels=True`` (or ``False`` to keep
+      counting every label, for a model that does not shift).
+    - ``shift_labels=True`` and odb's count of the batch is still not the shifted count:
+      the samples carry no labels (the collator makes them), and odb counted every input
+      token. Warns: pass ``loss_tokens_fn``.
+
+    Nothing is checked with ``loss_tokens_fn`` (the user counts), packed rows (their collate
+    masks each sample's first label), or ``loss_scaling`` "sample"/"none" (no token counts).
+
+    Example:
+        >>> import torch, warnings
+        >>> ids = torch.tensor([[5, 6, 7, 8]])
+        >>> info = ODBStepInfo(0, 0, 1, 1, 4, 4, 4, 4, 1.0, False)
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     ShiftCheck.applies(ODBConfig(token_budget=8)).check({"input_ids": ids, "labels": ids}, info)
+        True
+        >>> "shift_labels=True" in str(seen[0].message)
+        True
+    """
+
+    def __init__(self, cfg: ODBConfig) -> None:
+        self.cfg = cfg
+
+    @classmethod
+    def applies(cls, cfg: ODBConfig) -> Optional["ShiftCheck"]:
+        """The check for a loader with these options, or None where odb's counts need no check."""
+        if cfg.shift_labels is False or cfg.loss_tokens_fn is not None or cfg.layout == "packed" \
+                or cfg.loss_scaling not in ("exact", "approx"):
+            return None
+        return cls(cfg)
+
+    def check(self, batch: Any, info: ODBStepInfo, stacklevel: int = 2) -> bool:
+        """Check ``batch`` if it can tell; True once decided (the loader then stops asking)."""
+        if info.is_ghost or not isinstance(batch, Mapping):
+            return not isinstance(batch, Mapping)  # a tuple/tensor batch has no named labels: nothing to see
+        labels, ids = batch.get(self.cfg.label_key), batch.get("input_ids")
+        if not (isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor)) or labels.shape != ids.shape \
+                or labels.dim() != 2:
+            return True
+        supervised = labels != self.cfg.ignore_index
+        if int(supervised.sum()) < 2 or not bool((labels == ids)[supervised].all()):
+            return True  # not a causal LM's labels (pre-shifted, seq2seq, token classes): every label counts
+        shifted = int(supervised[:, 1:].sum())
+        counted = info.local_loss_tokens
+        where = f"odb counted {counted} supervised tokens in the first batch ({labels.shape[0]} rows)"
+        if self.cfg.shift_labels is None and counted != shifted:
+            warnings.warn(
+                f"{where}, every label of its samples, but the batch's '{self.cfg.label_key}' repeat its "
+                f"input_ids at every supervised position: a causal LM's labels, which HF causal LMs shift inside "
+                f"their loss (a row's first label is never predicted), averaging over {shifted}. odb's exact "
+                f"token mean is then off by one token per sample. Fix: ODBDataLoader(..., shift_labels=True) "
+                f"(odb.apply and ODBConfig alike); pass shift_labels=False to keep counting every label, for a "
+                f"model that does not shift.", ShiftLabelsWarning, stacklevel=stacklevel)
+        elif self.cfg.shift_labels and counted != shifted and counted == int(supervised.sum()):
+            warnings.warn(
+                f"{where} but its '{self.cfg.label_key}', as a causal LM's shifted loss sees them (labels[:, 1:]), "
+                f"hold {shifted}: the samples carry no '{self.cfg.label_key}' of their own (the collate_fn makes "
+                f"them, as DataCollatorForLanguageModeling does), so odb counted every input token. Fix: tell "
+                f"odb what the collator supervises, e.g. loss_tokens_fn=lambda s: len(s['input_ids']) - 1, or put "
+                f"'{self.cfg.label_key}' in the samples.", ShiftLabelsWarning, stacklevel=stacklevel)
+        return True
+
+
+class BatchChecks:
+    """The checks an odb loader runs as it hands out each batch (``handed_out``), and at an epoch's end.
+
+    Example:
+        >>> checks = BatchChecks(ODBConfig(token_budget=8))
+        >>> checks.reset()   # a new epoch
+    """
+
+    __slots__ = ("popped", "shift")
+
+    def __init__(self, cfg: ODBConfig) -> None:
+        self.popped = UnpoppedCheck(cfg.step_info_key)
+        self.shift = ShiftCheck.applies(cfg)
+
+    def handed_out(self, batch: Any, info: ODBStepInfo, stacklevel: int = 3) -> None:
+        """``batch`` (carrying ``info``) goes to the training loop now; warnings point ``stacklevel`` up."""
+        self.popped.handed_out(batch, info, stacklevel + 1)
+        if self.shift is not None and self.shift.check(batch, info, stacklevel + 1):
+            self.shift = None
+
+    def finished(self, stacklevel: int = 3) -> None:
+        """The epoch ended: its last batch is checked."""
+        self.popped.finished(stacklevel + 1)
+
+    def reset(self) -> None:
+        """A new iteration starts."""
+        self.popped.reset()

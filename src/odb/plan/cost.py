@@ -1,0 +1,218 @@
+"""The cost of a batch, and how many samples fit under the budget (pure numpy).
+
+A batch of B samples whose longest padded sample has length L costs B x L per length
+dimension. With one budget the dimensions are summed; with one budget per dimension
+each dimension is bounded on its own. ``quadratic_length`` q makes each padded token
+cost ``1 + L / q`` (attention is quadratic in L). An optional cap bounds the sum of
+image patches in a batch.
+
+In the packed layout (``layout="packed"``) a batch is one row of its samples end to
+end: it costs the sum of its samples' weights (``L`` each, ``L + L^2 / q`` with
+``quadratic_length``), so a row of a few long samples and one of many short ones cost
+alike; nothing is padded.
+
+With ``shape_buckets`` a padded length is further rounded up to the smallest of a few
+bucket lengths (``odb.plan.buckets``); a sample longer than the largest bucket fits no batch
+(oversize).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+from odb.plan.buckets import bucket_lengths
+from odb.config import ODBConfig
+
+
+# Quadratic weights are floats: a batch whose exact cost equals the budget may compute
+# a hair above it. Integer-length costs (no quadratic term) are exact and unaffected.
+_ULP = 1.0 + 1e-12
+
+
+class CostModel:
+    """Batch cost and feasibility under one ODBConfig.
+
+    Example:
+        >>> import numpy as np
+        >>> cm = CostModel.from_config(ODBConfig(token_budget=100, pad_to_multiple_of=8))
+        >>> cm.batch_cost(cm.pad(np.array([[10], [3]])))
+        32.0
+        >>> CostModel((100,), layout="packed").batch_cost(np.array([[10], [3]]))
+        13.0
+        >>> CostModel((100,), length_buckets=(16, 32)).pad(np.array([[10], [17]])).ravel().tolist()
+        [16, 32]
+    """
+
+    def __init__(
+        self,
+        budgets: Tuple[int, ...],
+        pad_to_multiple_of: int = 1,
+        quadratic_length: Optional[int] = None,
+        max_batch_size: Optional[int] = None,
+        batch_size_multiple: int = 1,
+        max_patches: Optional[int] = None,
+        layout: str = "padded",
+        length_buckets: Optional[Tuple[int, ...]] = None,
+    ) -> None:
+        self.budgets = np.asarray(budgets, dtype=np.float64)
+        self.pad_to = pad_to_multiple_of
+        self.q = quadratic_length
+        self.max_batch = max_batch_size if max_batch_size is not None else np.iinfo(np.int64).max
+        self.multiple = batch_size_multiple
+        self.max_patches = max_patches
+        self.packed = layout == "packed"
+        self.buckets = None if length_buckets is None else tuple(int(v) for v in length_buckets)
+
+    @classmethod
+    def from_config(cls, cfg: ODBConfig) -> "CostModel":
+        return cls(cfg.token_budgets, cfg.pad_to_multiple_of, cfg.quadratic_length, cfg.max_batch_size,
+                   cfg.batch_size_multiple, cfg.max_image_patches, cfg.layout, cfg.shape_buckets)
+
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model with every token budget multiplied by ``factor``."""
+        out = CostModel.__new__(CostModel)
+        out.__dict__.update(self.__dict__)
+        out.budgets = self.budgets * factor
+        return out
+
+    @property
+    def total_budget(self) -> float:
+        return float(self.budgets.sum())
+
+    @property
+    def row_capacity(self) -> float:
+        """The most one packed row may cost: the budget (with room for the float error of quadratic weights)."""
+        return self.total_budget * _ULP
+
+    def check_dims(self, n_dims: int) -> None:
+        """Raise if the budget does not fit the number of length dimensions."""
+        if len(self.budgets) not in (1, n_dims):
+            raise ValueError(
+                f"token_budget has {len(self.budgets)} entries but samples have {n_dims} length dimensions: "
+                f"the budget must be one int (summed over dimensions) or one per dimension. "
+                f"Fix: pass token_budget=<int> or a tuple of {n_dims} ints.")
+
+    @property
+    def bucketed(self) -> bool:
+        """Padded lengths are rounded to ``shape_buckets``."""
+        return self.buckets is not None
+
+    def pad(self, lengths: np.ndarray) -> np.ndarray:
+        """Lengths (n, D) rounded up to pad_to_multiple_of, then to the smallest bucket that holds them."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if self.pad_to != 1:
+            lengths = -(-lengths // self.pad_to) * self.pad_to
+        if self.buckets is not None:
+            lengths = bucket_lengths(lengths, self.buckets)
+        return lengths
+
+    def plan_tokens(self, lengths: np.ndarray, padded: np.ndarray) -> np.ndarray:
+        """(n,) what each sample counts toward a batch's packing efficiency: its real tokens, or with
+        ``shape_buckets`` its bucket's length (a batch of one bucket pads to it whatever its neighbours,
+        so only a full batch of one bucket is fully packed).
+
+        Example:
+            >>> CostModel((64,), length_buckets=(8, 16)).plan_tokens(np.array([[5]]), np.array([[8]])).tolist()
+            [8.0]
+        """
+        chosen = padded if self.buckets is not None else lengths
+        return np.asarray(chosen).sum(axis=1).astype(np.float64)
+
+    def token_weight(self, padded: np.ndarray) -> np.ndarray:
+        """Cost of one sample padded to these lengths, per dimension (float)."""
+        w = padded.astype(np.float64)
+        return w if self.q is None else w * (self.q + w) / self.q
+
+    def _per_sample_cost_ok(self, w_max: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        # w_max: (K, D) weights of the running maxima; counts: (K,) batch sizes.
+        if len(self.budgets) == 1:
+            return counts * w_max.sum(axis=1) <= self.budgets[0] * _ULP
+        return (counts[:, None] * w_max <= self.budgets[None, :] * _ULP).all(axis=1)
+
+    def batch_cost(self, padded_group: np.ndarray) -> float:
+        """Cost of one batch: B x (sum over dimensions of the weight of the max length); packed: the
+        sum of its samples' weights."""
+        padded_group = np.asarray(padded_group)
+        if self.packed:
+            return float(self.sample_weights(padded_group).sum())
+        w = self.token_weight(padded_group.max(axis=0))
+        return float(len(padded_group) * w.sum())
+
+    def sample_weights(self, padded: np.ndarray) -> np.ndarray:
+        """(n,) what each sample adds to a packed row: its weights summed over length dimensions."""
+        return self.token_weight(np.asarray(padded).reshape(len(padded), -1)).sum(axis=1)
+
+    def group_tokens(self, lengths: np.ndarray) -> int:
+        """Tokens a batch of these (n, D) lengths holds: B x padded max per dimension; packed: the real ones.
+
+        Example:
+            >>> lengths = np.array([[10], [3]])
+            >>> CostModel((100,)).group_tokens(lengths), CostModel((100,), layout="packed").group_tokens(lengths)
+            (20, 13)
+        """
+        lengths = np.asarray(lengths)
+        if self.packed:
+            return int(lengths.sum())
+        return int(len(lengths) * self.pad(lengths).max(axis=0).sum())
+
+    def group_cost(self, lengths: np.ndarray) -> int:
+        """What ranks compare to pair groups of similar cost in one step: B x L (padded), the row's
+        cost rounded (packed, with its attention term when ``quadratic_length`` is set)."""
+        if self.packed:
+            return int(round(self.batch_cost(lengths)))
+        return self.group_tokens(lengths)
+
+    def copies_that_fit(self, padded: np.ndarray, patches: Optional[np.ndarray]) -> np.ndarray:
+        """For each sample, how many copies of it fit in one batch (0: oversize)."""
+        fit = self.copies_that_fit_unrounded(padded)
+        if patches is not None and self.max_patches is not None:
+            by_patch = np.where(patches > 0, self.max_patches // np.maximum(patches, 1), fit)
+            fit = np.minimum(fit, by_patch)
+        return self.round_to_multiple(fit)
+
+    def round_to_multiple(self, counts: np.ndarray) -> np.ndarray:
+        """Round counts down to batch_size_multiple where they reach it (budget wins below it)."""
+        if self.multiple == 1:
+            return counts
+        return np.where(counts >= self.multiple, counts - counts % self.multiple, counts)
+
+    def max_counts_sorted(self, padded: np.ndarray, patches: Optional[np.ndarray]) -> np.ndarray:
+        """For samples sorted by decreasing size, the largest feasible batch starting at each i.
+
+        The batch starting at i holds samples i .. i+b-1; the result is b before the
+        batch_size_multiple rounding, never above the samples that remain.
+        """
+        n, dims = padded.shape
+        remaining = np.arange(n, 0, -1, dtype=np.int64)
+        if dims == 1:
+            # Sorted by decreasing length, the first sample of a batch is its longest.
+            counts = np.minimum(self.copies_that_fit_unrounded(padded), remaining)
+        else:
+            w = self.token_weight(padded)
+            # A batch holding sample i costs at least B x its weight, so it holds at most
+            # the copies of i that fit: the scan from i stops there.
+            caps = self.copies_that_fit_unrounded(padded)
+            counts = np.empty(n, dtype=np.int64)
+            for i in range(n):
+                k = int(min(n - i, caps[i]))
+                run = np.maximum.accumulate(w[i:i + k], axis=0)
+                ok = self._per_sample_cost_ok(run, np.arange(1, k + 1))
+                counts[i] = k if ok.all() else int(np.argmin(ok))
+        if patches is not None and self.max_patches is not None:
+            cum = np.concatenate(([0], np.cumsum(patches)))
+            by_patch = np.searchsorted(cum, cum[:-1] + self.max_patches, side="right") - 1 - np.arange(n)
+            counts = np.minimum(counts, by_patch)
+        return counts
+
+    def copies_that_fit_unrounded(self, padded: np.ndarray) -> np.ndarray:
+        """Copies of each sample that fit the token budget and max_batch_size."""
+        w = self.token_weight(padded)
+        if len(self.budgets) == 1:
+            fit = np.floor(self.budgets[0] * _ULP / np.maximum(w.sum(axis=1), 1e-9))
+        else:
+            fit = np.floor(self.budgets[None, :] * _ULP / np.maximum(w, 1e-9)).min(axis=1)
+        if self.buckets is not None:  # longer than the largest bucket: no batch shape holds it
+            fit = np.where((np.asarray(padded) > self.buckets[-1]).any(axis=1), 0, fit)
+        return np.minimum(fit, self.max_batch).astype(np.int64)

@@ -1,0 +1,120 @@
+"""Elastic resume: an epoch saved mid-way by W ranks continues on W' ranks (map-style data).
+
+Under the stride rule (``odb.data.sampling.global_order``) rank r of W reads positions r, r + W,
+r + 2W, ... of one global order. Every rank's state says how many positions of its share
+it consumed (``arrived``) and which of those it still held (carried, planned, not yet
+emitted). Together they name the positions of the global order that no rank emitted: the
+unread tail of every share plus the held samples. That remaining order, kept as a
+``layer`` ({world, arrived, kept, total}: O(W + held samples) integers), is what the W'
+ranks continue from, again by the stride rule: rank r' takes ``remaining[r'::W']``. Held
+samples are read again by index on whichever rank they land; every remaining sample is
+emitted exactly once, none twice. A second re-partition of the same epoch adds a layer on
+top of the first; the next epoch uses the sampler's own order again.
+
+Example:
+    >>> layer = {"world": 2, "arrived": [2, 1], "kept": [2], "total": 7}
+    >>> remaining(layer).tolist()   # rank 0 read 0, 2 (2 still held), rank 1 read 1
+    [2, 3, 4, 5, 6]
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from odb.resume.state import fresh_run_state, retained_positions
+from odb.data.sampling import global_order, stride_sharded
+
+
+def remaining(layer: Dict[str, Any]) -> np.ndarray:
+    """Positions (ascending) of the order a layer applies to that no rank emitted."""
+    total, world = int(layer["total"]), int(layer["world"])
+    keep = np.ones(total, dtype=bool)
+    for rank, arrived in enumerate(layer["arrived"]):
+        keep[rank:rank + int(arrived) * world:world] = False
+    keep[np.asarray(layer["kept"], dtype=np.int64)] = True
+    return np.flatnonzero(keep)
+
+
+def layered_order(sampler: Any, layers: Sequence[Dict[str, Any]], epoch: int) -> np.ndarray:
+    """The global order (dataset indices) after every re-partition in ``layers``."""
+    order = global_order(sampler, int(layers[0]["world"]), epoch)
+    for depth, layer in enumerate(layers):
+        if int(layer["total"]) != len(order):
+            raise ValueError(f"odb state re-partition {depth} covers {layer['total']} positions but the sampler's "
+                             f"order has {len(order)} at that point: the sampler or dataset differs from the saved "
+                             f"run's. Fix: build the loader with the saved dataset and sampler settings.")
+        order = order[remaining(layer)]
+    return order
+
+
+def rank_order(sampler: Any, layers: Sequence[Dict[str, Any]], world: int, rank: int,
+               epoch: int) -> Optional[np.ndarray]:
+    """This rank's order of an epoch (dataset indices); None when it is the sampler's own (no layers)."""
+    if not layers:
+        return None
+    return layered_order(sampler, layers, epoch)[rank::world]
+
+
+def repartition(states: List[Dict[str, Any]], sampler: Any, world: int, rank: int) -> Dict[str, Any]:
+    """The state rank ``rank`` of ``world`` resumes from, given every old rank's state (checked by
+    ``check_group``): a fresh run over its share of what no old rank emitted."""
+    running = [s for s in states if s["run"] is not None]
+    if not running:
+        return dict(states[0], world_size=world, rank=rank, run=None)
+    run0 = running[0]["run"]
+    epoch, prior = int(running[0]["epoch"]), list(run0["layers"])
+    old_world = len(states)
+    order = layered_order(sampler, prior, epoch) if prior else global_order(sampler, old_world, epoch)
+    total = len(order)
+    arrived, kept = [], []
+    for r, state in enumerate(states):
+        run = state["run"]
+        if run is None:  # this rank's data had ended (join=False): its whole share was emitted
+            arrived.append(len(range(r, total, old_world)))
+            continue
+        arrived.append(int(run["arrived"]))
+        held = retained_positions(dict(run, ghost=None))  # the ghost is a copy, not a sample still owed
+        kept.extend(p * old_world + r for p in held)
+    layer = {"world": old_world, "arrived": arrived, "kept": sorted(kept), "total": total}
+    return dict(running[0], epoch=epoch, world_size=world, rank=rank,
+                run=fresh_run_state(int(run0["step"]), prior + [layer]))
+
+
+def check_group(states: Any, sampler: Any, iterable: bool) -> List[Dict[str, Any]]:
+    """Every old rank's state, in rank order, after checking that they describe one run that can be
+    re-partitioned (each state was already checked on its own)."""
+    if iterable:
+        raise ValueError("odb got a list of rank states for an IterableDataset: only map-style data can be "
+                         "re-partitioned over another number of ranks (a stream has no positions to hand to "
+                         "other ranks). Fix: resume with the saved world size, each rank loading its own state.")
+    if not stride_sharded(sampler):
+        raise ValueError(f"odb cannot re-partition an epoch read by sampler {type(sampler).__name__}: it needs "
+                         f"the stride rule (rank r of W reads positions r, r + W, ... of one global order). Fix: "
+                         f"build the loaders with odb.ShardSampler or DistributedSampler, before saving and after.")
+    by_rank = sorted(states, key=lambda s: s["rank"])
+    worlds, ranks = {s["world_size"] for s in by_rank}, [s["rank"] for s in by_rank]
+    if worlds != {len(by_rank)} or ranks != list(range(len(by_rank))):
+        raise ValueError(f"odb got {len(by_rank)} rank states with world sizes {sorted(worlds)} and ranks {ranks}: "
+                         f"a re-partition needs exactly one state of every rank of the saved run. Fix: pass the "
+                         f"states of ranks 0..W-1 saved at the same step.")
+    seeds = {s["seed"] for s in by_rank}
+    running = [s for s in by_rank if s["run"] is not None]
+    epochs = {s["epoch"] for s in running}
+    ended = {s["epoch"] for s in by_rank if s["run"] is None}
+    steps = {s["run"]["step"] for s in running}
+    layers = {repr(s["run"]["layers"]) for s in running}
+    if len(seeds) > 1 or len(epochs) > 1 or len(steps) > 1 or len(layers) > 1 or (
+            running and ended - {next(iter(epochs)) + 1}) or len(ended) > 1:
+        raise ValueError(f"odb rank states disagree (seeds {sorted(seeds)}, epochs {sorted(epochs)} with ended "
+                         f"ranks at {sorted(ended)}, steps {sorted(steps)}, {len(layers)} re-partition histories): "
+                         f"they were not saved by one run at one step. Fix: save every rank at the same step (as "
+                         f"checkpoints do) and pass all of them.")
+    if any(0 < s["run"]["chunk_pos"] < len(s["run"]["chunk"]) for s in running):
+        warnings.warn("odb rank states were saved inside an optimizer step (gradient accumulation): a re-partition "
+                      "starts a new optimizer step, so the micro-batches already consumed of that step were scaled "
+                      "for a step that will not complete. Save at optimizer-step boundaries (as trainers do).",
+                      stacklevel=3)
+    return by_rank

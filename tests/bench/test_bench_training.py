@@ -1,0 +1,194 @@
+"""Correctness of the training benchmark (odb.bench.training*): arms, text, DDP launcher, goals, report.
+
+Nothing here is timed: the speed goals live in the benchmark itself.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import transformers  # noqa: F401  (pinned under `make test`, as trl is: a broken install fails, never skips)
+
+import odb
+from odb.bench import text_data
+from odb.bench.convergence import lr_for, time_to_loss
+from odb.bench.report import convergence_table, goals, training_table
+from odb.bench.training import training_goals
+from odb.bench.training_arms import ARMS, build_loader, fixed_batch_size, trl_rows
+from odb.bench.training_ddp import launch
+from odb.packed.attention import native_varlen, varlen_causal_attention
+
+CAP = 256
+
+
+def with_trl_marked(arms):
+    """The arms as parameters, the one that runs TRL (trl.pack_dataset) marked ``trl``."""
+    return [pytest.param(a, marks=pytest.mark.trl) if a == "trl_packing" else a for a in arms]
+
+
+def _lengths(n=40, seed=0):
+    return np.random.default_rng(seed).integers(3, 90, size=n)
+
+
+def _ids_of(batch):
+    """The samples of a batch as tuples of tokens (padding cut away; packed rows split at restarts)."""
+    ids = batch["input_ids"]
+    if "attention_mask" in batch:
+        return [tuple(row[:int(m.sum())].tolist()) for row, m in zip(ids, batch["attention_mask"])]
+    pos = batch["position_ids"][0].tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+    return [tuple(ids[0, a:b].tolist()) for a, b in zip(starts, starts[1:])]
+
+
+def test_fixed_batch_size_is_the_largest_whose_worst_case_fits():
+    assert fixed_batch_size(4096, [100, 1024, 7]) == 4
+    assert fixed_batch_size(4096, [1023]) == 4
+    assert fixed_batch_size(4096, [1025]) == 3
+    assert fixed_batch_size(100, [300]) == 1  # a sample over the cap still trains, alone
+    lengths = _lengths()
+    b = fixed_batch_size(CAP, lengths)
+    assert b * lengths.max() <= CAP < (b + 1) * lengths.max()
+
+
+@pytest.mark.parametrize("arm", with_trl_marked(ARMS))
+def test_every_arm_trains_each_sample_once_within_the_cap(arm):
+    """One process: the same samples (as token sequences) in every arm, each once, no step above the cap."""
+    data = text_data.TextSamples(_lengths())
+    rows = trl_rows(data, CAP) if arm == "trl_packing" else None
+    seen = []
+    for batch in build_loader(arm, data, CAP, rows=rows):
+        batch = dict(batch)
+        if arm.startswith("odb"):
+            info = odb.pop_step_info(batch)
+            assert info.padded_tokens <= CAP
+        assert batch["input_ids"].numel() <= CAP or arm == "batch_rebalance"
+        seen += _ids_of(batch)
+    expected = sorted(tuple(data[i]["input_ids"].tolist()) for i in range(len(data)))
+    if arm == "batch_rebalance":  # no cap of its own, and it may repeat samples to fill its last step
+        assert set(seen) == set(expected)
+    else:
+        assert sorted(seen) == expected
+
+
+@pytest.mark.parametrize("arm", with_trl_marked(["fixed", "group_by_length", "batch_rebalance", "trl_packing"]))
+def test_two_ranks_together_cover_every_sample(arm):
+    data = text_data.TextSamples(_lengths(41))
+    rows = trl_rows(data, CAP) if arm == "trl_packing" else None
+    seen = set()
+    for rank in range(2):
+        for batch in build_loader(arm, data, CAP, rank=rank, world=2, rows=rows):
+            seen.update(_ids_of(batch))
+    assert seen == {tuple(data[i]["input_ids"].tolist()) for i in range(len(data))}
+
+
+def test_text_samples_are_real_text_and_the_held_out_part_is_unseen():
+    lengths = text_data.workload_lengths("heavy-tailed", 200)
+    assert lengths.min() >= 16 and lengths.max() <= 1024
+    assert np.array_equal(lengths, text_data.workload_lengths("heavy-tailed", 200))  # deterministic
+    data = text_data.TextSamples(lengths)
+    words = bytes(data[0]["input_ids"].tolist()).decode("utf-8", errors="replace").split()
+    assert len(words) >= 2 and sum(w.isalpha() for w in words) >= len(words) // 3  # English, not random bytes
+    split = int(len(text_data.corpus()) * (1 - text_data.HELD_OUT))
+    assert all(int(o) + int(n) <= split for o, n in zip(data.offsets, data.lengths))
+    held = text_data.held_out_batch(4, 32)
+    assert held["input_ids"].shape == (4, 32) and int(held["input_ids"].min()) > text_data.PAD_ID
+    short = text_data.workload_lengths("short-pairs", 500)
+    long = text_data.workload_lengths("long-chat", 500)
+    assert short.max() <= 256 and long.max() <= 1024 and short.mean() < 60 < long.mean()
+    full = text_data.workload_lengths("long-chat", 500, full_length=True)
+    assert full.max() <= 4096 and full.mean() > 2 * long.mean()
+
+
+def test_learning_rate_rule_and_time_to_target():
+    assert lr_for(1e-3, 4000, 1000) == pytest.approx(2e-3)
+    assert lr_for(1e-3, 4000, 1000, rule="linear") == pytest.approx(4e-3)
+    with pytest.raises(ValueError, match="rule"):
+        lr_for(1e-3, 1, 1, rule="cubic")
+    curve = [(0.0, 5.0), (2.0, 4.0), (6.0, 2.0)]
+    assert time_to_loss(curve, 3.0) == pytest.approx(4.0)
+    assert time_to_loss(curve, 5.0) == 0.0
+    assert time_to_loss(curve, 1.0) is None
+
+
+def _ranks2(ratios):
+    arms = ("fixed", "group_by_length", "trl_packing", "odb_padded", "odb_packed")
+    work = {}
+    for name, (padded, packed) in ratios.items():
+        rate = {"fixed": 100.0, "group_by_length": 100.0, "trl_packing": 100.0, "odb_padded": padded,
+                "odb_packed": packed}
+        work[name] = {"arms": {a: {"tokens_per_s": {"median": rate[a]}} for a in arms},
+                      "odb_over": {o: {a: rate[o] / rate[a] for a in arms if a != o} for o in ("odb_padded",
+                                                                                              "odb_packed")}}
+    return {"workloads": work}
+
+
+def test_goals_cover_each_workload_and_say_when_missed():
+    got = training_goals(_ranks2({"heavy-tailed": (150.0, 160.0), "long-chat": (96.0, 99.0)}))
+    by = {g["goal"]: g for g in got}
+    assert by["training (2 ranks) heavy-tailed: real tokens/s, odb padded / group_by_length"]["met"] in (True, False)
+    heavy = [g for g in got if "heavy-tailed" in g["goal"]]
+    assert {g["target"] for g in heavy} == {1.45, 0.97, 1.55, 1.0, 2.5}
+    assert [g["target"] for g in got if "long-chat" in g["goal"] and "padded / group" in g["goal"]] == [0.97]
+    missed = [g for g in got if not g["met"]]
+    assert {(g["goal"].split()[3], g["target"]) for g in missed} >= {("heavy-tailed:", 2.5), ("long-chat:", 0.97)}
+    rows = goals({"training": {"goals": got}})
+    assert len(rows) == len(got) and all(r[3] == g["met"] for r, g in zip(rows, got))
+
+
+@pytest.mark.timeout(300)
+def test_two_rank_run_gives_every_figure_and_the_ranks_exit(tmp_path):
+    cap = 1024  # the heavy-tailed workload's truncation: every sample fits
+    params = {"device": "cpu", "cap": cap, "rounds": 2, "threads": 1, "arms": ["fixed", "odb_padded", "odb_packed"],
+              "workloads": {"heavy-tailed": 24},
+              "convergence": {"workload": "heavy-tailed", "samples": 16, "epochs": 2, "evals": 2, "base_lr": 1e-3,
+                              "arms": ["fixed", "odb_padded"]}}
+    res = launch(params, world=2, timeout_s=240)
+    assert res["workloads_meta"] == {"world": 2, "threads": 1}
+    w = res["workloads"]["heavy-tailed"]
+    tokens = w["tokens"]
+    for arm, m in w["arms"].items():
+        assert m["real_tokens"] >= tokens, arm  # every sample trained (DistributedSampler may repeat one)
+        assert 0.0 < m["token_efficiency"] <= 1.0 and m["saved_mib"] > 0.0, arm
+        assert m["max_step_padded_tokens"] <= cap, arm
+        assert m["same_batches_every_round"] and m["steps_equal_on_ranks"], arm
+        t = m["tokens_per_s"]
+        assert 0.0 < t["min"] <= t["median"] <= t["max"]
+        assert m["tokens_per_step"] == pytest.approx(m["real_tokens"] / (2 * m["steps"]))
+    assert w["arms"]["odb_padded"]["real_tokens"] == tokens  # odb: exactly once across ranks
+    assert w["odb_over"]["odb_padded"]["fixed"] == pytest.approx(
+        w["arms"]["odb_padded"]["tokens_per_s"]["median"] / w["arms"]["fixed"]["tokens_per_s"]["median"])
+    conv = res["convergence"]
+    for arm, m in conv["arms"].items():
+        losses = [p["loss"] for p in m["curve"]]
+        assert losses[0] == pytest.approx(conv["arms"]["fixed"]["curve"][0]["loss"])  # the same initial weights
+        assert [p["s"] for p in m["curve"]] == sorted(p["s"] for p in m["curve"])
+        assert m["curve"][-1]["step"] == m["steps"] and losses[-1] < losses[0], arm
+    assert conv["target_loss"] == max(m["final_loss"] for m in conv["arms"].values())
+    odb_lr = conv["arms"]["odb_padded"]["lr"]
+    assert odb_lr == pytest.approx(1e-3 * math.sqrt(conv["arms"]["odb_padded"]["tokens_per_step_planned"]
+                                                    / conv["base_tokens_per_step"]))
+    training = {"device": "cpu", "cap": cap, "rounds": 2, "model": {"num_hidden_layers": 2, "hidden_size": 128,
+                                                                      "vocab_size": 256},
+                "ranks2": {**res["workloads_meta"], "workloads": res["workloads"]}, "convergence": conv}
+    text = training_table(training, markdown=True)
+    assert "| odb packed | odb_varlen |" in text and "2 gloo DDP ranks" in text
+    assert "s to " in convergence_table(conv)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_rank_is_named():
+    params = {"device": "cpu", "cap": CAP, "rounds": 1, "threads": 1, "arms": ["no-such-arm"],
+              "workloads": {"heavy-tailed": 8}}
+    with pytest.raises(RuntimeError, match=r"rank \d of 2 raised:(.|\n)*no-such-arm"):
+        launch(params, world=2, timeout_s=90)
+
+
+def test_native_varlen_only_for_cuda_half_precision():
+    q = torch.randn(2, 6, 4)
+    assert native_varlen(q) is None
+    assert native_varlen(q.to(torch.bfloat16)) is None  # CPU, even in half precision: per-sample sdpa
+    out = varlen_causal_attention(q, q, q, [0, 2, 6])
+    alone = torch.nn.functional.scaled_dot_product_attention(q[:, 2:], q[:, 2:], q[:, 2:], is_causal=True)
+    assert torch.allclose(out[:, 2:], alone, atol=1e-6)

@@ -1,0 +1,149 @@
+"""Run a worker function of dist_workers.py on W real processes joined by a gloo group.
+
+    results = run_ranks("exactly_once", world=2, params={...}, tmp=tmp_path)
+
+Each rank is a fresh interpreter (``python tests/support/dist_harness.py ...``, so nothing is
+inherited from pytest), joins ``init_process_group("gloo")`` on a free local port,
+calls ``dist_workers.<worker>(rank, world, params)`` (or ``<module>.<function>`` for a
+worker named ``"module:function"``, a module of tests/) and saves what it returns with
+torch.save. The parent waits until every rank has a result, an error or has exited,
+within one deadline; then it kills what is left. It fails naming the ranks that did not
+finish, or quoting a rank's traceback with its rank number. A rank listed in
+``expect_dead`` may exit without a result (rank-death tests).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Collection, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+GRACE_S = 5.0  # after a result, how long a rank may take to exit before it is killed
+
+
+class RankFailure(AssertionError):
+    """A rank raised, exited without a result, or did not finish before the deadline."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker: str, world: int, params: Dict[str, Any], tmp: Path, *, deadline_s: float = 90.0,
+              expect_dead: Collection[int] = ()) -> List[Optional[Any]]:
+    """Every rank's return value (None for a rank of expect_dead that died)."""
+    tmp = Path(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "params.json").write_text(json.dumps(params))
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = []
+    for rank in range(world):
+        log = open(tmp / f"rank{rank}.log", "wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "dist_harness.py"), worker, str(rank), str(world), str(port), str(tmp),
+             str(deadline_s)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(HERE.parents[1])))
+        log.close()
+    try:
+        _wait(procs, tmp, time.monotonic() + deadline_s, deadline_s, set(expect_dead))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    import torch
+
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) if (tmp / f"rank{r}.pt").exists() else None
+            for r in range(world)]
+
+
+def _wait(procs: List[subprocess.Popen], tmp: Path, deadline: float, deadline_s: float, expect_dead: set) -> None:
+    def finished(r: int) -> bool:
+        return (tmp / f"rank{r}.pt").exists() or (tmp / f"rank{r}.err").exists() or procs[r].poll() is not None
+
+    while time.monotonic() < deadline:
+        for r in range(len(procs)):
+            if (tmp / f"rank{r}.err").exists():
+                _kill(procs)
+                raise RankFailure(f"rank {r} raised:\n{(tmp / f'rank{r}.err').read_text()}"
+                                  f"{_unfinished(procs, tmp)}")
+            code = procs[r].poll()
+            if code is not None and not (tmp / f"rank{r}.pt").exists() and r not in expect_dead:
+                _kill(procs)
+                raise RankFailure(f"rank {r} exited with code {code} without a result; its output ends:\n"
+                                  f"{_tail(tmp, r)}{_unfinished(procs, tmp)}")
+        if all(finished(r) for r in range(len(procs))):
+            break
+        time.sleep(0.05)
+    else:
+        late = [r for r in range(len(procs)) if not finished(r)]
+        _kill(procs)
+        logs = "".join(f"\n--- rank {r} output ends:\n{_tail(tmp, r)}" for r in late)
+        raise RankFailure(f"rank(s) {late} did not finish within {deadline_s:.0f} s (killed){logs}")
+    end = time.monotonic() + GRACE_S
+    while time.monotonic() < end and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+
+
+def _kill(procs: List[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+def _unfinished(procs: List[subprocess.Popen], tmp: Path) -> str:
+    late = [r for r in range(len(procs)) if not (tmp / f"rank{r}.pt").exists() and not (tmp / f"rank{r}.err").exists()]
+    return f"\n(rank(s) {late} had not finished and were killed)" if late else ""
+
+
+def _tail(tmp: Path, rank: int, chars: int = 8000) -> str:
+    path = tmp / f"rank{rank}.log"
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no output)"
+
+
+def _child_main(argv: List[str]) -> None:
+    worker, rank, world, port, tmp, deadline_s = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4]), \
+        float(argv[5])
+    # A rank still running shortly before the deadline writes every thread's stack to its log, which the
+    # parent quotes when it kills it: a hang names where it waits.
+    faulthandler.dump_traceback_later(max(deadline_s - 3.0, 1.0), exit=False)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import importlib
+
+        module_name, _, func_name = worker.rpartition(":")  # "module:function", or a dist_workers function
+        workers = importlib.import_module(module_name or "dist_workers")
+
+        torch.set_num_threads(1)
+        params = json.loads((tmp / "params.json").read_text())
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=deadline_s))
+        result = getattr(workers, func_name)(rank, world, params)
+        part = tmp / f"rank{rank}.pt.part"
+        torch.save(result, part)
+        os.replace(part, tmp / f"rank{rank}.pt")
+    except BaseException:
+        (tmp / f"rank{rank}.err.part").write_text(traceback.format_exc())
+        os.replace(tmp / f"rank{rank}.err.part", tmp / f"rank{rank}.err")
+        sys.exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # the result is saved; a peer that already left does not matter
+        pass
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
