@@ -112,6 +112,25 @@ def _tail(tmp: Path, rank: int, chars: int = 8000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no output)"
 
 
+def _worker_module(name: str) -> Any:
+    """A module of tests/support/ (on sys.path: this script's folder), or a test module of a layer folder
+    (tests/<layer>/<name>.py) that holds its own rank workers."""
+    import importlib
+    import importlib.util
+
+    if (HERE / f"{name}.py").exists():
+        return importlib.import_module(name)
+    found = sorted(HERE.parent.glob(f"*/{name}.py"))
+    if len(found) != 1:
+        raise ModuleNotFoundError(f"dist_harness: no single worker module {name!r} in tests/support or tests/*/ "
+                                  f"(found {[str(p) for p in found]})")
+    spec = importlib.util.spec_from_file_location(name, found[0])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _child_main(argv: List[str]) -> None:
     worker, rank, world, port, tmp, deadline_s = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4]), \
         float(argv[5])
@@ -125,7 +144,7 @@ def _child_main(argv: List[str]) -> None:
         import importlib
 
         module_name, _, func_name = worker.rpartition(":")  # "module:function", or a dist_workers function
-        workers = importlib.import_module(module_name or "dist_workers")
+        workers = _worker_module(module_name or "dist_workers")
 
         torch.set_num_threads(1)
         params = json.loads((tmp / "params.json").read_text())
