@@ -1,7 +1,7 @@
 """Time plan_window per pooled sample: the O(n x batch size) DP it had before, and now.
 
 Each workload is one pool of samples planned as a non-final window (the DP path, with
-carry_limit = half the pool, as WindowPlanner passes for a window of that size). The
+carry_limit = half the pool, as PoolPlanner passes for a window of that size). The
 figure is the median of --repeats calls of the whole plan_window, divided by the pool
 size. "before" is the planner as it was before the sliding-window DP, copied below so
 the comparison does not move when planner.py does. The last column says whether both
@@ -25,7 +25,8 @@ import numpy as np
 
 from odb.bench.workloads import LOGNORMAL, MAX_LEN, encoder_decoder_lengths, lognormal_lengths
 from odb.plan.cost import CostModel
-from odb.plan.planner import WindowPlan, plan_window, sort_order
+from odb.plan.planner import plan_window, sort_order
+from odb.plan.pool_plan import PoolPlan
 
 BUDGET = 16384
 
@@ -97,7 +98,7 @@ def _ref_drain_carry(runs, tokens, ideal, pad_s, patch_s, cost, carry_limit):
 
 
 def reference_plan_window(lengths, ids, cost: CostModel, *, final: bool, pack_efficiency: float = 0.95,
-                          carry_limit: int = 512, patches: Optional[np.ndarray] = None) -> WindowPlan:
+                          carry_limit: int = 512, patches: Optional[np.ndarray] = None) -> PoolPlan:
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim == 1:
         lengths = lengths[:, None]
@@ -108,7 +109,7 @@ def reference_plan_window(lengths, ids, cost: CostModel, *, final: bool, pack_ef
     oversize = np.flatnonzero(fits == 0)
     ok = np.flatnonzero(fits > 0)
     if len(ok) == 0:
-        return WindowPlan([], np.empty(0, dtype=np.int64), oversize)
+        return PoolPlan([], np.empty(0, dtype=np.int64), oversize)
     order = ok[sort_order(padded[ok], ids[ok])]
     pad_s = padded[order]
     patch_s = None if patches is None else np.asarray(patches)[order]
@@ -124,7 +125,7 @@ def reference_plan_window(lengths, ids, cost: CostModel, *, final: bool, pack_ef
     for r in runs:
         taken[r] = True
     runs.sort(key=lambda r: int(r[0]))
-    return WindowPlan([order[r] for r in runs], order[~taken], oversize)
+    return PoolPlan([order[r] for r in runs], order[~taken], oversize)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -183,7 +184,7 @@ def time_us_per_sample(fn, lengths, ids, cost, patches, repeats: int) -> float:
     return 1e6 * float(np.median(times)) / len(ids)
 
 
-def compare(case, a: WindowPlan, b: WindowPlan) -> str:
+def compare(case, a: PoolPlan, b: PoolPlan) -> str:
     """'yes': the same plan; 'tie': other runs of equal DP value (float noise broke the tie)."""
     if ([g.tolist() for g in a.groups] == [g.tolist() for g in b.groups]
             and a.carry.tolist() == b.carry.tolist() and a.oversize.tolist() == b.oversize.tolist()):
@@ -194,7 +195,7 @@ def compare(case, a: WindowPlan, b: WindowPlan) -> str:
     ideal = cost.copies_that_fit(padded, patches) * padded.sum(axis=1)
     tokens = rows.sum(axis=1)
 
-    def value(plan: WindowPlan) -> float:  # groups are in sorted order: g[0] is the longest
+    def value(plan: PoolPlan) -> float:  # groups are in sorted order: g[0] is the longest
         return sum(float(tokens[g].sum()) / 0.95 - float(ideal[g[0]]) for g in plan.groups)
 
     same_shape = len(a.groups) == len(b.groups) and len(a.carry) == len(b.carry)

@@ -346,6 +346,13 @@ class ODBConfig:
 
 
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ODBConfig))
+# Options that change which batches come out: every rank must share them (odb.comm.agreement), and a
+# resume state saved under other values is refused (odb.resume.state).
+PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_size", "max_carry",
+                "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
+                "quadratic_length",
+                "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling",
+                "budget_schedule", "probe_worst_case", "layout")
 
 
 def _checked_init(init: Callable[..., None]) -> Callable[..., None]:

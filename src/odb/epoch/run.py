@@ -25,7 +25,8 @@ from odb.plan.buckets import oversize_message
 from odb.config import ODBConfig
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
-from odb.resume.state import Cursor, epoch_state, restore_epoch
+from odb.epoch.cursor import Cursor
+from odb.resume.state import epoch_state, restore_epoch
 from odb.plan.schedule import budget_at
 from odb.data.source import SampleSource
 from odb.epoch.stats import EpochStats

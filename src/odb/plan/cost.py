@@ -18,12 +18,14 @@ bucket lengths (``odb.plan.buckets``); a sample longer than the largest bucket f
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import numpy as np
 
 from odb.plan.buckets import bucket_lengths
-from odb.config import ODBConfig
+
+if TYPE_CHECKING:  # plan/ is pure numpy: the config is only read, never imported at run time
+    from odb.config import ODBConfig
 
 
 # Quadratic weights are floats: a batch whose exact cost equals the budget may compute
@@ -36,6 +38,7 @@ class CostModel:
 
     Example:
         >>> import numpy as np
+        >>> from odb.config import ODBConfig
         >>> cm = CostModel.from_config(ODBConfig(token_budget=100, pad_to_multiple_of=8))
         >>> cm.batch_cost(cm.pad(np.array([[10], [3]])))
         32.0

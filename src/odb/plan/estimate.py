@@ -39,12 +39,15 @@ expected excess of the most loaded of ``world_size`` shards over the mean:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from odb.config import ODBConfig
 from odb.plan.cost import CostModel
 from odb.plan.window import plan_stream, window_limits
+
+if TYPE_CHECKING:  # plan/ is pure numpy: the config is only read, never imported at run time
+    from odb.config import ODBConfig
 
 SIMULATE_MAX = 200_000  # samples simulated at most; beyond, the steady-state rate is extrapolated
 DEFAULT_PROBE = 512  # pilot probe; probe_size says when to read more
@@ -64,6 +67,7 @@ def estimate_steps(lengths: np.ndarray, n_samples: int, cfg: ODBConfig, *, world
         seed: seed of the shuffle or bootstrap; the answer is deterministic.
 
     Example:
+        >>> from odb.config import ODBConfig
         >>> cfg = ODBConfig(token_budget=4096)
         >>> x = np.random.default_rng(0).lognormal(6, 0.5, 5000).astype(int)
         >>> estimate_steps(x, 5000, cfg)   # all lengths known: the loader's plan, simulated
@@ -99,6 +103,7 @@ def step_shares(lengths: np.ndarray, cfg: ODBConfig) -> np.ndarray:
     Their sum is a lower bound on the steps (no padding); their spread sets a probe's error.
 
     Example:
+        >>> from odb.config import ODBConfig
         >>> step_shares(np.array([10, 25, 200]), ODBConfig(token_budget=100)).tolist()
         [0.1, 0.25, 1.0]
     """
@@ -116,6 +121,7 @@ def probe_size(probe: np.ndarray, n_samples: int, cfg: ODBConfig, rel_error: flo
     larger probe, since a small one tends to miss a heavy tail); never above n_samples.
 
     Example:
+        >>> from odb.config import ODBConfig
         >>> cfg = ODBConfig(token_budget=16384)
         >>> x = np.random.default_rng(0).lognormal(6.5, 0.3, 512).astype(int)
         >>> probe_size(x, 100_000, cfg)   # narrow lengths: the pilot is plenty

@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from odb.plan.cost import CostModel
-from odb.plan.planner import WindowPlan
+from odb.plan.pool_plan import PoolPlan
 
 
 def best_fit_decreasing(sizes: Sequence[float], capacity: float, max_items: Optional[int] = None,
@@ -101,7 +101,7 @@ def _pack(positions: np.ndarray, weights: np.ndarray, cost: CostModel, patches: 
 
 def plan_packed_window(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, *, final: bool,
                        pack_efficiency: float = 0.95, carry_limit: int = 512,
-                       patches: Optional[np.ndarray] = None) -> WindowPlan:
+                       patches: Optional[np.ndarray] = None) -> PoolPlan:
     """Plan one pool in the packed layout (the arguments of ``odb.plan.planner.plan_window``).
 
     Example:
@@ -115,7 +115,7 @@ def plan_packed_window(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, *,
     positions, weights, oversize = _sorted_sizes(lengths, ids, cost, patches)
     rows = _pack(positions, weights, cost, patches)
     if final:
-        return WindowPlan(rows, np.empty(0, dtype=np.int64), oversize)
+        return PoolPlan(rows, np.empty(0, dtype=np.int64), oversize)
     weight_of = np.zeros(len(ids))
     weight_of[positions] = weights
     fill = np.array([_fill(r, weight_of, cost, patches) for r in rows])
@@ -132,7 +132,7 @@ def plan_packed_window(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, *,
     emitted = [r for r, f in zip(rows, full) if f]
     rest = [r for r, f in zip(rows, full) if not f]
     carry = np.concatenate(rest) if rest else np.empty(0, dtype=np.int64)
-    return WindowPlan(emitted, carry, oversize)
+    return PoolPlan(emitted, carry, oversize)
 
 
 def _fill(row: np.ndarray, weight_of: np.ndarray, cost: CostModel, patches: Optional[np.ndarray]) -> float:

@@ -15,27 +15,14 @@ In the packed layout (one padding-free row per batch) both entry points hand ove
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from typing import List, Optional
 
 import numpy as np
 
 from odb.plan.cost import CostModel
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowPlan:
-    """The planner's answer for one pool.
-
-    groups: positions into the pool, one array per batch, longest batch first.
-    carry: positions to carry into the next window.
-    oversize: positions of samples that alone exceed the budget (left to the policy).
-    """
-
-    groups: List[np.ndarray]
-    carry: np.ndarray
-    oversize: np.ndarray
+from odb.plan.packing import balanced_rows, plan_packed_window
+from odb.plan.pool_plan import PoolPlan
 
 
 _TIE = 1e-6  # tokens; absorbs float error where emitting and carrying tie
@@ -213,7 +200,7 @@ def plan_window(
     pack_efficiency: float = 0.95,
     carry_limit: int = 512,
     patches: Optional[np.ndarray] = None,
-) -> WindowPlan:
+) -> PoolPlan:
     """Plan one pool of samples.
 
     Args:
@@ -232,9 +219,7 @@ def plan_window(
         >>> [g.tolist() for g in plan.groups]
         [[0, 1], [2, 3]]
     """
-    if cost.packed:  # one padding-free row per batch: bin packing (odb.plan.packing builds on WindowPlan)
-        from odb.plan.packing import plan_packed_window
-
+    if cost.packed:  # one padding-free row per batch: bin packing (odb.plan.packing)
         return plan_packed_window(lengths, ids, cost, final=final, pack_efficiency=pack_efficiency,
                                   carry_limit=carry_limit, patches=patches)
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -247,7 +232,7 @@ def plan_window(
     oversize = np.flatnonzero(fits == 0)
     ok = np.flatnonzero(fits > 0)
     if len(ok) == 0:
-        return WindowPlan([], np.empty(0, dtype=np.int64), oversize)
+        return PoolPlan([], np.empty(0, dtype=np.int64), oversize)
     order = ok[sort_order(padded[ok], ids[ok])]
     pad_s = padded[order]
     patch_s = None if patches is None else np.asarray(patches)[order]
@@ -263,7 +248,7 @@ def plan_window(
     for r in runs:
         taken[r] = True
     runs.sort(key=lambda r: int(r[0]))
-    return WindowPlan([order[r] for r in runs], order[~taken], oversize)
+    return PoolPlan([order[r] for r in runs], order[~taken], oversize)
 
 
 def _drain_carry(runs: List[np.ndarray], tokens: np.ndarray, ideal: np.ndarray, pad_s: np.ndarray,
@@ -305,8 +290,6 @@ def balanced_partition(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, n_
         [2, 2]
     """
     if cost.packed:
-        from odb.plan.packing import balanced_rows
-
         return balanced_rows(lengths, ids, cost, n_groups, patches)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(len(ids), -1)
     if len(lengths) == 0 or n_groups <= 0:

@@ -7,13 +7,15 @@ ids back to samples; benchmarks and tests drive it with length arrays alone.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from odb.config import ODBConfig
 from odb.plan.cost import CostModel
 from odb.plan.planner import plan_window
+
+if TYPE_CHECKING:  # plan/ is pure numpy: the config is only read, never imported at run time
+    from odb.config import ODBConfig
 
 
 # Default padded planning emits at 0.99 of a full batch; a window whose plan emits fewer than FEED_SHARE
@@ -59,6 +61,7 @@ class WindowPlanner:
     """Plans successive windows; keeps the carried samples between them.
 
     Example:
+        >>> from odb.config import ODBConfig
         >>> wp = WindowPlanner(ODBConfig(token_budget=100, buffer_size=4))
         >>> out = wp.plan(np.arange(4), np.array([50, 50, 10, 10]), final=True)
         >>> [g.tolist() for g in out.groups]
@@ -200,6 +203,7 @@ def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None,
     again, is not re-planned many times over for a few new samples.
 
     Example:
+        >>> from odb.config import ODBConfig
         >>> cfg = ODBConfig(token_budget=100, window_budgets=4, buffer_size=1000, first_window_size=8)
         >>> [window_limits(cfg, k) for k in (0, 1, 2, 20)]
         [(8, 400), (12, 400), (18, 400), (1000, 400)]

@@ -26,34 +26,16 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from odb.plan.align import StepPlan
+from odb.config import PLAN_OPTIONS  # noqa: F401  (validated here; odb.resume.loader_state reads it)
+from odb.epoch.cursor import Cursor
 from odb.epoch.stats import EpochStats
+from odb.plan.align import StepPlan
 
 STATE_VERSION = 3
-# Options that change which batches come out: a state saved under other values is refused.
-PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_size", "max_carry",
-                "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
-                "quadratic_length",
-                "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling",
-                "budget_schedule", "probe_worst_case", "layout")
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
             "sampler", "num_workers", "run"}
 RUN_KEYS = {"arrived", "planner", "planned_final", "all_done", "local_only", "window_index", "step", "carry",
             "pending", "chunk", "chunk_pos", "ghost", "stats", "layers", "stream", "step_tokens"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Cursor:
-    """Where an epoch stands after one batch: the state after the last planned window, plus the
-    steps emitted since and the counters then. Taking one costs O(1); ``cursor_state`` expands it.
-
-    ``step_tokens``: (all ranks', this rank's) supervised tokens of the batch's optimizer step,
-    when they are counted after planning (known lengths): a resume inside that step needs them."""
-
-    snapshot: Dict[str, Any]
-    since: int
-    stats: EpochStats
-    step_tokens: Optional[Tuple[int, int]] = None
 
 
 def _step(entry: Tuple[StepPlan, Optional[np.ndarray]]) -> List[Any]:
