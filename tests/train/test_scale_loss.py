@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import odb
 from dist_harness import run_ranks
-from odb.integrations.hf.steps import zero_loss as hf_zero_loss
+from odb.train.loss import zero_loss
 
 import loss_workers
 
@@ -107,12 +107,12 @@ def test_bad_arguments_name_the_fix():
 def test_hf_zero_without_logits_has_no_nan_gradient():
     model = loss_workers.lm_model(0)
     loss = masked_batch_loss(model, "ratio")
-    zero = hf_zero_loss({"loss": loss}, loss)  # a model output without logits
+    zero = zero_loss(loss, {"loss": loss})  # a model output without logits
     zero.backward()
     assert float(zero) == 0.0
     assert all(not torch.isnan(p.grad).any() for p in model.parameters())
     logits = torch.full((2, 3), float("inf"), requires_grad=True)  # exact zero even from infinite logits
-    assert float(hf_zero_loss({"logits": logits}, torch.tensor(float("nan")))) == 0.0
+    assert float(zero_loss(torch.tensor(float("nan")), {"logits": logits})) == 0.0
 
 
 def _max_rel_error(got, ref) -> float:

@@ -22,15 +22,17 @@ Example:
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
-from typing import Any, List, Set
+from collections.abc import Mapping
+from typing import Any, List, Optional, Set
 
 import torch
 from torch.utils.checkpoint import CheckpointFunction
 
 from odb.step_info import ODBStepInfo
 
-__all__ = ["scale_loss", "zero_loss"]
+__all__ = ["scale_loss", "weigh_loss", "zero_loss"]
 
 
 def scale_loss(loss: torch.Tensor, info: ODBStepInfo, factor: float = 1.0) -> torch.Tensor:
@@ -54,14 +56,36 @@ def scale_loss(loss: torch.Tensor, info: ODBStepInfo, factor: float = 1.0) -> to
     if not isinstance(info, ODBStepInfo):
         raise TypeError(f"scale_loss got info of type {type(info).__name__}, not an ODBStepInfo. Fix: pass "
                         f"info = odb.pop_step_info(batch).")
+    return weigh_loss(loss, info, factor)
+
+
+def weigh_loss(loss: torch.Tensor, info: ODBStepInfo, factor: float = 1.0, outputs: Any = None) -> torch.Tensor:
+    """The formula behind every odb loss scaling (``scale_loss``, the integrations' ``scale_loss``, the HF
+    Trainer's ``compute_loss``), without ``scale_loss``'s argument checks.
+
+    ``zero_loss(loss, outputs)`` when the batch adds nothing (no supervised token, or a
+    scale of 0: a ghost), else ``loss * (info.loss_scale * factor)``.
+
+    Example:
+        >>> import torch, odb
+        >>> info = odb.ODBStepInfo(0, 0, 2, 4, 10, 40, 12, 16, 0.5, False)
+        >>> float(weigh_loss(torch.tensor(2.0), info, 2.0))
+        2.0
+    """
     if info.local_loss_tokens == 0 or info.loss_scale == 0:
-        return zero_loss(loss)
+        return zero_loss(loss, outputs)
     return loss * (info.loss_scale * factor)
 
 
-def zero_loss(loss: torch.Tensor) -> torch.Tensor:
+def zero_loss(loss: torch.Tensor, outputs: Optional[Any] = None) -> torch.Tensor:
     """A tensor of ``loss``'s shape and dtype, exactly 0, whose backward gives a zero gradient to every
     leaf tensor (parameter) that ``loss`` depends on, even when ``loss`` itself is NaN.
+
+    ``outputs``: the model's outputs (a mapping, as transformers' ``ModelOutput``), when at
+    hand. If they hold ``logits`` that require grad, the zero comes from those (an empty
+    slice of them, summed: exactly 0 even for infinite logits), so every parameter that
+    produced them gets a (zero) gradient, which keeps DDP's gradient all-reduce aligned.
+    Otherwise, as follows, from ``loss``'s own graph.
 
     A finite ``loss`` (a ghost batch: a real sample) backpropagates ``loss * 0`` through its
     own graph, so backward reaches exactly the parameters a real batch reaches, those inside
@@ -86,6 +110,9 @@ def zero_loss(loss: torch.Tensor) -> torch.Tensor:
         >>> zero.backward(); float(zero), w.grad.tolist()
         (0.0, [0.0, 0.0, 0.0])
     """
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
+    if isinstance(logits, torch.Tensor) and logits.requires_grad:
+        return torch.zeros_like(loss.detach()) + logits.reshape(-1)[:0].sum().to(loss.dtype)
     base = torch.zeros_like(loss.detach())
     if not loss.requires_grad:
         return base
@@ -163,5 +190,13 @@ def _checkpointed_parameters(function: Any) -> List[torch.Tensor]:
             f"uses any) odb cannot find, so they get no gradient from this batch; DDP without "
             f"find_unused_parameters then fails or waits at its gradient all-reduce. Fix: checkpoint with "
             f"use_reentrant=False, or pass checkpoint a module (or a bound method or functools.partial of one).",
-            stacklevel=5)
+            stacklevel=_outside_this_module())
     return tensors + [p for m in modules for p in m.parameters() if p.requires_grad]
+
+
+def _outside_this_module() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the first caller outside this module."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level

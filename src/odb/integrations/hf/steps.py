@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 
 from odb.config import ODBConfig
-from odb.train.loss import zero_loss as graph_zero
 from odb.step_info import ODBStepInfo, pop_step_info
 
 
@@ -164,17 +163,3 @@ def check_loss_tokens(batches: List[Any], infos: List[ODBStepInfo], cfg: ODBConf
             f"counts transformers' DataCollatorForLanguageModeling, DataCollatorWithPadding, DataCollatorForSeq2Seq, "
             f"DataCollatorWithFlattening and TRL's collators by itself.")
 
-
-def zero_loss(outputs: Any, loss: torch.Tensor) -> torch.Tensor:
-    """A zero loss still connected to the model's graph (a batch without supervised tokens, a ghost).
-
-    The model's mean over zero tokens is NaN (0/0), and NaN times 0 stays NaN, so the
-    zero comes from the logits instead (an empty slice of them, summed: exactly 0 even
-    for infinite logits); every parameter still gets a (zero) gradient, which keeps DDP's
-    gradient all-reduce aligned. Without logits, from the parameters the loss depends on
-    (``odb.train.loss.zero_loss``), never through a 0/0 that would make the gradients NaN.
-    """
-    logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
-    if isinstance(logits, torch.Tensor) and logits.requires_grad:
-        return torch.zeros_like(loss.detach()) + logits.reshape(-1)[:0].sum().to(loss.dtype)
-    return graph_zero(loss)

@@ -41,13 +41,14 @@ from odb.config import CONFIG_FIELDS, ODBConfig
 from odb.data.lengths import check_length_dims, seq2seq_lengths
 from odb.loader.dataloader import ODBDataLoader, make_config
 from odb.step_info import ODBStepInfo
+from odb.train.loss import weigh_loss
 from odb.integrations.hf.collators import collator_label, collator_options, collator_rules
 from odb.integrations.hf.data import build_train_loader, check_fits, epoch_emitted, estimate_micro_steps, read_state, write_state
 from odb.integrations.hf.progress import SampleProgress, schedule_by_samples
 from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, log_batching,
                        loss_shifts_labels, prepare_packed_rows)
-from odb.integrations.hf.steps import SampleView, StepFiller, check_loss_tokens, next_step, pad_step, recount_loss_tokens, zero_loss
-from odb.integrations.trl import sft_options
+from odb.integrations.hf.steps import SampleView, StepFiller, check_loss_tokens, next_step, pad_step, recount_loss_tokens
+from odb.integrations.trl_rules import sft_options
 
 __all__ = ["ODBTrainer", "ODBTrainerMixin", "collator_options", "configure_trainer", "enable_odb"]
 
@@ -272,10 +273,7 @@ class ODBTrainerMixin:
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
             loss = loss / self.accelerator.num_processes  # undo the Trainer's own cross-rank factor
-        if info.local_loss_tokens == 0 or info.loss_scale == 0:
-            loss = zero_loss(outputs, loss)
-        else:
-            loss = loss * info.loss_scale
+        loss = weigh_loss(loss, info, outputs=outputs)  # an exact zero from the logits when it adds nothing
         return (loss, outputs) if return_outputs else loss
 
     def floating_point_ops(self, inputs: Any) -> int:

@@ -1,0 +1,138 @@
+"""TRL's ``SFTTrainer`` rules that odb applies: what its collator implies for odb's options.
+
+Shared by ``odb.integrations.hf.trainer`` (``enable_odb`` applies them to any Trainer
+holding TRL's collator) and ``odb.integrations.trl`` (which re-exports them), so the
+imports run one way: both import this module; it imports neither. It imports neither
+TRL nor transformers: what is read comes from the objects the trainer already holds.
+The module docstring of ``odb.integrations.trl`` describes the rules.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any, Dict, Optional
+
+import torch
+
+from odb.config import ODBConfig
+
+__all__ = ["IGNORE_INDEX", "SFTLossTokens", "sft_options"]
+
+IGNORE_INDEX = -100  # the label TRL's collator writes for unsupervised tokens (and transformers' loss ignores)
+_SFT_MODULE = "trl.trainer.sft_trainer"
+
+
+class SFTLossTokens:
+    """Supervised tokens of one prepared SFT sample, as TRL's collator labels it and the model's loss counts it.
+
+    A token counts when its label (``labels``, else ``input_ids``) is not -100, it lies
+    inside ``completion_mask`` (when ``completion_only_loss``) and inside
+    ``assistant_masks`` (when the sample has them), and it is not the sample's first
+    token when ``skip_first`` (the model shifts labels, or padding-free rows mask each
+    sample's first position). Picklable: it runs in the loader's workers.
+
+    Example:
+        >>> count = SFTLossTokens(completion_only_loss=True)
+        >>> count({"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]})
+        2
+        >>> count({"input_ids": [5, 6, 7, 8]})
+        3
+    """
+
+    def __init__(self, completion_only_loss: bool, skip_first: bool = True) -> None:
+        self.completion_only_loss, self.skip_first = bool(completion_only_loss), bool(skip_first)
+
+    def __call__(self, sample: Mapping) -> int:
+        labels = sample["labels"] if "labels" in sample else sample["input_ids"]
+        keep = torch.as_tensor(labels).reshape(-1) != IGNORE_INDEX
+        masks = [sample.get("assistant_masks")]
+        if self.completion_only_loss:
+            masks.append(sample.get("completion_mask"))
+        for mask in masks:
+            if mask is not None:
+                keep &= torch.as_tensor(mask).reshape(-1) != 0
+        return int(keep[1:].sum() if self.skip_first else keep.sum())
+
+    def __repr__(self) -> str:
+        return f"SFTLossTokens(completion_only_loss={self.completion_only_loss}, skip_first={self.skip_first})"
+
+
+def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, Any], shift: bool) -> Dict[str, Any]:
+    """odb options implied by a trainer with TRL's collator, checked against the user's; others unchanged.
+
+    Called by ``odb.integrations.hf.enable_odb`` before it builds the config. ``shift``:
+    whether the model's loss shifts labels (causal LM). Options the user set win, unless
+    they contradict the collator (then ``ValueError`` naming the fix).
+
+    Example:
+        >>> sft_options(object(), None, {"buffer_size": 64}, True)  # not TRL's: unchanged
+        {'buffer_size': 64}
+    """
+    sft = sys.modules.get(_SFT_MODULE)  # TRL's collator means TRL is imported already
+    if sft is None:
+        return options
+    args = getattr(trainer, "args", None)
+    if isinstance(trainer, sft.SFTTrainer) and getattr(args, "packing", False):
+        raise ValueError(
+            f"odb cannot batch an SFTTrainer with SFTConfig(packing=True, packing_strategy="
+            f"{getattr(args, 'packing_strategy', None)!r}): TRL packs the dataset into rows of max_length="
+            f"{getattr(args, 'max_length', None)} tokens before odb sees it, so every sample is a full row and a "
+            f"token budget has no short and long samples left to group. Fix: packing=False; for padding-free rows "
+            f"that odb fills to token_budget, set padding_free=True.")
+    collator = getattr(trainer, "data_collator", None)
+    vision = getattr(sft, "DataCollatorForVisionLanguageModeling", None)
+    if vision is not None and isinstance(collator, vision):
+        raise ValueError(
+            "odb cannot batch an SFTTrainer with TRL's DataCollatorForVisionLanguageModeling: it applies the chat "
+            "template, tokenizes and processes images inside the collator, after odb has batched, so odb cannot "
+            "measure a sample's tokens. Fix: prepare the dataset into input_ids (and pixel values) yourself, pass "
+            "dataset_kwargs={'skip_prepare_dataset': True} and a data_collator that pads them, and give odb a "
+            "length_fn; or train without odb.")
+    if not isinstance(collator, sft.DataCollatorForLanguageModeling):
+        return options  # a collator of the user's: odb counts labels as for any Trainer
+    return _collator_options(collator, config, dict(options), shift)
+
+
+def _given(name: str, config: Optional[ODBConfig], options: Dict[str, Any], default: Any) -> Any:
+    """The user's value of an option (keyword first, then config), or ``default`` when neither sets it."""
+    if name in options:
+        return options[name]
+    value = getattr(config, name) if config is not None else default
+    return default if value == getattr(ODBConfig, name, default) else value
+
+
+def _collator_options(collator: Any, config: Optional[ODBConfig], out: Dict[str, Any], shift: bool) -> Dict[str, Any]:
+    name = type(collator).__name__
+    padding_free = bool(collator.padding_free)
+    flag = f"{name}(padding_free={padding_free})"
+    layout = _given("layout", config, out, None)
+    if padding_free and layout == "padded":
+        raise ValueError(f"odb got layout='padded' but {flag} flattens each batch into one padding-free row. Rule: "
+                         f"odb budgets a padding-free row as layout='packed' (the sum of its samples' lengths). Fix: "
+                         f"leave layout out (odb follows the collator), or set padding_free=False in the SFTConfig.")
+    if not padding_free and layout == "packed":
+        raise ValueError(f"odb got layout='packed' but {flag} pads each batch into rows, which then cost the "
+                         f"longest sample times the rows, beyond a budget planned on the sum of lengths. Fix: set "
+                         f"padding_free=True in the SFTConfig, or leave layout out.")
+    if padding_free:
+        out["layout"] = "packed"
+    pad = int(collator.pad_to_multiple_of or 1)
+    given = _given("pad_to_multiple_of", config, out, None)
+    if padding_free and pad > 1:
+        raise ValueError(f"{name} has pad_to_multiple_of={pad} with padding_free=True: it pads each padding-free "
+                         f"row up to a multiple of {pad}, beyond the sum of lengths that odb fills to token_budget. "
+                         f"Rule: a packed row has no padding. Fix: pad_to_multiple_of=None in the SFTConfig.")
+    if not padding_free and given is None and pad > 1:
+        out["pad_to_multiple_of"] = pad
+    elif not padding_free and given is not None and given % pad:
+        raise ValueError(f"odb got pad_to_multiple_of={given} but {name} pads to a multiple of {pad}. Rule: odb's "
+                         f"padded length must not be shorter than the collator's, or batches exceed token_budget. "
+                         f"Fix: pass pad_to_multiple_of={pad} (or a multiple of it), or leave it out.")
+    ignore = _given("ignore_index", config, out, IGNORE_INDEX)
+    if ignore != IGNORE_INDEX:
+        raise ValueError(f"odb got ignore_index={ignore} but {name} marks unsupervised labels with {IGNORE_INDEX}, "
+                         f"as the model's loss ignores them. Fix: leave ignore_index out.")
+    if _given("loss_tokens_fn", config, out, None) is None:
+        out["loss_tokens_fn"] = SFTLossTokens(collator.completion_only_loss, skip_first=shift or padding_free)
+    return out
