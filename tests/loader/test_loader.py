@@ -99,9 +99,9 @@ def test_persistent_workers_three_epochs():
         epochs.append(ids_of(batches))
         pids.append({p for b in batches for p in b["pid"]})
         if len(epochs) == 1:
-            inner = loader._odb_inner
+            inner = loader.odb_core.inner_loader
             assert inner is not None
-    assert loader._odb_inner is inner  # the inner loader, and so its workers, persisted
+    assert loader.odb_core.inner_loader is inner  # the inner loader, and so its workers, persisted
     assert pids[0] == pids[1] == pids[2] and len(pids[0]) == 2 and os.getpid() not in pids[0]
     assert len({repr(e) for e in epochs}) == 3
     loader.set_epoch(1)
@@ -126,7 +126,7 @@ def test_spawn_context():
 def test_prefetch_factor_passes_through():
     loader = make(num_workers=2, prefetch_factor=3, persistent_workers=True)
     assert flat_ids(epoch(loader)) == list(range(N))
-    assert loader.prefetch_factor == 3 and loader._odb_inner.prefetch_factor == 3
+    assert loader.prefetch_factor == 3 and loader.odb_core.inner_loader.prefetch_factor == 3
     with pytest.raises(ValueError, match="prefetch_factor"):  # torch's own rule still applies
         make(num_workers=0, prefetch_factor=3)
 

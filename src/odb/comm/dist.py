@@ -1,4 +1,4 @@
-"""The one module that touches torch.distributed: odb's metadata exchange.
+"""The one module that touches torch.distributed: odb's metadata exchange (protocol and gloo transport).
 
 A CPU (gloo) group of its own for every epoch of every loader, created on the main
 thread when the epoch's iterator is built (every rank builds its loaders' iterators in
@@ -14,6 +14,11 @@ iterating) joins its next exchange with ``FAILED`` (or ``STOPPED``) instead of i
 data (``RankExchange.announce``); every rank then also gathers a short utf-8 reason,
 the announcing ranks re-raise their own error and the others raise ``ODBRankFailed``
 naming the rank, so no rank waits for ``exchange_timeout_s``.
+
+The protocol (``RankExchange``) runs over a transport: ``GlooTransport`` here (processes),
+``odb.comm.threads.ThreadTransport`` for ranks that are threads of one process (tests).
+A loader gets its exchanges from a factory: ``GroupExchanges`` (this module) or
+``odb.comm.threads.ThreadRanks.exchanges(rank)``.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def release_at_exit() -> None:
         try:
             if not (dist.is_available() and dist.is_initialized()) or ex.dead:
                 continue
-            dist.monitored_barrier(group=ex.group, timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
+            ex.transport.exit_barrier(EXIT_BARRIER_S)
         except Exception:  # a rank that is not exiting with us: leave this group (and the rest) alone
             return
         ex.release()
@@ -154,34 +159,114 @@ def peer_error(rank: int, world_size: int, where: str, statuses: Sequence[int], 
                          first, reasons[first])
 
 
-class RankExchange:
-    """all_gather of small int64 arrays over the metadata group, with a status word and a clear error.
+def group_world(group: Any = None) -> Tuple[int, int]:
+    """(rank, world size) in ``group`` (None: the default group's, or (0, 1) without one); no collective."""
+    if group is None:
+        return world()
+    return dist.get_rank(group), dist.get_world_size(group)
 
-    Once an exchange has seen a failure (its own announcement, another rank's, or an
-    error of the group itself) it is ``dead``: no rank exchanges on it again.
+
+class GlooTransport:
+    """The transport of processes: all_gather of int64 arrays over a gloo group.
+
+    Without ``group`` it makes a fresh metadata group (a collective call: every rank, same
+    order, main thread) and owns it. ``gather`` raises ``ODBExchangeError`` when the group
+    fails or times out; an error that a signal handler raised while a gather went through
+    is kept in ``interrupted`` for the protocol to raise once the exchange is over.
+
+    Example (one process, no group: nothing to gather with)::
+
+        transport = GlooTransport(60.0)         # under torch.distributed: a gloo group of all ranks
+        transport.gather(np.array([0, 7]), "epoch 0")
     """
 
     def __init__(self, timeout_s: float, group: Any = None) -> None:
         self.owns_group = group is None
-        if group is not None:
-            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        else:
-            self.rank, self.world_size = world()
+        self.rank, self.world_size = group_world(group)
         self.timeout_s = timeout_s
         self.group: Optional[Any] = group
-        self.dead = False
-        self._interrupted: Optional[BaseException] = None  # raised on this thread while it exchanged
-        self._announced = False
-        self._announcing = threading.Lock()  # the training thread and the batch thread may both announce
+        self.interrupted: Optional[BaseException] = None
         if self.owns_group and self.world_size > 1:
             self.group = new_metadata_group(timeout_s)
-            _LIVE.append(self)
 
     def release(self) -> None:
-        """Release the group, if this exchange made it (call once its exchanges are over)."""
+        """Release the group, if this transport made it (call once its exchanges are over)."""
         if self.owns_group and self.group is not None:
             release_group(self.group)
             self.group = None
+
+    def exit_barrier(self, timeout_s: float) -> None:
+        """A barrier of every rank on this group (raises when one does not arrive within ``timeout_s``)."""
+        dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def gather(self, message: np.ndarray, where: str) -> np.ndarray:
+        """(world, len(message)) array of every rank's ``message`` (int64, same length on all ranks)."""
+        local = torch.as_tensor(message)
+        # Every message starts with a status word or a reason's byte (>= 0): a part still holding _UNSET
+        # was never received.
+        parts = [torch.full_like(local, _UNSET) for _ in range(self.world_size)]
+        work = None
+        try:
+            work = dist.all_gather(parts, local, group=self.group, async_op=True)
+            work.wait()
+        except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
+            if work is not None and work.is_completed() and _went_through(work, parts, local, self.rank):
+                # The exchange went through; the error was raised on this thread by a signal handler that ran
+                # once the wait returned (torch raises a DataLoader worker's death so). Every rank has this
+                # message: all_gather raises the error once its exchange is over, so the ranks stay in step
+                # and this rank can still announce the error at the next exchange.
+                self.interrupted = self.interrupted or err
+                return torch.stack(parts).numpy()
+            raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
+        return torch.stack(parts).numpy()
+
+
+def exchange_failed(rank: int, world_size: int, where: str, timeout_s: float, err: BaseException
+                    ) -> ODBExchangeError:
+    """The error of a rank whose transport failed at ``where`` (a peer died, stalled or stopped)."""
+    return ODBExchangeError(
+        f"odb rank {rank} of {world_size}: the metadata exchange at {where} failed or waited "
+        f"more than exchange_timeout_s={timeout_s}: another rank died, stalled or stopped iterating "
+        f"its odb loader ({type(err).__name__}: {err}). Fix: check the other ranks' logs; every rank "
+        f"must iterate its odb loaders in the same order; raise exchange_timeout_s for very slow "
+        f"steps.")
+
+
+class RankExchange:
+    """odb's exchange protocol: all_gather of small int64 arrays with a status word and a clear error.
+
+    The protocol (status word, reasons, ``dead``, ``announce``, ``ODBRankFailed`` on the peers)
+    runs over a transport: by default a gloo group (``GlooTransport(timeout_s, group)``); tests
+    and custom setups pass ``transport=`` (e.g. ``odb.comm.threads.ThreadRanks``, ranks as
+    threads). Once an exchange has seen a failure (its own announcement, another rank's, or
+    an error of the transport itself) it is ``dead``: no rank exchanges on it again.
+
+    Example:
+        >>> from odb.comm.threads import ThreadRanks
+        >>> ex = RankExchange(5.0, transport=ThreadRanks(1).transport(0))
+        >>> ex.all_gather(np.array([3, 4]), "example").tolist()
+        [[3, 4]]
+    """
+
+    def __init__(self, timeout_s: float, group: Any = None, *, transport: Any = None) -> None:
+        self.transport = transport if transport is not None else GlooTransport(timeout_s, group)
+        self.rank, self.world_size = self.transport.rank, self.transport.world_size
+        self.timeout_s = timeout_s
+        self.dead = False
+        self._announced = False
+        self._announcing = threading.Lock()  # the training thread and the batch thread may both announce
+        if getattr(self.transport, "owns_group", False) and self.world_size > 1:
+            _LIVE.append(self)
+
+    @property
+    def group(self) -> Any:
+        """The transport's process group (None for transports without one)."""
+        return getattr(self.transport, "group", None)
+
+    def release(self) -> None:
+        """Release the transport's group, if it made one (call once the exchanges are over)."""
+        if getattr(self.transport, "owns_group", False) and self.transport.group is not None:
+            self.transport.release()
             self.dead = True  # a released exchange takes no more collectives (None would mean the default group)
             if self in _LIVE:
                 _LIVE.remove(self)
@@ -210,9 +295,17 @@ class RankExchange:
             return None
         raise peer_error(self.rank, self.world_size, where, statuses.tolist(), [decode_reason(s) for s in slots])
 
+    def _gather(self, message: np.ndarray, where: str) -> np.ndarray:
+        try:
+            return self.transport.gather(message, where)
+        except ODBExchangeError:
+            self.dead = True
+            raise
+
     def _raise_interrupted(self) -> None:
-        err, self._interrupted = self._interrupted, None
+        err = getattr(self.transport, "interrupted", None)
         if err is not None:
+            self.transport.interrupted = None
             raise err
 
     def announce(self, shape: Tuple[int, ...], where: str, error: Optional[BaseException]) -> None:
@@ -229,31 +322,26 @@ class RankExchange:
         status, reason = failure_of(error)
         self.all_gather(np.zeros(shape, dtype=np.int64), where, status, reason)
 
-    def _gather(self, message: np.ndarray, where: str) -> np.ndarray:
-        local = torch.as_tensor(message)
-        # Every message starts with a status word or a reason's byte (>= 0): a part still holding _UNSET
-        # was never received.
-        parts = [torch.full_like(local, _UNSET) for _ in range(self.world_size)]
-        work = None
-        try:
-            work = dist.all_gather(parts, local, group=self.group, async_op=True)
-            work.wait()
-        except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
-            if work is not None and work.is_completed() and _went_through(work, parts, local, self.rank):
-                # The exchange went through; the error was raised on this thread by a signal handler that ran
-                # once the wait returned (torch raises a DataLoader worker's death so). Every rank has this
-                # message: all_gather raises the error once its exchange is over, so the ranks stay in step
-                # and this rank can still announce the error at the next exchange.
-                self._interrupted = self._interrupted or err
-                return torch.stack(parts).numpy()
-            self.dead = True
-            raise ODBExchangeError(
-                f"odb rank {self.rank} of {self.world_size}: the metadata exchange at {where} failed or waited "
-                f"more than exchange_timeout_s={self.timeout_s}: another rank died, stalled or stopped iterating "
-                f"its odb loader ({type(err).__name__}: {err}). Fix: check the other ranks' logs; every rank "
-                f"must iterate its odb loaders in the same order; raise exchange_timeout_s for very slow "
-                f"steps.") from err
-        return torch.stack(parts).numpy()
+
+class GroupExchanges:
+    """Makes the exchanges of an odb loader over torch.distributed: on ``group``, or (None) each on a
+    fresh gloo group of the default group's ranks. ``world()`` says (rank, world size) without a
+    collective; calling it makes one exchange (a collective where it makes a group).
+
+    Example:
+        >>> GroupExchanges().world()   # no torch.distributed here: one rank
+        (0, 1)
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def world(self) -> Tuple[int, int]:
+        """(rank, world size) of the ranks this factory's exchanges span."""
+        return group_world(self.group)
+
+    def __call__(self, timeout_s: float) -> RankExchange:
+        return RankExchange(timeout_s, self.group)
 
 
 def _went_through(work: Any, parts: List[torch.Tensor], local: torch.Tensor, rank: int) -> bool:

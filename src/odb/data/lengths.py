@@ -182,6 +182,34 @@ def count_loss_tokens(sample: Any, label_key: str = "labels", ignore_index: int 
     return sum(1 for v in seq if v != ignore_index)
 
 
+def batch_loss_tokens(batch: Any, label_key: str = "labels", ignore_index: int = -100, shift: bool = False,
+                      shifted_key: Optional[str] = None) -> Optional[int]:
+    """Supervised tokens of a collated batch as the loss sees them: labels != ignore_index; None when
+    the batch holds no label tensor (the caller's fallback applies).
+
+    ``shifted_key`` (e.g. ``"shift_labels"``, as padding-free collators provide), when the batch has
+    it, is counted as is; else ``batch[label_key]``, without its first column when ``shift``
+    (a causal LM's loss shifts its labels).
+
+    Example:
+        >>> batch = {"labels": torch.tensor([[-100, 5, 6], [7, 8, -100]])}
+        >>> batch_loss_tokens(batch), batch_loss_tokens(batch, shift=True)
+        (4, 3)
+        >>> batch_loss_tokens({"input_ids": torch.ones(2, 3)}) is None
+        True
+    """
+    if not isinstance(batch, Mapping):
+        return None
+    labels = batch.get(shifted_key) if shifted_key is not None else None
+    if labels is None:
+        labels = batch.get(label_key)
+        if isinstance(labels, torch.Tensor) and shift:
+            labels = labels[..., 1:]
+    if not isinstance(labels, torch.Tensor):
+        return None
+    return int(labels.ne(ignore_index).sum())
+
+
 def image_patches(sample: Any, key: str) -> int:
     """Image patches of a sample from the field ``key`` (an int or a tensor/sequence of counts)."""
     value = sample[key] if isinstance(sample, Mapping) else getattr(sample, key)

@@ -18,12 +18,12 @@ from collections.abc import Mapping
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 from torch.utils.data import Sampler
 
 from odb.config import ODBConfig
 from odb.comm.dist import announce_in_background
 from odb.resume.state import Cursor
+from odb.data.lengths import batch_loss_tokens
 from odb.data.source import Record, WorkerWatch
 from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
 
@@ -85,23 +85,20 @@ class GroupCollate:
         return self.collate_fn(samples)
 
 
-def batch_loss_tokens(batch: Any, cfg: ODBConfig, fallback: int) -> int:
-    """Supervised tokens of a collated batch: labels != ignore_index (labels[..., 1:] with shift_labels)."""
-    labels = batch.get(cfg.label_key) if isinstance(batch, Mapping) else None
-    if not isinstance(labels, torch.Tensor):
-        return fallback
-    if cfg.shift_labels:
-        labels = labels[..., 1:]
-    return int((labels != cfg.ignore_index).sum())
+def _loss_tokens(batch: Any, cfg: ODBConfig, fallback: int) -> int:
+    """Supervised tokens of a collated batch (``fallback`` when it holds no label tensor)."""
+    tokens = batch_loss_tokens(batch, cfg.label_key, cfg.ignore_index, cfg.shift_labels)
+    return fallback if tokens is None else tokens
 
 
 def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchange: Any,
-                totals: Optional[Sequence[int]] = None) -> List[Any]:
-    """The micro-batches of one optimizer step with their supervised tokens and loss scales filled in.
+                totals: Optional[Sequence[int]] = None, wait_s: float = 0.0) -> List[Any]:
+    """The micro-batches of one optimizer step with their supervised tokens and loss scales filled in
+    (and ``loader_wait_s=wait_s``).
 
     ``totals`` (all ranks', this rank's supervised tokens of the whole step) are given for the rest
     of a step that a resume split: they were exchanged before the interruption."""
-    local = [0 if info.is_ghost else batch_loss_tokens(batch, cfg, info.real_tokens) for batch, info in micro]
+    local = [0 if info.is_ghost else _loss_tokens(batch, cfg, info.real_tokens) for batch, info in micro]
     local_total = sum(local)
     if totals is not None:
         world, total, local_total = (exchange.world_size if exchange is not None else 1), *map(int, totals)
@@ -124,7 +121,8 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
             scale = tokens / local_total if local_total else 0.0
         else:  # "sample" and "none" need no token counts: the planner's scale stands
             scale = info.loss_scale
-        info = dataclasses.replace(info, local_loss_tokens=tokens, global_loss_tokens=total, loss_scale=scale)
+        info = dataclasses.replace(info, local_loss_tokens=tokens, global_loss_tokens=total, loss_scale=scale,
+                                   loader_wait_s=wait_s)
         out.append(attach_step_info(batch, info, cfg.step_info_key))
     return out
 
@@ -172,11 +170,10 @@ def _known_steps(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBC
             micro.append((batch,) + sampler.infos.popleft())
         waited = (time.perf_counter() - t0) / len(micro)
         totals = resume_totals if info.micro_step > 0 else None
-        finished = finish_step([(b, i) for b, i, _ in micro], cfg, exchange, totals)
+        finished = finish_step([(b, i) for b, i, _ in micro], cfg, exchange, totals, waited)
         infos = [b[cfg.step_info_key] if isinstance(b, Mapping) else getattr(b, cfg.step_info_key) for b in finished]
         step_tokens = (infos[0].global_loss_tokens,
                        int(totals[1]) if totals is not None else sum(f.local_loss_tokens for f in infos))
         for batch, filled, (_, info, cursor) in zip(finished, infos, micro):
-            object.__setattr__(filled, "loader_wait_s", waited)  # not yet seen by anyone
             on_batch(dataclasses.replace(cursor, step_tokens=step_tokens), waited, filled.local_loss_tokens)
             yield batch

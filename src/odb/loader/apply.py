@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from torch.utils.data import BatchSampler, DataLoader, default_collate
 
 from odb.config import ODBConfig
+from odb.loader.core import LoaderCore, exchange_factory
 from odb.loader.dataloader import ODBLoaderMixin, check_inputs, draw_seed, group_collate_for, make_config, shuffles
 from odb.packed.collate import PackedCollate
 
@@ -18,7 +19,7 @@ def _odb_class(cls: type) -> type:
     # framework's own class (and every other loader of it) is never modified.
     sub = _SUBCLASSES.get(cls)
     if sub is None:
-        sub = type(f"ODB{cls.__name__}", (ODBLoaderMixin, cls), {"__module__": __name__, "_odb_original": cls})
+        sub = type(f"ODB{cls.__name__}", (ODBLoaderMixin, cls), {"__module__": __name__, "odb_original_class": cls})
         _SUBCLASSES[cls] = sub
     return sub
 
@@ -50,13 +51,14 @@ class ODBHandle:
     def remove(self) -> None:
         """Give the loader back its original class and behaviour."""
         loader = self.loader
-        if isinstance(loader, ODBLoaderMixin) and hasattr(type(loader), "_odb_original"):
-            loader.__class__ = type(loader)._odb_original
+        if isinstance(loader, ODBLoaderMixin) and hasattr(type(loader), "odb_original_class"):
+            loader.__class__ = type(loader).odb_original_class
 
 
 def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
           shuffle: Optional[bool] = None, collate_fn: Optional[Callable] = None,
-          lengths: Optional[Sequence[int]] = None, process_group: Any = None, **options: Any) -> ODBHandle:
+          lengths: Optional[Sequence[int]] = None, process_group: Any = None, exchange: Any = None,
+          **options: Any) -> ODBHandle:
     """Make ``loader`` (a DataLoader built with batch_size=1 or None) batch by token budget, in place.
 
     Frameworks that hold a reference to the loader keep it; the loader's dataset,
@@ -65,6 +67,7 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
     the loader's collate_fn is applied per sample in the workers and ``collate_fn``
     (default: default_collate) collates each planned group. With ``layout="packed"``
     and no collate of the user's, groups are collated by ``odb.PackedCollate``.
+    ``process_group`` and ``exchange`` are as in ``odb.ODBDataLoader``.
 
     Example:
         >>> import torch, odb
@@ -92,8 +95,9 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
         collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
     group_collate, transform = group_collate_for(loader, collate_fn)
     seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator, loader.sampler)
-    loader.__class__ = _odb_class(type(loader))
-    loader._odb_setup(cfg, shuffle=shuffles(loader) if shuffle is None else bool(shuffle), seed=seed,
+    core = LoaderCore(loader, cfg, shuffle=shuffles(loader) if shuffle is None else bool(shuffle), seed=seed,
                       group_collate=group_collate, sample_transform=transform, own_sampler=None, lengths=lengths,
-                      process_group=process_group)
+                      exchanges=exchange_factory(cfg, process_group, exchange))
+    loader.__class__ = _odb_class(type(loader))
+    loader.odb_attach(core)  # the one attribute odb adds
     return ODBHandle(loader)

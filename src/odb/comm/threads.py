@@ -1,0 +1,129 @@
+"""Ranks as threads of one process: a transport for odb's exchange protocol without torch.distributed.
+
+``ThreadRanks(world_size)`` stands for one "process group" whose ranks are threads.
+Each rank's loader gets ``exchange=ranks.exchanges(rank)``: the k-th exchange a rank
+makes meets the k-th exchange of every other rank (as every rank of a real run makes its
+loaders' exchanges in the same order), and runs the real protocol (status words,
+reasons, ``announce``, ``ODBRankFailed``) over a barrier instead of a gloo all_gather.
+Used by the tests to run N real ``ODBDataLoader``s in N threads; handy for custom setups.
+
+Example:
+    >>> import threading, numpy as np
+    >>> ranks = ThreadRanks(2)
+    >>> out = [None, None]
+    >>> def run(rank):
+    ...     ex = ranks.exchanges(rank)(5.0)
+    ...     out[rank] = ex.all_gather(np.array([rank * 10]), "example").ravel().tolist()
+    >>> threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    >>> for t in threads: t.start()
+    >>> for t in threads: t.join()
+    >>> out
+    [[0, 10], [0, 10]]
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from odb.comm.dist import RankExchange, exchange_failed
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class _Meeting:
+    """Where the k-th exchange of every rank meets: a barrier and one slot per rank."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size)
+        self.slots: List[Optional[np.ndarray]] = [None] * world_size
+        self.joined = 0  # ranks that took their transport (the meeting is forgotten once all have)
+
+
+class ThreadTransport:
+    """One rank's side of a thread meeting: ``gather`` through a barrier (no group to own or release)."""
+
+    owns_group = False
+
+    def __init__(self, meeting: _Meeting, rank: int, timeout_s: float) -> None:
+        self.meeting, self.rank, self.world_size = meeting, rank, len(meeting.slots)
+        self.timeout_s = timeout_s
+        self.interrupted: Optional[BaseException] = None
+
+    def gather(self, message: np.ndarray, where: str) -> np.ndarray:
+        """(world, len(message)) array of every rank's ``message``; ``ODBExchangeError`` when a rank does
+        not arrive within the timeout (the barrier breaks: every waiting rank raises)."""
+        meeting = self.meeting
+        try:
+            meeting.slots[self.rank] = np.array(message, dtype=np.int64)
+            meeting.barrier.wait(self.timeout_s)
+            out = np.stack(meeting.slots)  # type: ignore[arg-type]
+            meeting.barrier.wait(self.timeout_s)  # nobody overwrites a slot before every rank has read
+        except threading.BrokenBarrierError as err:
+            meeting.barrier.abort()
+            raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
+        return out
+
+    def release(self) -> None:
+        """Nothing to release (a thread meeting holds no group)."""
+
+
+class ThreadExchanges:
+    """One rank's exchange factory (what a loader's ``exchange=`` takes): ``world()`` and, per call, the
+    rank's next exchange."""
+
+    def __init__(self, ranks: "ThreadRanks", rank: int) -> None:
+        self.ranks, self.rank = ranks, rank
+        self.made = 0
+
+    def world(self) -> Tuple[int, int]:
+        """(rank, world size)."""
+        return self.rank, self.ranks.world_size
+
+    def __call__(self, timeout_s: float) -> RankExchange:
+        index, self.made = self.made, self.made + 1
+        return RankExchange(timeout_s, transport=self.ranks.transport(self.rank, index))
+
+
+class ThreadRanks:
+    """``world_size`` ranks that are threads of this process (see the module's docstring).
+
+    ``timeout_s`` bounds every wait at a barrier (a rank that never arrives: every other
+    rank raises ``odb.comm.dist.ODBExchangeError``); the loader's ``exchange_timeout_s`` is
+    not used here.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if world_size < 1:
+            raise ValueError(f"ThreadRanks got world_size={world_size!r}: a group has at least one rank. "
+                             f"Fix: pass world_size >= 1.")
+        self.world_size, self.timeout_s = int(world_size), float(timeout_s)
+        self._meetings: Dict[int, _Meeting] = {}
+        self._lock = threading.Lock()
+
+    def exchanges(self, rank: int) -> ThreadExchanges:
+        """Rank ``rank``'s exchange factory: pass it as ``odb.ODBDataLoader(..., exchange=...)``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"ThreadRanks.exchanges got rank={rank!r} for {self.world_size} ranks. "
+                             f"Fix: pass a rank in 0..{self.world_size - 1}.")
+        return ThreadExchanges(self, rank)
+
+    def transport(self, rank: int, index: int = 0) -> ThreadTransport:
+        """Rank ``rank``'s side of the ``index``-th meeting."""
+        with self._lock:
+            meeting = self._meetings.get(index)
+            if meeting is None:
+                meeting = self._meetings[index] = _Meeting(self.world_size)
+            meeting.joined += 1
+            if meeting.joined == self.world_size:
+                del self._meetings[index]
+        return ThreadTransport(meeting, rank, self.timeout_s)
+
+    def abort(self) -> None:
+        """Break every meeting: ranks waiting in an exchange raise instead of waiting for a dead thread."""
+        with self._lock:
+            meetings = list(self._meetings.values())
+        for meeting in meetings:
+            meeting.barrier.abort()
