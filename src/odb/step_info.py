@@ -95,6 +95,28 @@ class ODBStepInfo:
 _wrapped_types: Dict[type, type] = {}
 
 
+def loss_scale(mode: str, tokens: int, total: int, local_total: int, world: int, planned: float) -> float:
+    """The loss scale of one micro-batch under ``loss_scaling=mode`` (one definition for every path).
+
+    ``tokens``: the micro-batch's supervised tokens; ``total``: the optimizer step's over all ranks;
+    ``local_total``: the step's on this rank; ``world``: the ranks; ``planned``: the scale fixed at
+    planning ("sample": world x samples / the step's samples over all ranks; "none": 1.0), which
+    needs no token counts and stands. "exact" is ``world x tokens / total``, "approx"
+    ``tokens / local_total`` (0.0 when the denominator is 0). Ghost batches scale by 0.0 (callers').
+
+    Example:
+        >>> loss_scale("exact", 30, 120, 60, 2, 1.0), loss_scale("approx", 30, 120, 60, 2, 1.0)
+        (0.5, 0.5)
+        >>> loss_scale("sample", 30, 120, 60, 2, 0.75), loss_scale("exact", 0, 0, 0, 2, 1.0)
+        (0.75, 0.0)
+    """
+    if mode == "exact":
+        return world * tokens / total if total else 0.0
+    if mode == "approx":
+        return tokens / local_total if local_total else 0.0
+    return planned
+
+
 def _carrier_type(cls: type) -> type:
     # A subclass of a tuple/list type that can hold an attribute; created once per type.
     sub = _wrapped_types.get(cls)

@@ -10,7 +10,6 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from odb.plan.cost import CostModel
 from odb.data.source import Meta
 
 
@@ -70,10 +69,6 @@ class SamplePool:
 
     def real_tokens(self, ids: Iterable[int]) -> int:
         return sum(sum(self._meta[int(i)][0]) for i in ids)
-
-    def cost(self, ids: np.ndarray, cost: CostModel) -> int:
-        """B x L of a group (summed over length dimensions); in the packed layout, its row's cost."""
-        return cost.group_cost(self.lengths(ids))
 
     def longest(self, ids: np.ndarray) -> int:
         return max(sum(self._meta[int(i)][0]) for i in ids)

@@ -1,9 +1,11 @@
 """How one rank fits its planned groups to the steps all ranks agreed on.
 
-Exchange the window header, decide the step count (pure, odb.plan.align), then defer, draw
-from the carry, re-balance the last window, split, or add ghosts; exchange per-step
-summaries and order the steps identically on every rank. Works on the window planner
-(carry) and the sample pool (lengths, loss tokens) it is given.
+Exchange the window header; the decisions are pure functions of the exchanged integers
+(odb.plan.fitting, odb.plan.align): the step count, then what to defer, what to draw
+from the carry, whether to re-balance the last window, what to split, how many ghosts.
+The aligner applies them through the window planner's methods (its carry), reads the
+sample pool (lengths, loss tokens), exchanges per-step summaries and orders the steps
+identically on every rank.
 
 Steps are confirmed once made, ``CONFIRM_STEPS`` at a time (``confirm``), before any of
 them reaches the training loop, so a rank whose batch failed stops every rank at the same
@@ -15,39 +17,72 @@ the shape the others expect.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from odb.comm.agreement import agreed_values, check_agreement, fingerprint
-from odb.plan.align import StepPlan, decide_steps, global_steps, local_steps, shared_step_order
 from odb.comm.dist import ODBOptionMismatch
-from odb.plan.planner import balanced_partition
 from odb.epoch.pool import SamplePool
-from odb.epoch.stats import EpochStats
+from odb.plan.align import StepPlan, global_steps, local_steps, shared_step_order
+from odb.plan.fitting import cost_rank_order, decide_splits, decide_trim, decide_window, must_emit
+from odb.plan.planner import balanced_partition
 from odb.plan.window import WindowPlanner
 
 Step = Tuple[StepPlan, Optional[np.ndarray]]
 CONFIRM_STEPS = 4  # steps confirmed by one exchange (the same on every rank: it shapes the protocol)
 
 
-class RankAligner:
-    """One rank's side of the per-window alignment (``exchange`` is None on a single process)."""
+@dataclasses.dataclass(frozen=True)
+class FitCounts:
+    """What one window's fit did on this rank (the epoch's counters add them up)."""
 
-    def __init__(self, exchange: Any, planner: WindowPlanner, pool: SamplePool, stats: EpochStats, *,
-                 epoch: int, seed: int, shuffle: bool) -> None:
+    deferred: int = 0  # groups put back into the carry
+    from_carry: int = 0  # groups taken from the carry
+    split: int = 0  # groups cut in halves
+
+
+class RankAligner:
+    """One rank's side of the per-window alignment (``exchange`` is None on a single process).
+
+    It decides nothing itself (odb.plan.fitting does, over exchanged integers): it exchanges,
+    then applies the decisions through the window planner's methods (defer, take from the carry).
+    It reads the pool, and leaves the epoch's counters to the epoch run: ``last_fit`` says what the
+    last window's fit did. ``steps_done`` tells it the steps emitted so far (for its messages).
+    """
+
+    def __init__(self, exchange: Any, planner: WindowPlanner, pool: SamplePool, *, epoch: int, seed: int,
+                 shuffle: bool, steps_done: Callable[[], int] = lambda: 0) -> None:
         self.exchange = exchange
-        self.planner, self.pool, self.stats = planner, pool, stats
+        self.planner, self.pool = planner, pool
         self.epoch, self.seed, self.shuffle = epoch, seed, shuffle
+        self._steps_done = steps_done
         self.local_only = exchange is None
         self.all_done = False
         self.unconfirmed = 0  # exchanged steps not yet confirmed (made) on this rank
+        self.last_fit = FitCounts()
         self._values = agreed_values(planner.cfg, shuffle)
         self._fingerprint = fingerprint(self._values)
         self._body: Optional[Tuple[int, int]] = None  # shape of the summaries due after a header
 
+    # ---- state (odb.resume) ------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Whether every rank is done, and whether this rank goes on alone: constant keys."""
+        return {"all_done": self.all_done, "local_only": self.local_only}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.all_done = bool(state["all_done"])
+        self.local_only = bool(state["local_only"]) or self.exchange is None
+
+    def expect_confirmations(self, steps: int) -> None:
+        """A resumed run holds ``steps`` exchanged steps that it makes and confirms from now on."""
+        self.unconfirmed = steps
+
+    # ---- alignment ---------------------------------------------------------------------
     def cost(self, group: np.ndarray) -> int:
-        return self.pool.cost(group, self.planner.cost)
+        """What ranks compare to pair groups of similar cost (``CostModel.group_cost``)."""
+        return self.planner.cost.group_cost(self.pool.lengths(group))
 
     def local(self, groups: List[np.ndarray]) -> List[Step]:
         """Every group is a step of its own, with local figures as global ones."""
@@ -56,25 +91,25 @@ class RankAligner:
 
     def align(self, groups: List[np.ndarray], planned_final: bool, window_index: int) -> List[Step]:
         """This window's steps; sets ``all_done`` once no rank has anything left."""
+        self.last_fit = FitCounts()
         if self.local_only:
             self.all_done = planned_final
             return self.local(groups)
         ex, cfg = self.exchange, self.planner.cfg
         where = f"epoch {self.epoch}, window {window_index}"
         header = self._exchange([len(groups), self._must_emit(groups), int(planned_final), self.seed], where)
-        exhausted = header[:, 2].astype(bool)
-        if not cfg.join and exhausted.any():
-            # join=False: from the first window where a rank's data ends, every rank
-            # emits its own groups and stops when they end (the user wraps the model in Join).
+        window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join)
+        if window.go_local:
             self.local_only = True
             self.all_done = planned_final
             return self.local(groups)
-        n_steps = decide_steps(header[:, 0], header[:, 1], exhausted)
+        n_steps = window.steps
         self._body = (n_steps, 3) if n_steps else None
         fitted = self._fit(groups, n_steps, planned_final)
         probe = cfg.probe_worst_case and window_index == 1
-        keys = [(self.pool.longest(g) if probe else 0, self.cost(g)) if g is not None else (0, 0) for g in fitted]
-        ranked = [fitted[k] for k in sorted(range(len(fitted)), key=lambda k: (-keys[k][0], -keys[k][1]))]
+        costs = [self.cost(g) if g is not None else 0 for g in fitted]
+        longest = [self.pool.longest(g) if g is not None else 0 for g in fitted] if probe else None
+        ranked = [fitted[k] for k in cost_rank_order(costs, longest).tolist()]
         stats = np.array([[self.cost(g), len(g), self.pool.loss_tokens(g)] if g is not None else [0, 0, 0]
                           for g in ranked], dtype=np.int64).reshape(n_steps, 3)
         everyone = ex.all_gather(stats, where) if n_steps else np.zeros((ex.world_size, 0, 3), dtype=np.int64)
@@ -83,7 +118,7 @@ class RankAligner:
         order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, window_index, self.shuffle)
         if probe and n_steps:  # every rank's batch with the longest samples runs first
             order = np.concatenate(([0], order[order != 0]))
-        self.all_done = bool(exhausted.all())
+        self.all_done = window.all_done
         slots = [k if ranked[k] is not None else None for k in range(n_steps)]
         return [(s, None if s.group is None else ranked[s.group])
                 for s in global_steps(everyone, ex.rank, order, slots)]
@@ -109,11 +144,10 @@ class RankAligner:
     def announce(self, error: Optional[BaseException]) -> None:
         """Join the next exchange with this rank's failure (``error``) or stop (None), so every rank raises
         at once; nothing when no exchange is left or the exchange already failed."""
-        announce = getattr(self.exchange, "announce", None)  # test stand-ins of the exchange may not announce
-        if announce is None or self.finished:
+        if self.finished:
             return
         shape = self._body if self._body is not None else (4 + len(self._fingerprint),)
-        announce(shape, f"epoch {self.epoch}, after step {self.stats.steps}", error)
+        self.exchange.announce(shape, f"epoch {self.epoch}, after step {self._steps_done()}", error)
 
     def _exchange(self, fields: List[int], where: str) -> np.ndarray:
         """A header-sized message (4 fields and the options' fingerprint) of every rank; refuses ranks
@@ -127,7 +161,7 @@ class RankAligner:
             raise
         return gathered[:, :4]
 
-    def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[Optional[np.ndarray]]:
+    def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[np.ndarray]:
         """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""
         ids = np.concatenate(groups)
         patches = self.pool.patches(ids) if self.planner.cfg.image_patches_key else None
@@ -136,48 +170,26 @@ class RankAligner:
 
     def _must_emit(self, groups: List[np.ndarray]) -> int:
         """Groups this rank cannot defer: deferring more would grow its carry past a full window."""
-        cfg = self.planner.cfg
-        carried = self.planner.carried_ids
-        room = cfg.buffer_size - len(carried)
+        cfg, carried = self.planner.cfg, self.planner.carried_ids
         window_tokens = cfg.window_tokens
         room_tokens = None if window_tokens is None else window_tokens - self.pool.real_tokens(carried)
-        must = len(groups)
-        for g in sorted(groups, key=self.cost):
-            tokens = self.pool.real_tokens(g) if room_tokens is not None else 0
-            if len(g) > room or (room_tokens is not None and tokens > room_tokens):
-                break
-            room -= len(g)
-            if room_tokens is not None:
-                room_tokens -= tokens
-            must -= 1
-        return must
-
-    def _defer(self, group: np.ndarray) -> None:
-        patches = self.pool.patches(group) if self.planner.cfg.image_patches_key else None
-        self.planner.defer(group, self.pool.lengths(group), patches)
+        return must_emit([self.cost(g) for g in groups], [len(g) for g in groups],
+                         [self.pool.real_tokens(g) for g in groups] if room_tokens is not None else [0] * len(groups),
+                         cfg.buffer_size - len(carried), room_tokens)
 
     def _fit(self, groups: List[np.ndarray], n_steps: int, planned_final: bool) -> List[Optional[np.ndarray]]:
-        """Exactly n_steps groups: defer the least costly; or take groups from the carry, then split
-        the largest, then add ghosts (None)."""
-        out: List[Optional[np.ndarray]] = list(groups)
-        if len(out) > n_steps:
-            by_cost = sorted(range(len(out)), key=lambda k: self.cost(out[k]))
-            drop = set(by_cost[:len(out) - n_steps])
-            for k in drop:
-                self._defer(out[k])
-            self.stats.deferred_groups += len(drop)
-            out = [g for k, g in enumerate(out) if k not in drop]
-        if planned_final and n_steps > len(out) and out:
+        """Exactly n_steps groups (odb.plan.fitting decides): defer the least costly to the carry; or
+        re-cut the last window, take groups from the carry, split the largest, then add ghosts (None)."""
+        trim = decide_trim([self.cost(g) for g in groups], n_steps, planned_final)
+        for k in trim.defer.tolist():
+            g = groups[k]
+            self.planner.defer(g, self.pool.lengths(g), self.pool.patches(g) if self.planner.cfg.image_patches_key
+                               else None)
+        out = [groups[k] for k in trim.keep.tolist()]
+        if trim.rebalance:
             out = self._rebalance(out, n_steps)
         from_carry = self.planner.take_from_carry(n_steps - len(out))
         out.extend(from_carry)
-        self.stats.carry_groups += len(from_carry)
-        while len(out) < n_steps:
-            k = max((j for j, g in enumerate(out) if g is not None), key=lambda j: len(out[j]), default=None)
-            if k is None or len(out[k]) < 2:
-                out.extend([None] * (n_steps - len(out)))  # nothing left to split: the rest are ghosts
-                break
-            g = out.pop(k)  # planner order: longest first, so both halves stay within budget
-            out.extend([g[:len(g) // 2 + len(g) % 2], g[len(g) // 2 + len(g) % 2:]])
-            self.stats.split_groups += 1
-        return out
+        split = decide_splits([len(g) for g in out], n_steps)
+        self.last_fit = FitCounts(len(trim.defer), len(from_carry), split.splits)
+        return split.apply(out)

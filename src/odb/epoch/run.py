@@ -1,7 +1,7 @@
 """One epoch of odb batching, as a chain of small stages.
 
 source (records a window ahead) -> window (pool + ramp) -> WindowPlanner (pure) ->
-RankAligner (one exchange per window) -> optimizer-step chunks -> collate -> finalize.
+RankAligner (one exchange per window) -> optimizer steps' micro-batches -> collate -> finalize.
 
 ``EpochRun`` produces ``(batch, Cursor)`` pairs; the loader runs it on a background
 thread (odb.epoch.pipeline). A Cursor says where the epoch stands once its batch has been
@@ -26,11 +26,11 @@ from odb.config import ODBConfig
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
-from odb.resume.state import epoch_state, restore_epoch
+from odb.epoch.run_state import retained_positions, step_from_row, step_row
 from odb.plan.schedule import budget_at
 from odb.data.source import SampleSource
 from odb.epoch.stats import EpochStats
-from odb.step_info import ODBStepInfo, attach_step_info
+from odb.step_info import ODBStepInfo, attach_step_info, loss_scale
 from odb.plan.window import WindowPlanner, window_limits
 
 ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
@@ -100,22 +100,23 @@ class EpochRun:
         self.stats = EpochStats()
         self.pool = SamplePool()
         self.planner = WindowPlanner(cfg)
-        self.aligner = RankAligner(exchange, self.planner, self.pool, self.stats, epoch=epoch, seed=seed,
-                                   shuffle=shuffle)
+        self.aligner = RankAligner(exchange, self.planner, self.pool, epoch=epoch, seed=seed, shuffle=shuffle,
+                                   steps_done=lambda: self.stats.steps)
         self.arrived = 0  # samples taken from the source into windows
         self.window_index = 0
         self.planned_final = False
-        # Steps planned but not emitted yet, and the optimizer step being emitted.
+        # Steps planned but not emitted yet, and the micro-batches of the optimizer step being emitted
+        # (saved as "chunk" and "chunk_pos": the state's format).
         self.pending: Deque[Step] = collections.deque()
-        self.chunk: List[Step] = []
-        self.chunk_pos = 0
+        self.step_batches: List[Step] = []
+        self.step_pos = 0
         self.ghost: Optional[Tuple[int, Any, Any, int]] = None  # (position, sample copy, meta, dataset index)
         # Resume bookkeeping (odb.resume): re-partitions of this epoch's order across ranks, and the
         # resume points of an IterableDataset with its own state (odb.data.stream_state), when it has one.
         self.layers: List[Dict[str, Any]] = []
         self.stream_marks: Any = None
         self.step = 0
-        self.snapshot: Dict[str, Any] = {}  # epoch_state after the last planned window
+        self.snapshot: Dict[str, Any] = {}  # state_dict() after the last planned window
         self._since = 0
         # Batches left to collate (LazyBatch) by whichever thread needs them first (odb.epoch.pipeline).
         self.lazy = False
@@ -124,7 +125,7 @@ class EpochRun:
     @property
     def finished(self) -> bool:
         """Every step of the epoch has been produced."""
-        return self.aligner.all_done and not self.pending and self.chunk_pos >= len(self.chunk)
+        return self.aligner.all_done and not self.pending and self.step_pos >= len(self.step_batches)
 
     def close(self) -> None:
         self.source.close()
@@ -133,7 +134,7 @@ class EpochRun:
     def take_snapshot(self) -> None:
         if self.stream_marks is not None:
             self._keep_ghost_recent()
-        self.snapshot, self._since = epoch_state(self), 0
+        self.snapshot, self._since = self.state_dict(), 0
 
     def _keep_ghost_recent(self) -> None:
         """A stream resumes from before the first sample its state holds, the ghost's included: keep the
@@ -142,13 +143,62 @@ class EpochRun:
         if self.ghost is not None and low is not None and self.ghost[0] < low:
             self.ghost = (low, copy.deepcopy(self.pool.sample(low)), self.pool.meta(low), self.pool.indices([low])[0])
 
+    def state_dict(self) -> Dict[str, Any]:
+        """This epoch's position as plain data (between batches; O(samples held)), with the window planner's
+        (``planner``, ``carry``), the aligner's (``all_done``, ``local_only``) and the counters' (``stats``)
+        parts: the keys of ``odb.epoch.run_state.RUN_KEYS``."""
+        # Micro-batches of the current optimizer step already emitted keep only their
+        # summaries (the loss-scale denominator needs them), not their samples.
+        micro = [step_row((plan, None) if k < self.step_pos else (plan, ids))
+                 for k, (plan, ids) in enumerate(self.step_batches)]
+        planner, aligner = self.planner.state_dict(), self.aligner.state_dict()
+        state = {"arrived": self.arrived, "planner": planner["planner"], "planned_final": self.planned_final,
+                 "all_done": aligner["all_done"], "local_only": aligner["local_only"],
+                 "window_index": self.window_index, "step": self.step, "carry": planner["carry"],
+                 "pending": [step_row(e) for e in self.pending], "chunk": micro, "chunk_pos": self.step_pos,
+                 "ghost": None if self.ghost is None else int(self.ghost[0]), "stats": self.stats.state_dict(),
+                 "layers": self.layers, "stream": None, "step_tokens": None}
+        if self.stream_marks is not None:  # the latest restart point of the stream before every retained sample
+            state["stream"] = self.stream_marks.cut(min(retained_positions(state), default=self.arrived))
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
+        """Continue from ``state_dict``'s output; ``samples`` maps every retained position to
+        (dataset index, sample, meta)."""
+        for sid in sorted(retained_positions(state)):
+            index, sample, meta = samples[sid]
+            self.register(sid, int(index), sample, meta)
+        carry = np.asarray(state["carry"], dtype=np.int64)
+        self.planner.load_state_dict({k: state[k] for k in ("planner", "carry")}, self.pool.lengths(carry),
+                                     self.pool.patches(carry) if self.cfg.image_patches_key else None)
+        if state["ghost"] is not None:
+            gid = int(state["ghost"])
+            index, sample, meta = samples[gid]
+            self.ghost = (gid, copy.deepcopy(sample), meta, int(index))  # the pool may emit the same sample
+        emitted = set(samples) - set(int(i) for i in carry)
+        for row in state["pending"] + state["chunk"]:
+            if row[0] is not None:
+                emitted -= set(int(i) for i in row[0])
+        self.pool.forget(emitted)  # only the ghost's sample: it was emitted for real before
+        self.pending.extend(step_from_row(r) for r in state["pending"])
+        self.step_batches = [step_from_row(r) for r in state["chunk"]]
+        self.step_pos = int(state["chunk_pos"])
+        self.arrived = int(state["arrived"])
+        self.planned_final = bool(state["planned_final"])
+        self.aligner.load_state_dict({k: state[k] for k in ("all_done", "local_only")})
+        self.window_index = int(state["window_index"])
+        self.step = int(state["step"])
+        self.layers = [dict(layer) for layer in state["layers"]]
+        self.stats.load_state_dict(state["stats"])
+        # Steps exchanged and not made yet: made and confirmed from here on.
+        self.aligner.expect_confirmations(len(self.pending) + len(self.step_batches) - self.step_pos)
+
     def restore(self, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
-        """Continue from a saved state; ``samples`` maps every retained position to (index, sample, meta)."""
-        restore_epoch(self, state, samples)
-        self.aligner.unconfirmed = len(self.pending) + len(self.chunk) - self.chunk_pos  # made and confirmed later
+        """``load_state_dict``, then the snapshot the next batches' cursors point to."""
+        self.load_state_dict(state, samples)
         # The saved ghost stays: moving it here (take_snapshot) would pick another sample than the interrupted
         # run, whose next move comes with its next window, as the resumed run's does.
-        self.snapshot, self._since = epoch_state(self), 0
+        self.snapshot, self._since = self.state_dict(), 0
 
     def register(self, sid: int, index: int, sample: Any, meta: Any) -> None:
         """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
@@ -167,7 +217,7 @@ class EpochRun:
     def _follow_schedule(self) -> None:
         schedule = self.cfg.budget_schedule
         if schedule is not None:
-            planned = self.step + len(self.chunk) - self.chunk_pos + len(self.pending)
+            planned = self.step + len(self.step_batches) - self.step_pos + len(self.pending)
             self.set_token_budget(budget_at(schedule, planned // self.cfg.gradient_accumulation_steps))
 
     def _remaining(self) -> Optional[int]:
@@ -193,7 +243,12 @@ class EpochRun:
         elif len(self.planner.carried_ids):  # groups deferred by the alignment after the data ended
             groups = self._plan([], True)
         self.window_index += 1
-        return self.aligner.align(groups, self.planned_final, self.window_index)
+        steps = self.aligner.align(groups, self.planned_final, self.window_index)
+        fit = self.aligner.last_fit
+        self.stats.deferred_groups += fit.deferred
+        self.stats.carry_groups += fit.from_carry
+        self.stats.split_groups += fit.split
+        return steps
 
     def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
         cfg = self.cfg
@@ -274,7 +329,7 @@ class EpochRun:
         k = self.cfg.gradient_accumulation_steps
         held: List[Tuple[Any, Cursor]] = []  # batches made, not yet confirmed by every rank
         while True:
-            if self.chunk_pos >= len(self.chunk):
+            if self.step_pos >= len(self.step_batches):
                 yield from self._confirmed(held)  # before planning: the next exchange may be a header
                 planned = False
                 while len(self.pending) < k and not self.aligner.all_done:
@@ -284,12 +339,12 @@ class EpochRun:
                     self.take_snapshot()
                 if not self.pending:
                     break
-                self.chunk = [self.pending.popleft() for _ in range(min(k, len(self.pending)))]
-                self.chunk_pos = 0
-            j = self.chunk_pos
-            self.chunk_pos += 1
-            plan, ids = self.chunk[j]
-            batch = self._make_batch(plan, ids, [p for p, _ in self.chunk], j)
+                self.step_batches = [self.pending.popleft() for _ in range(min(k, len(self.pending)))]
+                self.step_pos = 0
+            j = self.step_pos
+            self.step_pos += 1
+            plan, ids = self.step_batches[j]
+            batch = self._make_batch(plan, ids, [p for p, _ in self.step_batches], j)
             self._since += 1
             held.append((batch, Cursor(self.snapshot, self._since, dataclasses.replace(self.stats))))
             if len(held) >= self.aligner.confirm_every:
@@ -318,7 +373,7 @@ class EpochRun:
             warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
                           f"{self.cfg.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=3)
 
-    def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], chunk: List[StepPlan], j: int) -> Any:
+    def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], micro: List[StepPlan], j: int) -> Any:
         ghost = plan.group is None
         if ghost:
             if self.ghost is None:
@@ -338,9 +393,9 @@ class EpochRun:
         info = ODBStepInfo(
             step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
             all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,
-            global_loss_tokens=sum(p.global_loss_tokens for p in chunk), real_tokens=0 if ghost else real,
-            padded_tokens=padded, loss_scale=0.0 if ghost else self._scale(plan, chunk),
-            is_ghost=ghost, world_size=self.world_size, micro_step=j, micro_steps=len(chunk),
+            global_loss_tokens=sum(p.global_loss_tokens for p in micro), real_tokens=0 if ghost else real,
+            padded_tokens=padded, loss_scale=0.0 if ghost else self._scale(plan, micro),
+            is_ghost=ghost, world_size=self.world_size, micro_step=j, micro_steps=len(micro),
             sample_ids=tuple(indices), buffered_samples=len(self.pool),
             rank_imbalance=plan.imbalance)
         self.step += 1
@@ -366,15 +421,12 @@ class EpochRun:
             batch = self._finalize(batch)
         return attach_step_info(batch, info, self.cfg.step_info_key)
 
-    def _scale(self, plan: StepPlan, chunk: List[StepPlan]) -> float:
+    def _scale(self, plan: StepPlan, micro: List[StepPlan]) -> float:
+        """The loss scale of one micro-batch of the optimizer step ``micro`` (odb.step_info.loss_scale)."""
         mode, w = self.cfg.loss_scaling, self.world_size
-        if mode == "none":
-            return 1.0
+        planned = 1.0
         if mode == "sample":
-            total = sum(p.global_samples for p in chunk)
-            return w * plan.local_samples / total if total else 0.0
-        if mode == "approx":
-            local_total = sum(p.local_loss_tokens for p in chunk)
-            return plan.local_loss_tokens / local_total if local_total else 0.0
-        total = sum(p.global_loss_tokens for p in chunk)
-        return w * plan.local_loss_tokens / total if total else 0.0
+            samples = sum(p.global_samples for p in micro)
+            planned = w * plan.local_samples / samples if samples else 0.0
+        return loss_scale(mode, plan.local_loss_tokens, sum(p.global_loss_tokens for p in micro),
+                          sum(p.local_loss_tokens for p in micro), w, planned)

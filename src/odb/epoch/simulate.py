@@ -7,7 +7,7 @@ also handy to preview how a length distribution will be batched across ranks.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,8 +30,12 @@ class ThreadExchange:
 
 
 class _RankView:
+    """One rank's exchange, with RankExchange's interface (``all_gather``, ``announce``, ``rank``,
+    ``world_size``, ``dead``)."""
+
     def __init__(self, hub: ThreadExchange, rank: int) -> None:
         self.hub, self.rank, self.world_size = hub, rank, hub.world_size
+        self.dead = False
 
     def all_gather(self, values: np.ndarray, where: str) -> np.ndarray:
         hub = self.hub
@@ -40,6 +44,12 @@ class _RankView:
         out = np.stack(hub._slots)
         hub._barrier.wait()  # nobody overwrites a slot before every rank has read
         return out
+
+    def announce(self, shape: Tuple[int, ...], where: str, error: Optional[BaseException]) -> None:
+        """A failure or a stop: the other ranks' next exchange raises (the barrier breaks); once only."""
+        if not self.dead:
+            self.dead = True
+            self.hub._barrier.abort()
 
 
 def simulate_ranks(lengths_per_rank: Sequence[np.ndarray], cfg: ODBConfig, *, epoch: int = 0, seed: int = 0,

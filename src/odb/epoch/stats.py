@@ -32,6 +32,23 @@ class EpochStats:
     read_ahead_max: int = 0  # samples read ahead of the window being planned
     read_ahead_tokens_max: int = 0
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The counters as plain data (the run state's ``stats``)."""
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Set every counter from ``state_dict``'s output, in place (holders of this object see them).
+
+        Example:
+            >>> stats = EpochStats()
+            >>> stats.load_state_dict(EpochStats(steps=3).state_dict())
+            >>> stats.steps
+            3
+        """
+        loaded = EpochStats(**state)
+        for field in dataclasses.fields(EpochStats):
+            setattr(self, field.name, getattr(loaded, field.name))
+
     def as_dict(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)
         out["padding_ratio"] = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0

@@ -36,6 +36,11 @@ _ULP = 1.0 + 1e-12
 class CostModel:
     """Batch cost and feasibility under one ODBConfig.
 
+    The one place a group's cost is defined (callers elsewhere ask it, they do not recompute):
+    ``batch_cost`` (of padded lengths) is what the budget bounds; ``group_tokens`` the tokens a
+    batch holds (its padded tokens; packed: its real ones); ``group_cost`` what ranks compare to
+    pair groups of similar cost in one step.
+
     Example:
         >>> import numpy as np
         >>> from odb.config import ODBConfig

@@ -7,7 +7,7 @@ ids back to samples; benchmarks and tests drive it with length arrays alone.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -169,15 +169,31 @@ class WindowPlanner:
             self._carry_patches = self._carry_patches[keep]
         return out
 
-    def counters(self) -> List[int]:
-        """What the planner has seen and done (samples, real tokens, batches emitted): part of the
-        resume state."""
-        return [self._seen, self._seen_tokens, self._emitted]
+    def state_dict(self) -> Dict[str, Any]:
+        """What the planner has seen and done (``planner``: samples, real tokens, batches emitted) and the
+        ids it carries (``carry``), as plain data: part of the resume state (the carried samples' lengths
+        are measured again when they are read back).
 
-    def restore_counters(self, counters: List[int]) -> None:
+        Example:
+            >>> from odb.config import ODBConfig
+            >>> wp = WindowPlanner(ODBConfig(token_budget=100, buffer_size=4))
+            >>> _ = wp.plan(np.arange(3), np.array([50, 50, 10]))
+            >>> wp.state_dict()
+            {'planner': [3, 110, 1], 'carry': [2]}
+        """
+        return {"planner": [self._seen, self._seen_tokens, self._emitted], "carry": self._carry_ids.tolist()}
+
+    def load_state_dict(self, state: Dict[str, Any], lengths: Optional[np.ndarray] = None,
+                        patches: Optional[np.ndarray] = None) -> None:
+        """Continue from ``state_dict``'s output; ``lengths`` (and ``patches``, when a patch cap is set) are
+        those of the carried samples, in ``state["carry"]``'s order."""
+        counters = state["planner"]
         self._seen, self._seen_tokens = int(counters[0]), int(counters[1])
         # States saved before the emitted count was kept: any sample seen means a batch was emitted.
         self._emitted = int(counters[2]) if len(counters) > 2 else int(self._seen > 0)
+        carry = np.asarray(state["carry"], dtype=np.int64)
+        if len(carry):
+            self.restore_carry(carry, lengths, patches)
 
     def restore_carry(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Set the carried samples (used by resume)."""

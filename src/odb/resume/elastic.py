@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from odb.resume.state import fresh_run_state, retained_positions
 from odb.data.sampling import global_order, stride_sharded
+from odb.epoch.run_state import fresh_run_state, retained_positions
 
 
 def remaining(layer: Dict[str, Any]) -> np.ndarray:

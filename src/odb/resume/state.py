@@ -1,4 +1,10 @@
-"""Exact mid-epoch resume: the state of an epoch as plain data, and its restoration.
+"""Exact mid-epoch resume: the loader's state as plain data, versioned and validated.
+
+Each stateful unit gives its own part (``state_dict`` / ``load_state_dict`` with constant keys):
+the epoch run (odb.epoch.run, its layout in odb.epoch.run_state), which holds the window
+planner's, the rank aligner's and the counters'. This module versions the whole state
+(``STATE_VERSION``, ``TOP_KEYS``), refuses states this loader cannot continue
+(``check_state``) and expands a batch's ``Cursor`` into its state (``cursor_state``).
 
 Samples are named by their position in the epoch's order (odb.data.sampling), so samplers may
 repeat dataset indices. The state holds what cannot be recomputed cheaply: how many
@@ -20,73 +26,16 @@ O(planned steps), so trainers can save it every step.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from typing import Any, Dict, List, Optional, Set, Tuple
-
-import numpy as np
+from typing import Any, Dict, Optional
 
 from odb.config import PLAN_OPTIONS  # noqa: F401  (validated here; odb.resume.loader_state reads it)
 from odb.epoch.cursor import Cursor
-from odb.epoch.stats import EpochStats
-from odb.plan.align import StepPlan
+from odb.epoch.run_state import RUN_KEYS, copy_row
+from odb.epoch.run_state import fresh_run_state, retained_positions  # noqa: F401  (odb.resume.* use them)
 
 STATE_VERSION = 3
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
             "sampler", "num_workers", "run"}
-RUN_KEYS = {"arrived", "planner", "planned_final", "all_done", "local_only", "window_index", "step", "carry",
-            "pending", "chunk", "chunk_pos", "ghost", "stats", "layers", "stream", "step_tokens"}
-
-
-def _step(entry: Tuple[StepPlan, Optional[np.ndarray]]) -> List[Any]:
-    plan, ids = entry
-    return [None if ids is None else np.asarray(ids, dtype=np.int64).tolist(), plan.global_samples,
-            plan.global_loss_tokens, plan.local_loss_tokens, plan.local_samples, plan.imbalance]
-
-
-def _unstep(row: List[Any]) -> Tuple[StepPlan, Optional[np.ndarray]]:
-    ids, global_samples, global_loss, local_loss, local_samples, imbalance = row
-    group = None if ids is None else 0
-    return (StepPlan(group, int(global_samples), int(global_loss), int(local_loss), int(local_samples),
-                     float(imbalance)),
-            None if ids is None else np.asarray(ids, dtype=np.int64))
-
-
-def _copy_row(row: List[Any]) -> List[Any]:
-    return [None if row[0] is None else list(row[0])] + row[1:]
-
-
-def retained_positions(run: Dict[str, Any]) -> Set[int]:
-    """Positions a run state still holds: carried, in planned steps not emitted yet, and the ghost's.
-
-    Example:
-        >>> sorted(retained_positions({"carry": [9], "pending": [[[4, 2], 2, 9, 9, 2, 1.0]],
-        ...                            "chunk": [[None, 1, 3, 3, 1, 1.0]], "ghost": 0}))
-        [0, 2, 4, 9]
-    """
-    out = {int(i) for i in run["carry"]}
-    for row in list(run["pending"]) + list(run["chunk"]):
-        if row[0] is not None:
-            out.update(int(i) for i in row[0])
-    if run["ghost"] is not None:
-        out.add(int(run["ghost"]))
-    return out
-
-
-def epoch_state(run: Any) -> Dict[str, Any]:
-    """An EpochRun's position as plain data (between batches; O(samples held))."""
-    # Micro-batches of the current optimizer step already emitted keep only their
-    # summaries (the loss-scale denominator needs them), not their samples.
-    chunk = [_step((plan, None) if k < run.chunk_pos else (plan, ids)) for k, (plan, ids) in enumerate(run.chunk)]
-    state = {"arrived": run.arrived, "planner": run.planner.counters(), "planned_final": run.planned_final,
-             "all_done": run.aligner.all_done, "local_only": run.aligner.local_only,
-             "window_index": run.window_index, "step": run.step, "carry": run.planner.carried_ids.tolist(),
-             "pending": [_step(e) for e in run.pending], "chunk": chunk, "chunk_pos": run.chunk_pos,
-             "ghost": None if run.ghost is None else int(run.ghost[0]), "stats": dataclasses.asdict(run.stats),
-             "layers": run.layers, "stream": None, "step_tokens": None}
-    if run.stream_marks is not None:  # the latest restart point of the stream before every retained sample
-        state["stream"] = run.stream_marks.cut(min(retained_positions(state), default=run.arrived))
-    return state
 
 
 def cursor_state(cursor: Cursor, accumulation: int) -> Dict[str, Any]:
@@ -94,65 +43,21 @@ def cursor_state(cursor: Cursor, accumulation: int) -> Dict[str, Any]:
     emitted since, as EpochRun forms optimizer steps (no window was planned in between).
 
     O(planned steps + samples held) list copies: the state shares nothing mutable with the loader."""
-    snap = cursor.snapshot
-    chunk, pos, pending = snap["chunk"], int(snap["chunk_pos"]), snap["pending"]
+    snap = cursor.snapshot  # its "chunk": the micro-batches of the optimizer step being emitted
+    micro, pos, pending = snap["chunk"], int(snap["chunk_pos"]), snap["pending"]
     for _ in range(cursor.since):
-        if pos >= len(chunk):
-            chunk, pending, pos = pending[:accumulation], pending[accumulation:], 0
+        if pos >= len(micro):
+            micro, pending, pos = pending[:accumulation], pending[accumulation:], 0
         pos += 1
     out = dict(snap)
     out.update(step=int(snap["step"]) + cursor.since, chunk_pos=pos, carry=list(snap["carry"]),
-               chunk=[[None] + row[1:] if k < pos else _copy_row(row) for k, row in enumerate(chunk)],
-               pending=[_copy_row(row) for row in pending], stats=dict(vars(cursor.stats)),
+               chunk=[[None] + row[1:] if k < pos else copy_row(row) for k, row in enumerate(micro)],
+               pending=[copy_row(row) for row in pending], stats=dict(vars(cursor.stats)),
                planner=list(snap["planner"]),
                layers=[dict(layer, arrived=list(layer["arrived"]), kept=list(layer["kept"]))
                        for layer in snap["layers"]],
-               step_tokens=list(cursor.step_tokens) if cursor.step_tokens is not None and pos < len(chunk) else None)
+               step_tokens=list(cursor.step_tokens) if cursor.step_tokens is not None and pos < len(micro) else None)
     return out
-
-
-def restore_epoch(run: Any, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
-    """Continue an EpochRun from ``epoch_state``; ``samples`` maps every retained position to
-    (dataset index, sample, meta)."""
-    for sid in sorted(retained_positions(state)):
-        index, sample, meta = samples[sid]
-        run.register(sid, int(index), sample, meta)
-    carry = np.asarray(state["carry"], dtype=np.int64)
-    if len(carry):
-        run.planner.restore_carry(carry, run.pool.lengths(carry),
-                                  run.pool.patches(carry) if run.cfg.image_patches_key else None)
-    if state["ghost"] is not None:
-        gid = int(state["ghost"])
-        index, sample, meta = samples[gid]
-        run.ghost = (gid, copy.deepcopy(sample), meta, int(index))  # the pool may emit the same sample
-    emitted = set(samples) - set(int(i) for i in carry)
-    for row in state["pending"] + state["chunk"]:
-        if row[0] is not None:
-            emitted -= set(int(i) for i in row[0])
-    run.pool.forget(emitted)  # only the ghost's sample: it was emitted for real before
-    run.pending.extend(_unstep(r) for r in state["pending"])
-    run.chunk = [_unstep(r) for r in state["chunk"]]
-    run.chunk_pos = int(state["chunk_pos"])
-    run.arrived = int(state["arrived"])
-    run.planner.restore_counters(state["planner"])
-    run.planned_final = bool(state["planned_final"])
-    run.aligner.all_done = bool(state["all_done"])
-    run.aligner.local_only = bool(state["local_only"]) or run.aligner.exchange is None
-    run.window_index = int(state["window_index"])
-    run.step = int(state["step"])
-    run.layers = [dict(layer) for layer in state["layers"]]
-    stats = EpochStats(**state["stats"])
-    for field in dataclasses.fields(EpochStats):  # the aligner shares the run's counters object
-        setattr(run.stats, field.name, getattr(stats, field.name))
-
-
-def fresh_run_state(step: int, layers: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The state of an epoch that starts over an order of its own (``layers``) at step ``step``:
-    what each rank continues from after a re-partition (odb.resume.elastic)."""
-    return {"arrived": 0, "planner": [0, 0, 0], "planned_final": False, "all_done": False, "local_only": False,
-            "window_index": 0, "step": int(step), "carry": [], "pending": [], "chunk": [], "chunk_pos": 0,
-            "ghost": None, "stats": dataclasses.asdict(EpochStats()), "layers": layers, "stream": None,
-            "step_tokens": None}
 
 
 def check_state(state: Any, *, world_size: int, rank: int, dataset_len: Optional[int], iterable: bool,
