@@ -12,6 +12,7 @@ import torch
 import odb
 from dist_harness import run_ranks
 from helpers import LengthDataset, known_lengths, pad_collate
+from roundtrip import round_trip, sample_ids, same
 from odb.epoch.pipeline import BatchPipeline
 
 
@@ -133,15 +134,10 @@ def test_state_is_that_of_the_consumed_batches_while_the_thread_runs_ahead():
     kw = dict(token_budget=300, shuffle=True, seed=7, collate_fn=pad_collate, num_workers=2, ready_batches=8,
               window_budgets=3, gradient_accumulation_steps=2)
     full = _ids(odb.ODBDataLoader(ds, **kw))
-    loader = odb.ODBDataLoader(ds, **kw)
-    it = iter(loader)
-    head = [list(odb.pop_step_info(next(it)).sample_ids) for _ in range(5)]
-    time.sleep(0.5)  # the batch thread fills its queue and plans ahead
-    state = loader.state_dict()
-    assert state["run"]["step"] == 5
-    fresh = odb.ODBDataLoader(ds, **kw)
-    fresh.load_state_dict(state)
-    assert head + _ids(fresh) == full
+    # taken while the iteration runs, 0.5 s after the 5th batch: the batch thread fills its queue and plans ahead
+    got = round_trip(lambda: odb.ODBDataLoader(ds, **kw), 5, record=sample_ids, save=same, live=True, pause=0.5)
+    assert got.state["run"]["step"] == 5
+    assert got.epoch == full
 
 
 def test_break_ends_the_threads():
@@ -232,13 +228,8 @@ def test_known_lengths_resume_exactly(num_workers):
     kw = dict(token_budget=300, shuffle=True, seed=7, collate_fn=pad_collate, num_workers=num_workers,
               window_budgets=3, gradient_accumulation_steps=2, lengths=lengths)
     full = _ids(odb.ODBDataLoader(ds, **kw))
-    loader = odb.ODBDataLoader(ds, **kw)
-    it = iter(loader)
-    head = [list(odb.pop_step_info(next(it)).sample_ids) for _ in range(5)]
-    state = loader.state_dict()
-    fresh = odb.ODBDataLoader(ds, **kw)
-    fresh.load_state_dict(state)
-    assert head + _ids(fresh) == full
+    got = round_trip(lambda: odb.ODBDataLoader(ds, **kw), 5, record=sample_ids, save=same, live=True)
+    assert got.epoch == full
 
 
 def test_known_lengths_must_cover_the_dataset():

@@ -8,19 +8,17 @@ processes that loads what the previous phase saved on disk, as after a restart.
 
 from __future__ import annotations
 
-import io
-import itertools
 import json
 from collections import Counter
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
-import torch
 
 import elastic_workers as ew
 import odb
 from dist_harness import run_ranks
 from helpers import LengthDataset, StreamDataset, known_lengths, pad_collate
+from roundtrip import json_copy, read, round_trip, same, torch_copy
 from odb.resume.elastic import remaining, repartition
 from odb.resume.state import retained_positions
 
@@ -172,21 +170,16 @@ def test_repartition_keeps_held_samples_and_drops_the_ghost_copy():
 # ---- round trips of the state --------------------------------------------------------------------
 
 
-def summary(loader: Any, limit: int = -1) -> List[Any]:
-    out = []
-    for batch in (loader if limit < 0 else itertools.islice(loader, limit)):
-        info = odb.pop_step_info(batch)
-        out.append((info.sample_ids, info.step, info.loss_scale, info.micro_step))
-    return out
+def step(batch: Any, info: odb.ODBStepInfo) -> Any:
+    return info.sample_ids, info.step, info.loss_scale, info.micro_step
+
+
+def summary(loader: Any, limit: Optional[int] = None) -> List[Any]:
+    return read(loader, limit, record=step)
 
 
 def through(state: Dict[str, Any], fmt: str) -> Any:
-    if fmt == "json":
-        return json.loads(json.dumps(state))
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
+    return json_copy(state) if fmt == "json" else torch_copy(state)
 
 
 def map_loader() -> odb.ODBDataLoader:
@@ -207,23 +200,16 @@ def test_state_round_trips_through_json_and_torch_save_weights_only(fmt, make):
     reference = summary(reference_loader)
     reference_next = summary(reference_loader)
     for stop in (1, len(reference) // 2 + 1):
-        first = make()
-        head = summary(first, stop)
-        state = first.state_dict()
-        plain(state)
-        resumed = make()
-        resumed.load_state_dict(through(state, fmt))
-        assert head + summary(resumed) == reference, f"stop={stop}: the resumed epoch differs"
-        assert summary(resumed) == reference_next
+        got = round_trip(make, stop, record=step, save=lambda state: through(state, fmt), next_epoch=True)
+        plain(got.state)
+        assert got.epoch == reference, f"stop={stop}: the resumed epoch differs"
+        assert got.next_epoch == reference_next
 
 
 def test_a_list_of_one_state_on_the_same_world_size_resumes_exactly():
     reference = summary(map_loader())
-    first = map_loader()
-    head = summary(first, 4)
-    resumed = map_loader()
-    resumed.load_state_dict([json.loads(json.dumps(first.state_dict()))])
-    assert head + summary(resumed) == reference
+    got = round_trip(map_loader, 4, record=step, save=lambda state: [json_copy(state)])
+    assert got.epoch == reference
 
 
 # ---- IterableDatasets with their own state ---------------------------------------------------------
@@ -235,19 +221,14 @@ def test_stateful_stream_restarts_from_its_state_instead_of_replaying(low):
     lengths that pack well (nothing carried for long) that is within about a window of the stop."""
     n = 200
     reference = summary(stream_loader(low=low))
-    first = stream_loader(low=low)
-    head = summary(first, len(reference) // 2)
-    state = first.state_dict()
-    run = state["run"]
+    got = round_trip(lambda: stream_loader(low=low), len(reference) // 2, record=step, save=same)
+    run = got.state["run"]
     start, held = run["stream"]["start"], min(retained_positions(run))
     assert start <= held < start + 16  # chunk boundaries every transfer_chunk_size=16 samples
     if low == 40:  # the window being emitted, the carry from the one before, and a chunk at most
         assert run["arrived"] - start <= 2 * 48 + 16, f"replays {run['arrived'] - start} samples"
-    resumed = stream_loader(low=low)
-    resumed.load_state_dict(state)
-    rest = summary(resumed)
-    assert head + rest == reference
-    assert resumed.dataset.reads[0] == n - start  # a replay would read all n again
+    assert got.epoch == reference
+    assert got.resumed.dataset.reads[0] == n - start  # a replay would read all n again
     replayed = odb.ODBDataLoader(StreamDataset(known_lengths(n, low, 60, seed=5)), token_budget=180, buffer_size=48,
                                  first_window_size=16, seed=11, collate_fn=pad_collate)
     summary(replayed, len(reference) // 2)
@@ -260,22 +241,19 @@ def test_datasets_iterable_dataset_resumes_exactly(num_workers):
         return odb.ODBDataLoader(ew.hf_stream(181, shards=4), token_budget=200, buffer_size=32, first_window_size=16,
                                  seed=3, collate_fn=ew.list_collate, num_workers=num_workers)
 
-    def rows(loader, limit=-1):
-        return [(tuple(b["idx"]), odb.pop_step_info(b).step)
-                for b in (loader if limit < 0 else itertools.islice(loader, limit))]
+    def row(batch, info):
+        return tuple(batch["idx"]), info.step
 
-    reference = rows(make())
+    reference = read(make(), record=row)
     assert sorted(i for ids, _ in reference for i in ids) == list(range(181))
-    first = make()
-    head = rows(first, len(reference) - 3)  # late: the short samples carried since the first windows are out
-    state = through(first.state_dict(), "torch")
+    # late: the short samples carried since the first windows are out
+    got = round_trip(make, len(reference) - 3, record=row, save=torch_copy)
+    state = got.loaded
     stream = state["run"]["stream"]
     assert len(stream["states"]) == max(num_workers, 1)  # one dataset state per worker
     held = min(retained_positions(state["run"]))
     assert 0 < stream["start"] <= held < stream["start"] + 16 * max(num_workers, 1)
-    resumed = make()
-    resumed.load_state_dict(state)
-    assert head + rows(resumed) == reference
+    assert got.epoch == reference
 
 
 # ---- what is refused, and why -------------------------------------------------------------------
