@@ -1,5 +1,7 @@
 """Simulate N ranks in one process: the real engine per rank, a thread per rank.
 
+The ranks exchange through the real protocol over threads (odb.comm.threads.ThreadRanks).
+
 Used by tests and benchmarks to check the distributed protocol without processes;
 also handy to preview how a length distribution will be batched across ranks.
 """
@@ -7,49 +9,15 @@ also handy to preview how a length distribution will be batched across ranks.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
+from odb.comm.threads import ThreadRanks
 from odb.config import ODBConfig
 from odb.epoch.run import EpochRun
 from odb.data.source import SampleMeter, SampleSource
 from odb.step_info import ODBStepInfo, pop_step_info
-
-
-class ThreadExchange:
-    """A RankExchange stand-in for threads: all_gather through a barrier."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self._barrier = threading.Barrier(world_size)
-        self._slots: List[Any] = [None] * world_size
-
-    def for_rank(self, rank: int) -> "_RankView":
-        return _RankView(self, rank)
-
-
-class _RankView:
-    """One rank's exchange, with RankExchange's interface (``all_gather``, ``announce``, ``rank``,
-    ``world_size``, ``dead``)."""
-
-    def __init__(self, hub: ThreadExchange, rank: int) -> None:
-        self.hub, self.rank, self.world_size = hub, rank, hub.world_size
-        self.dead = False
-
-    def all_gather(self, values: np.ndarray, where: str) -> np.ndarray:
-        hub = self.hub
-        hub._slots[self.rank] = np.asarray(values, dtype=np.int64)
-        hub._barrier.wait()
-        out = np.stack(hub._slots)
-        hub._barrier.wait()  # nobody overwrites a slot before every rank has read
-        return out
-
-    def announce(self, shape: Tuple[int, ...], where: str, error: Optional[BaseException]) -> None:
-        """A failure or a stop: the other ranks' next exchange raises (the barrier breaks); once only."""
-        if not self.dead:
-            self.dead = True
-            self.hub._barrier.abort()
 
 
 def simulate_ranks(lengths_per_rank: Sequence[np.ndarray], cfg: ODBConfig, *, epoch: int = 0, seed: int = 0,
@@ -66,13 +34,14 @@ def simulate_ranks(lengths_per_rank: Sequence[np.ndarray], cfg: ODBConfig, *, ep
         [2, 2]
     """
     world = len(lengths_per_rank)
-    hub = ThreadExchange(world)
+    ranks = ThreadRanks(world)
     infos: List[List[ODBStepInfo]] = [[] for _ in range(world)]
     stats: List[Dict[str, Any]] = [{} for _ in range(world)]
     errors: List[BaseException] = []
     sim_cfg = cfg.replace(length_fn=_sample_length, loss_tokens_fn=_sample_loss)
 
     def run(rank: int) -> None:
+        er = None
         try:
             lengths = np.asarray(lengths_per_rank[rank])
             loss = loss_tokens_per_rank[rank] if loss_tokens_per_rank else (lengths[:, 0] if lengths.ndim > 1
@@ -86,13 +55,15 @@ def simulate_ranks(lengths_per_rank: Sequence[np.ndarray], cfg: ODBConfig, *, ep
             source = SampleSource(chunks, cap_samples=sim_cfg.buffer_size, cap_tokens=sim_cfg.window_tokens,
                                   threaded=False)
             er = EpochRun(sim_cfg, source, _keep, epoch=epoch, seed=seed, shuffle=shuffle,
-                          exchange=hub.for_rank(rank))
+                          exchange=ranks.exchanges(rank)(ranks.timeout_s))
             for batch, _ in er:
                 infos[rank].append(pop_step_info(batch))
             stats[rank] = er.stats.as_dict()
-        except BaseException as err:  # surface the failure instead of leaving the others at the barrier
+        except BaseException as err:  # surface the failure instead of leaving the others waiting
             errors.append(err)
-            hub._barrier.abort()
+            if er is not None:  # as a loader does: the other ranks' next exchange raises
+                er.aligner.announce(err)
+            ranks.abort()
 
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
     for t in threads:
