@@ -22,7 +22,7 @@ from torch.utils.data import Sampler
 
 from odb.config import ODBConfig
 from odb.comm.dist import announce_in_background
-from odb.resume.state import Cursor
+from odb.epoch.cursor import Cursor
 from odb.data.lengths import batch_loss_tokens
 from odb.data.source import Record, WorkerWatch
 from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info

@@ -54,7 +54,7 @@ from odb.loader.length_probe import check_probed_fit, probe_lengths
 from odb.plan.estimate import DEFAULT_PROBE, estimate_steps, probe_size
 from odb.resume.loader_state import (PlanOptions, loader_fields, resume_order, retained_samples, saved_state,
                                      state_to_resume)
-from odb.resume.state import Cursor
+from odb.epoch.cursor import Cursor
 from odb.step_info import attach_step_info
 
 

@@ -16,9 +16,10 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 from torch.utils.data import DistributedSampler, SequentialSampler
 
-from odb.config import ODBConfig
+from odb.config import PLAN_OPTIONS, ODBConfig
+from odb.epoch.run_state import retained_positions
 from odb.resume.elastic import check_group, rank_order, repartition
-from odb.resume.state import PLAN_OPTIONS, STATE_VERSION, check_state, cursor_state, retained_positions
+from odb.resume.state import STATE_VERSION, check_state, cursor_state
 from odb.data.sampling import EpochShuffleSampler, ShardSampler, sampler_settings
 from odb.data.source import SampleMeter
 
