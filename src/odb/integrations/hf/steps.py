@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 
 from odb.config import ODBConfig
-from odb.step_info import ODBStepInfo, pop_step_info
+from odb.data.lengths import batch_loss_tokens as count_batch_loss_tokens
+from odb.step_info import ODBStepInfo, loss_scale, pop_step_info
 
 
 class StepFiller(dict):
@@ -61,18 +62,10 @@ def batch_loss_tokens(batch: Any, shift: bool, ignore_index: int) -> Optional[in
     """Supervised tokens of a collated batch as the model's loss sees them (None: no label tensor).
 
     ``shift_labels`` (as padding-free collators provide) is used as is; else ``labels``,
-    without its first column when the loss shifts labels (causal LM).
+    without its first column when the loss shifts labels (causal LM): the Trainer's keys
+    for ``odb.data.lengths.batch_loss_tokens``.
     """
-    if not isinstance(batch, Mapping):
-        return None
-    labels = batch.get("shift_labels")
-    if labels is None:
-        labels = batch.get("labels")
-        if isinstance(labels, torch.Tensor) and shift:
-            labels = labels[..., 1:]
-    if not isinstance(labels, torch.Tensor):
-        return None
-    return int(labels.ne(ignore_index).sum())
+    return count_batch_loss_tokens(batch, "labels", ignore_index, shift, shifted_key="shift_labels")
 
 
 class SampleView:
@@ -123,13 +116,8 @@ def recount_loss_tokens(batches: List[Any], infos: List[ODBStepInfo], cfg: ODBCo
     local = sum(counts)
     out = []
     for count, info in zip(counts, infos):
-        scale = info.loss_scale
-        if info.is_ghost:
-            scale = 0.0
-        elif cfg.loss_scaling == "exact":
-            scale = info.world_size * count / total if total else 0.0
-        elif cfg.loss_scaling == "approx":
-            scale = count / local if local else 0.0
+        scale = 0.0 if info.is_ghost else loss_scale(cfg.loss_scaling, count, total, local, info.world_size,
+                                                     info.loss_scale)
         out.append(dataclasses.replace(info, local_loss_tokens=count, global_loss_tokens=total, loss_scale=scale))
     return out
 
