@@ -120,7 +120,7 @@ def test_resume_skip_first_batches_and_clear_errors(tmp_path):
         errors = r["errors"]
         assert "gradient_accumulation_steps=2" in errors["accumulation"] and "Fix:" in errors["accumulation"]
         assert errors["unsharded"].startswith("ValueError") and "ShardSampler" in errors["unsharded"]
-        assert errors["not_odb"].startswith("TypeError") and "odb.loader.apply" in errors["not_odb"]
+        assert errors["not_odb"].startswith("TypeError") and "odb.apply" in errors["not_odb"]
         assert errors["accelerate_skip"].startswith("AttributeError") and "skip_first_batches" in \
             errors["accelerate_skip"]
 
