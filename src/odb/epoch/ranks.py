@@ -109,9 +109,10 @@ class RankAligner:
         probe = cfg.probe_worst_case and window_index == 1
         costs = [self.cost(g) if g is not None else 0 for g in fitted]
         longest = [self.pool.longest(g) if g is not None else 0 for g in fitted] if probe else None
-        ranked = [fitted[k] for k in cost_rank_order(costs, longest).tolist()]
-        stats = np.array([[self.cost(g), len(g), self.pool.loss_tokens(g)] if g is not None else [0, 0, 0]
-                          for g in ranked], dtype=np.int64).reshape(n_steps, 3)
+        rank_order = cost_rank_order(costs, longest).tolist()
+        ranked = [fitted[k] for k in rank_order]
+        stats = np.array([[costs[k], len(fitted[k]), self.pool.loss_tokens(fitted[k])] if fitted[k] is not None
+                          else [0, 0, 0] for k in rank_order], dtype=np.int64).reshape(n_steps, 3)
         everyone = ex.all_gather(stats, where) if n_steps else np.zeros((ex.world_size, 0, 3), dtype=np.int64)
         self._body = None
         self.unconfirmed += n_steps

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from odb.config import PLAN_OPTIONS  # noqa: F401  (validated here; odb.resume.loader_state reads it)
+from odb.config import PLAN_OPTIONS  # noqa: F401  (the old place: until every reader imports odb.config's)
 from odb.epoch.cursor import Cursor
 from odb.epoch.run_state import RUN_KEYS, copy_row
-from odb.epoch.run_state import fresh_run_state, retained_positions  # noqa: F401  (odb.resume.* use them)
+from odb.epoch.run_state import retained_positions  # noqa: F401  (read from here by tests/resume/test_elastic.py)
 
 STATE_VERSION = 3
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
