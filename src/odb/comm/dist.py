@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -166,6 +166,35 @@ def group_world(group: Any = None) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+class Transport(Protocol):
+    """What ``RankExchange`` runs its protocol over: one rank's side of an all_gather.
+
+    ``gather(message, where)`` returns every rank's ``message`` (int64, the same length on
+    every rank) as a (world_size, len) array, or raises ``ODBExchangeError``; ``release()``
+    lets go of what the transport holds once its exchanges are over. A transport may also
+    have ``owns_group`` and ``group`` (a process group it made), ``interrupted`` (an error to
+    raise once a gather that went through is over) and ``exit_barrier(timeout_s)``.
+    """
+
+    rank: int
+    world_size: int
+
+    def gather(self, message: np.ndarray, where: str) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+
+class ExchangeFactory(Protocol):
+    """Where a loader's exchanges come from (the ``exchange=`` of ``odb.ODBDataLoader``):
+    ``world()`` is (rank, world size) without a collective; each call makes the rank's next
+    exchange (every rank makes its exchanges in the same order). ``GroupExchanges`` below;
+    ``odb.comm.threads.ThreadRanks.exchanges(rank)`` for ranks that are threads."""
+
+    def world(self) -> Tuple[int, int]: ...
+
+    def __call__(self, timeout_s: float) -> "RankExchange": ...
+
+
 class GlooTransport:
     """The transport of processes: all_gather of int64 arrays over a gloo group.
 
@@ -248,8 +277,8 @@ class RankExchange:
         [[3, 4]]
     """
 
-    def __init__(self, timeout_s: float, group: Any = None, *, transport: Any = None) -> None:
-        self.transport = transport if transport is not None else GlooTransport(timeout_s, group)
+    def __init__(self, timeout_s: float, group: Any = None, *, transport: Optional[Transport] = None) -> None:
+        self.transport: Any = transport if transport is not None else GlooTransport(timeout_s, group)
         self.rank, self.world_size = self.transport.rank, self.transport.world_size
         self.timeout_s = timeout_s
         self.dead = False

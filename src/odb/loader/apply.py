@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from torch.utils.data import BatchSampler, DataLoader, default_collate
 
+from odb.comm.dist import ExchangeFactory
 from odb.config import ODBConfig
 from odb.loader.core import LoaderCore, exchange_factory
 from odb.loader.dataloader import ODBLoaderMixin, check_inputs, draw_seed, group_collate_for, make_config, shuffles
@@ -57,7 +58,8 @@ class ODBHandle:
 
 def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
           shuffle: Optional[bool] = None, collate_fn: Optional[Callable] = None,
-          lengths: Optional[Sequence[int]] = None, process_group: Any = None, exchange: Any = None,
+          lengths: Optional[Sequence[int]] = None, process_group: Any = None,
+          exchange: Optional[ExchangeFactory] = None,
           **options: Any) -> ODBHandle:
     """Make ``loader`` (a DataLoader built with batch_size=1 or None) batch by token budget, in place.
 

@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from odb.arguments import check_in_order
-from odb.comm.dist import GroupExchanges, RankExchange
+from odb.comm.dist import ExchangeFactory, GroupExchanges, RankExchange
 from odb.config import ODBConfig
 from odb.data.bucket_collate import PadToBucket
 from odb.data.collate_check import PaddingHint
@@ -58,7 +58,8 @@ from odb.epoch.cursor import Cursor
 from odb.step_info import attach_step_info
 
 
-def exchange_factory(cfg: ODBConfig, process_group: Any = None, exchange: Any = None) -> Any:
+def exchange_factory(cfg: ODBConfig, process_group: Any = None, exchange: Optional[ExchangeFactory] = None
+                     ) -> Optional[ExchangeFactory]:
     """Where a loader's exchanges come from: ``exchange`` (a factory: ``world()`` and
     ``factory(timeout_s) -> RankExchange``), else torch.distributed (``process_group`` or the
     default group); None for a local loader (``distributed=False``)."""
@@ -168,7 +169,7 @@ class LoaderCore:
     def __init__(self, loader: DataLoader, cfg: ODBConfig, *, shuffle: bool, seed: int,
                  group_collate: Callable[[Any], Any], sample_transform: Optional[Callable[[Any], Any]],
                  own_sampler: Optional[EpochShuffleSampler], lengths: Optional[Sequence[int]] = None,
-                 exchanges: Any = None) -> None:
+                 exchanges: Optional[ExchangeFactory] = None) -> None:
         check_in_order(getattr(loader, "in_order", True))
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         self.loader = loader

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from odb.arguments import check_in_order, check_options
+from odb.comm.dist import ExchangeFactory
 from odb.config import CONFIG_FIELDS, ODBConfig
 from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler
@@ -198,7 +199,8 @@ class ODBDataLoader(ODBLoaderMixin):
                  worker_init_fn: Optional[Callable] = None, multiprocessing_context: Any = None,
                  generator: Optional[torch.Generator] = None, prefetch_factor: Optional[int] = None,
                  persistent_workers: bool = False, pin_memory_device: str = "",
-                 lengths: Optional[Sequence[int]] = None, process_group: Any = None, exchange: Any = None,
+                 lengths: Optional[Sequence[int]] = None, process_group: Any = None,
+                 exchange: Optional[ExchangeFactory] = None,
                  **options: Any) -> None:
         dl_options = {k: options.pop(k) for k in list(options) if k == "in_order"}
         cfg = make_config(config, token_budget, options, "ODBDataLoader", _LOADER_ARGS,
