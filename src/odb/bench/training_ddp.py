@@ -36,7 +36,7 @@ def _tail(path: Path, chars: int = 3000) -> str:
 
 
 def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0) -> Dict[str, Any]:
-    """Run ``training_run.run_worker`` on ``world`` processes; rank 0's result (a JSON-able dict)."""
+    """Run ``run_worker`` on ``world`` processes; rank 0's result (a JSON-able dict)."""
     if world < 1:
         raise ValueError(f"launch: world={world} must be at least 1 process.")
     with tempfile.TemporaryDirectory(prefix="odb-train-") as tmp_dir:
@@ -100,7 +100,6 @@ def _child(argv: List[str]) -> None:
 
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        from odb.bench.training_run import run_worker
 
         result = run_worker(rank, world, params)
         if world > 1:
@@ -112,6 +111,21 @@ def _child(argv: List[str]) -> None:
     except BaseException:  # noqa: BLE001 - reported to the parent, which names the rank
         (tmp / f"rank{rank}.err").write_text(traceback.format_exc())
         raise SystemExit(1)
+
+
+def run_worker(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, Any]:
+    """What one process of ``launch`` runs: the throughput rounds, then the convergence runs."""
+    import torch
+
+    from odb.bench.convergence import run_convergence
+    from odb.bench.training_run import run_throughput
+
+    out: Dict[str, Any] = {"workloads_meta": {"world": world, "threads": torch.get_num_threads()}}
+    if params.get("workloads"):
+        out["workloads"] = run_throughput(rank, world, params)
+    if params.get("convergence"):
+        out["convergence"] = run_convergence(rank, world, {**params, **params["convergence"]})
+    return out
 
 
 if __name__ == "__main__":

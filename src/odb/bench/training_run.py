@@ -297,15 +297,3 @@ def run_throughput(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, A
     return {name: run_workload(name, int(n), rank=rank, world=world, device=device, cap=cap, rounds=rounds,
                                arms=arms, full_length=full, log=log)
             for name, n in params["workloads"].items()}
-
-
-def run_worker(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, Any]:
-    """What one process of ``training_ddp.launch`` runs: the throughput rounds, then the convergence runs."""
-    out: Dict[str, Any] = {"workloads_meta": {"world": world, "threads": torch.get_num_threads()}}
-    if params.get("workloads"):
-        out["workloads"] = run_throughput(rank, world, params)
-    if params.get("convergence"):
-        from odb.bench.convergence import run_convergence
-
-        out["convergence"] = run_convergence(rank, world, {**params, **params["convergence"]})
-    return out
