@@ -13,6 +13,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
+from torch.utils.data import DataLoader
 
 import odb
 from helpers import IGNORE, LengthDataset, known_lengths, pad_collate
@@ -188,3 +189,17 @@ def test_thread_ranks_refuse_exchange_with_a_process_group_or_a_local_loader():
         make(0, 2, ranks.exchanges(0), process_group=object())
     with pytest.raises(ValueError, match="rank=2"):
         ranks.exchanges(2)
+
+
+@pytest.mark.timeout(60)
+def test_odb_apply_takes_an_exchange_too():
+    world = 2
+
+    def rank_run(rank: int, exchanges: ThreadExchanges) -> List[Dict[str, Any]]:
+        ds = LengthDataset(LENGTHS)
+        dl = DataLoader(ds, batch_size=1, sampler=odb.ShardSampler(ds, num_replicas=world, rank=rank, seed=3),
+                        collate_fn=pad_collate)
+        odb.apply(dl, token_budget=240, buffer_size=32, seed=0, shift_labels=False, exchange=exchanges)
+        return steps(dl)
+
+    check_aligned(ok(run_ranks(world, rank_run)), world, 1)
