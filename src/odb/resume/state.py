@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from odb.config import PLAN_OPTIONS  # noqa: F401  (the old place: until every reader imports odb.config's)
 from odb.epoch.cursor import Cursor
 from odb.epoch.run_state import RUN_KEYS, copy_row
 from odb.epoch.run_state import retained_positions  # noqa: F401  (read from here by tests/resume/test_elastic.py)
