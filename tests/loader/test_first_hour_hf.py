@@ -348,7 +348,7 @@ def test_the_trainer_banner_says_odb_sizes_the_batches(tmp_path):
 
 def test_a_banner_worded_otherwise_gets_odbs_line_under_it(tmp_path, monkeypatch):
     # Another transformers may word its banner otherwise: odb then logs its own line after the banner.
-    from odb.integrations import hf_setup
+    from odb.integrations.hf import setup as hf_setup
 
     monkeypatch.setattr(hf_setup, "BANNER_BATCH", "Batch size per device in a wording of the future")
     trainer = enable_odb(Trainer(model=W.llama(), args=args(tmp_path, ga=1), train_dataset=W.causal_dataset(8),
