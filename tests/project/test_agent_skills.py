@@ -430,12 +430,16 @@ def test_documented_integration_names_exist():
         for module, names in re.findall(r"from odb\.integrations\.(\w+) import ([\w, ]+)", text):
             wanted.setdefault(module, set()).update(n.strip() for n in names.split(","))
     assert set(wanted) >= {"hf", "llamafactory", "accelerate", "lightning"}
-    missing = sorted(m for m in wanted if not (ROOT / "src" / "odb" / "integrations" / f"{m}.py").exists())
+    def source(module: str) -> Path:  # a module, or a package's __init__ (odb.integrations.hf)
+        path = ROOT / "src" / "odb" / "integrations" / f"{module}.py"
+        return path if path.exists() else ROOT / "src" / "odb" / "integrations" / module / "__init__.py"
+
+    missing = sorted(m for m in wanted if not source(m).exists())
     assert not missing, (f"the skill names integration modules that do not exist: "
-                         f"{['odb.integrations.' + m for m in missing]} (no src/odb/integrations/<name>.py). "
-                         f"Fix: name an existing module in the skill, or add the module")
+                         f"{['odb.integrations.' + m for m in missing]} (no src/odb/integrations/<name>.py or "
+                         f"<name>/__init__.py). Fix: name an existing module in the skill, or add the module")
     for module, names in wanted.items():
-        tree = ast.parse((ROOT / "src" / "odb" / "integrations" / f"{module}.py").read_text())
+        tree = ast.parse(source(module).read_text())
         exported = [n.value for n in tree.body if isinstance(n, ast.Assign)
                     and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)]
         defined = set(ast.literal_eval(exported[0])) if exported else {

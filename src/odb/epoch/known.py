@@ -25,7 +25,7 @@ from odb.comm.dist import announce_in_background
 from odb.epoch.cursor import Cursor
 from odb.data.lengths import batch_loss_tokens
 from odb.data.source import Record, WorkerWatch
-from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
+from odb.step_info import ODBStepInfo, attach_step_info, loss_scale, pop_step_info
 
 _CHUNK = 256
 
@@ -113,14 +113,8 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
         world, total = 1, sum(local)
     out = []
     for (batch, info), tokens in zip(micro, local):
-        if info.is_ghost:
-            scale = 0.0
-        elif cfg.loss_scaling == "exact":
-            scale = world * tokens / total if total else 0.0
-        elif cfg.loss_scaling == "approx":
-            scale = tokens / local_total if local_total else 0.0
-        else:  # "sample" and "none" need no token counts: the planner's scale stands
-            scale = info.loss_scale
+        scale = 0.0 if info.is_ghost else loss_scale(cfg.loss_scaling, tokens, total, local_total, world,
+                                                     info.loss_scale)
         info = dataclasses.replace(info, local_loss_tokens=tokens, global_loss_tokens=total, loss_scale=scale,
                                    loader_wait_s=wait_s)
         out.append(attach_step_info(batch, info, cfg.step_info_key))
