@@ -355,3 +355,30 @@ def test_a_completed_gather_is_told_from_a_failed_one_where_torch_cannot_hand_it
     missing = [torch.full_like(local, _UNSET), local.clone()]
     assert not _went_through(OldWork(), missing, local, 1)
     assert not _went_through(OldWork(), [torch.tensor([0, 3, 4]), torch.tensor([0, 5, 8])], local, 1)
+
+
+def test_a_wait_left_by_a_signal_handlers_error_is_seen_through():
+    """torch raises a worker's death on the main thread wherever it is: also inside the step exchange's
+    wait, before the collective completed. The collective was posted and the peers complete it with this
+    rank: the rank must finish it (and announce the death at the next exchange) rather than drop out."""
+    from odb.comm.dist import _finish
+
+    class Work:
+        def __init__(self, outcomes):
+            self.outcomes, self.done = list(outcomes), False
+
+        def wait(self):
+            outcome = self.outcomes.pop(0)
+            if outcome == "signal":  # a signal handler's error, the collective still running
+                raise RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly")
+            self.done = True
+            if outcome == "fail":  # the collective's own failure: it is then completed
+                raise RuntimeError("Connection closed by peer")
+
+        def is_completed(self):
+            return self.done
+
+    assert _finish(Work(["ok"]))
+    assert _finish(Work(["signal", "ok"]))  # a second signal while finishing
+    assert not _finish(Work(["fail"]))
+    assert not _finish(Work(["signal", "signal", "signal"]))  # never completes: a failure, not a hang

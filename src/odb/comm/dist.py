@@ -239,6 +239,8 @@ class GlooTransport:
             work = dist.all_gather(parts, local, group=self.group, async_op=True)
             work.wait()
         except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
+            if work is not None and not work.is_completed() and not _finish(work):
+                raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
             if work is not None and work.is_completed() and _went_through(work, parts, local, self.rank):
                 # The exchange went through; the error was raised on this thread by a signal handler that ran
                 # once the wait returned (torch raises a DataLoader worker's death so). Every rank has this
@@ -248,6 +250,21 @@ class GlooTransport:
                 return torch.stack(parts).numpy()
             raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
         return torch.stack(parts).numpy()
+
+
+def _finish(work: Any, attempts: int = 3) -> bool:
+    """Wait again for a collective whose wait was left by an error that is not its own (a signal
+    handler's: torch raises a DataLoader worker's death on the main thread, maybe while it waits here).
+    The collective was posted: the peers complete it with this rank, so this rank must see it through
+    or it drops out of the exchange they finished together. False when the collective itself fails."""
+    for _ in range(attempts):
+        try:
+            work.wait()
+            return True
+        except Exception:  # noqa: BLE001 - its own failure (then completed) or one more signal's error
+            if work.is_completed():
+                return False
+    return False
 
 
 def exchange_failed(rank: int, world_size: int, where: str, timeout_s: float, err: BaseException

@@ -90,7 +90,7 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
         raise ValueError(f"odb.apply got a loader with batch_size={loader.batch_size!r} and batch_sampler="
                          f"{type(loader.batch_sampler).__name__}: odb needs single samples. "
                          f"Fix: build the DataLoader with batch_size=1 (or None) and no batch_sampler.")
-    cfg = make_config(config, token_budget, options, "odb.loader.apply")
+    cfg = make_config(config, token_budget, options, "odb.apply")
     check_inputs(cfg, lengths, getattr(loader, "in_order", True))
     if collate_fn is None and cfg.layout == "packed" and (loader.batch_size is None
                                                           or loader.collate_fn is default_collate):

@@ -133,8 +133,9 @@ class CostModel:
         w = padded.astype(np.float64)
         return w if self.q is None else w * (self.q + w) / self.q
 
-    def _per_sample_cost_ok(self, w_max: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        # w_max: (K, D) weights of the running maxima; counts: (K,) batch sizes.
+    def per_sample_cost_ok(self, w_max: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Whether each of K padded batches fits the budget: ``counts[k]`` samples padded to the weights
+        ``w_max[k]`` (one per length dimension) of its longest ones, every dimension within its budget."""
         if len(self.budgets) == 1:
             return counts * w_max.sum(axis=1) <= self.budgets[0] * _ULP
         return (counts[:, None] * w_max <= self.budgets[None, :] * _ULP).all(axis=1)
@@ -206,7 +207,7 @@ class CostModel:
             for i in range(n):
                 k = int(min(n - i, caps[i]))
                 run = np.maximum.accumulate(w[i:i + k], axis=0)
-                ok = self._per_sample_cost_ok(run, np.arange(1, k + 1))
+                ok = self.per_sample_cost_ok(run, np.arange(1, k + 1))
                 counts[i] = k if ok.all() else int(np.argmin(ok))
         if patches is not None and self.max_patches is not None:
             cum = np.concatenate(([0], np.cumsum(patches)))

@@ -107,7 +107,7 @@ def _max_counts_sorted(cost: CostModel, padded: np.ndarray, patches: Optional[np
         mid = (a_lo + a_hi + 1) // 2
         level = np.frexp(mid.astype(np.float64))[1] - 1  # floor(log2(mid)), exact for these sizes
         w_max = np.maximum(table[level, active], table[level, active + mid - (1 << level)])
-        ok = cost._per_sample_cost_ok(w_max, mid)  # the test CostModel applies to each prefix
+        ok = cost.per_sample_cost_ok(w_max, mid)  # the test CostModel applies to each prefix
         lo[active] = np.where(ok, mid, a_lo)
         hi[active] = np.where(ok, a_hi, mid - 1)
         active = active[lo[active] < hi[active]]
