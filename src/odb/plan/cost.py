@@ -11,6 +11,12 @@ end: it costs the sum of its samples' weights (``L`` each, ``L + L^2 / q`` with
 ``quadratic_length``), so a row of a few long samples and one of many short ones cost
 alike; nothing is padded.
 
+``sample_cost`` adds a fixed cost per sample, in tokens-equivalent (default 0): a padded
+batch then costs B x (weights of its longest sample + sample_cost), a packed row the sum of
+(weight + sample_cost) over its samples. It maps a memory model with a per-sample term
+(``odb.plan.auto_budget``) exactly onto the planner; with one budget per dimension each
+dimension's cost carries it.
+
 With ``shape_buckets`` a padded length is further rounded up to the smallest of a few
 bucket lengths (``odb.plan.buckets``); a sample longer than the largest bucket fits no batch
 (oversize).
@@ -63,6 +69,7 @@ class CostModel:
         max_patches: Optional[int] = None,
         layout: str = "padded",
         length_buckets: Optional[Tuple[int, ...]] = None,
+        sample_cost: float = 0.0,
     ) -> None:
         self.budgets = np.asarray(budgets, dtype=np.float64)
         self.pad_to = pad_to_multiple_of
@@ -72,11 +79,17 @@ class CostModel:
         self.max_patches = max_patches
         self.packed = layout == "packed"
         self.buckets = None if length_buckets is None else tuple(int(v) for v in length_buckets)
+        self.sample_cost = float(sample_cost)
+        if not np.isfinite(self.sample_cost) or self.sample_cost < 0:
+            raise ValueError(
+                f"sample_cost={sample_cost!r}: the cost a sample adds to a batch must be a finite number >= 0 "
+                f"(tokens-equivalent). Fix: pass sample_cost=0.0 (none) or a positive float.")
 
     @classmethod
     def from_config(cls, cfg: ODBConfig) -> "CostModel":
         return cls(cfg.token_budgets, cfg.pad_to_multiple_of, cfg.quadratic_length, cfg.max_batch_size,
-                   cfg.batch_size_multiple, cfg.max_image_patches, cfg.layout, cfg.shape_buckets)
+                   cfg.batch_size_multiple, cfg.max_image_patches, cfg.layout, cfg.shape_buckets,
+                   getattr(cfg, "sample_cost", 0.0))
 
     def scaled(self, factor: float) -> "CostModel":
         """The same model with every token budget multiplied by ``factor``."""
@@ -133,25 +146,41 @@ class CostModel:
         w = padded.astype(np.float64)
         return w if self.q is None else w * (self.q + w) / self.q
 
+    def _with_sample_cost(self, w: np.ndarray) -> np.ndarray:
+        """A per-sample cost (summed weights, or one per dimension) plus ``sample_cost`` (unchanged at 0)."""
+        return w + self.sample_cost if self.sample_cost else w
+
     def per_sample_cost_ok(self, w_max: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Whether each of K padded batches fits the budget: ``counts[k]`` samples padded to the weights
-        ``w_max[k]`` (one per length dimension) of its longest ones, every dimension within its budget."""
+        ``w_max[k]`` (one per length dimension) of its longest ones, plus ``sample_cost`` each, every
+        dimension within its budget."""
         if len(self.budgets) == 1:
-            return counts * w_max.sum(axis=1) <= self.budgets[0] * _ULP
-        return (counts[:, None] * w_max <= self.budgets[None, :] * _ULP).all(axis=1)
+            return counts * self._with_sample_cost(w_max.sum(axis=1)) <= self.budgets[0] * _ULP
+        return (counts[:, None] * self._with_sample_cost(w_max) <= self.budgets[None, :] * _ULP).all(axis=1)
 
     def batch_cost(self, padded_group: np.ndarray) -> float:
-        """Cost of one batch: B x (sum over dimensions of the weight of the max length); packed: the
-        sum of its samples' weights."""
+        """Cost of one batch: B x (sum over dimensions of the weight of the max length + sample_cost);
+        packed: the sum of its samples' weights (each with its sample_cost).
+
+        Example:
+            >>> CostModel((100,), sample_cost=2.0).batch_cost(np.array([[10], [3]]))
+            24.0
+        """
         padded_group = np.asarray(padded_group)
         if self.packed:
             return float(self.sample_weights(padded_group).sum())
         w = self.token_weight(padded_group.max(axis=0))
-        return float(len(padded_group) * w.sum())
+        return float(len(padded_group) * self._with_sample_cost(w.sum()))
 
     def sample_weights(self, padded: np.ndarray) -> np.ndarray:
-        """(n,) what each sample adds to a packed row: its weights summed over length dimensions."""
-        return self.token_weight(np.asarray(padded).reshape(len(padded), -1)).sum(axis=1)
+        """(n,) what each sample adds to a packed row: its weights summed over length dimensions, plus
+        ``sample_cost``."""
+        return self._with_sample_cost(self.token_weight(np.asarray(padded).reshape(len(padded), -1)).sum(axis=1))
+
+    @property
+    def integer_weights(self) -> bool:
+        """Every sample weight is an integer (no quadratic term, an integer sample_cost): packing may use ints."""
+        return self.q is None and self.sample_cost.is_integer()
 
     def group_tokens(self, lengths: np.ndarray) -> int:
         """Tokens a batch of these (n, D) lengths holds: B x padded max per dimension; packed: the real ones.
@@ -219,9 +248,9 @@ class CostModel:
         """Copies of each sample that fit the token budget and max_batch_size."""
         w = self.token_weight(padded)
         if len(self.budgets) == 1:
-            fit = np.floor(self.budgets[0] * _ULP / np.maximum(w.sum(axis=1), 1e-9))
+            fit = np.floor(self.budgets[0] * _ULP / np.maximum(self._with_sample_cost(w.sum(axis=1)), 1e-9))
         else:
-            fit = np.floor(self.budgets[None, :] * _ULP / np.maximum(w, 1e-9)).min(axis=1)
+            fit = np.floor(self.budgets[None, :] * _ULP / np.maximum(self._with_sample_cost(w), 1e-9)).min(axis=1)
         if self.buckets is not None:  # longer than the largest bucket: no batch shape holds it
             fit = np.where((np.asarray(padded) > self.buckets[-1]).any(axis=1), 0, fit)
         return np.minimum(fit, self.max_batch).astype(np.int64)

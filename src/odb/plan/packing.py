@@ -90,7 +90,7 @@ def _sorted_sizes(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, patches
 def _pack(positions: np.ndarray, weights: np.ndarray, cost: CostModel, patches: Optional[np.ndarray],
           share: float = 1.0) -> List[np.ndarray]:
     """Best-fit decreasing of sorted samples into rows of ``share`` x the budget."""
-    exact = cost.q is None  # integer weights: pack with Python ints, exactly
+    exact = cost.integer_weights  # integer weights: pack with Python ints, exactly
     sizes = weights.astype(np.int64).tolist() if exact else weights.tolist()
     cap = int(cost.total_budget * share) if exact else cost.row_capacity * share
     patch_list = None if patches is None or cost.max_patches is None else patches[positions].tolist()

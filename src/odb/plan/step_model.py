@@ -1,0 +1,343 @@
+"""A model of one training step fitted online: peak memory or seconds from a batch's shape (pure numpy).
+
+A step's cost is modelled as a nonnegative linear function of four features of its batch
+(``FEATURES``)::
+
+    value ~ a * tokens + b * square_tokens + c * samples + d
+
+Padded, a batch of B samples whose longest has length L holds ``tokens = B * L`` and
+``square_tokens = B * L**2`` (attention without a fused kernel is quadratic in L); packed
+(one row of samples end to end), ``tokens = sum L`` and ``square_tokens = sum L**2``.
+``samples = B`` and ``constant = 1`` (weights, optimizer state, the allocator's reserve).
+
+``StepModel`` keeps the last ``max_points`` observations and fits the coefficients by
+least squares on *relative* residuals (a batch twice as large weighs the same), exactly
+nonnegative (the four-variable NNLS is solved over every support), robust to outliers
+(iteratively reweighted with Huber weights, points beyond 3 robust sigmas dropped).
+``upper`` is the conservative bound the memory planner uses: the prediction times
+``1 + `` a high quantile of the relative residuals (at least ``floor``).
+
+The features come from the lengths the model actually runs on: pass padded lengths
+(after ``pad_to_multiple_of``, buckets) when the collate pads to them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+FEATURES = ("tokens", "square_tokens", "samples", "constant")
+
+_N = len(FEATURES)
+_MIN_POINTS = 6
+_RANK_TOL = 1e-9  # smallest singular value / largest of the column-scaled design: below it, not identified
+_STATE_KEYS = ("name", "max_points", "floor", "quantile", "features", "values", "coef", "upper_factor",
+               "relative_error")
+
+
+def shape_features(lengths: Any, packed: bool = False) -> np.ndarray:
+    """The (4,) features of one batch (``FEATURES``) from its samples' lengths.
+
+    ``lengths`` is (B,) or (B, D); with several length dimensions the first is used.
+
+    Example:
+        >>> shape_features([3, 5]).tolist()            # padded: 2 x 5 tokens, 2 x 25 squared
+        [10.0, 50.0, 2.0, 1.0]
+        >>> shape_features([[3, 1], [5, 1]], packed=True).tolist()
+        [8.0, 34.0, 2.0, 1.0]
+    """
+    arr = np.asarray(lengths, dtype=np.float64)
+    if arr.ndim == 2:
+        arr = arr[:, 0]
+    if arr.ndim != 1 or len(arr) == 0:
+        raise ValueError(
+            f"lengths of shape {np.shape(lengths)}: a batch's features need its samples' lengths as a "
+            f"non-empty (B,) or (B, D) array. Fix: pass the lengths of the batch's samples.")
+    if (arr < 0).any() or not np.isfinite(arr).all():
+        raise ValueError(
+            f"lengths {arr.tolist()[:8]}: a length must be a finite number >= 0. Fix: pass measured lengths.")
+    b = float(len(arr))
+    if packed:
+        return np.array([arr.sum(), (arr * arr).sum(), b, 1.0])
+    top = float(arr.max())
+    return np.array([b * top, b * top * top, b, 1.0])
+
+
+def window_features(groups: Sequence[Any], packed: bool = False) -> np.ndarray:
+    """(n, 4) features of n batches, one row each (``shape_features`` of each group's lengths).
+
+    Example:
+        >>> window_features([[3, 5], [8]]).tolist()
+        [[10.0, 50.0, 2.0, 1.0], [8.0, 64.0, 1.0, 1.0]]
+    """
+    if len(groups) == 0:
+        return np.zeros((0, _N))
+    return np.stack([shape_features(g, packed) for g in groups])
+
+
+def _as_features(features: Any) -> np.ndarray:
+    f = np.asarray(features, dtype=np.float64)
+    if f.shape[-1:] != (_N,) or f.ndim > 2 or not np.isfinite(f).all() or (f < 0).any():
+        raise ValueError(
+            f"features of shape {f.shape}: a step model takes {_N} finite nonnegative features "
+            f"{FEATURES} per batch. Fix: build them with odb.plan.step_model.shape_features(lengths).")
+    return f
+
+
+def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin ||a x - y|| over x >= 0, exactly, for a few columns: the best unconstrained fit over
+    every support whose coefficients are all nonnegative (the optimum is one of them).
+
+    Example:
+        >>> nnls(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([2.0, -1.0])).tolist()
+        [2.0, 0.0]
+    """
+    n_cols = a.shape[1]
+    best, best_ssr = np.zeros(n_cols), float(y @ y)
+    for cols in itertools.chain.from_iterable(itertools.combinations(range(n_cols), r) for r in range(1, n_cols + 1)):
+        idx = list(cols)
+        sol = np.linalg.lstsq(a[:, idx], y, rcond=None)[0]
+        if (sol < 0).any():
+            continue
+        r = a[:, idx] @ sol - y
+        ssr = float(r @ r)
+        if ssr < best_ssr * (1 - 1e-12) or (ssr <= best_ssr and len(idx) < np.count_nonzero(best)):
+            best = np.zeros(n_cols)
+            best[idx] = sol
+            best_ssr = ssr
+    return best
+
+
+class StepModel:
+    """One target of a training step (peak memory bytes, or seconds) as a nonnegative linear function
+    of a batch's features, fitted online.
+
+    Args:
+        name: what it models (shown in metrics and errors).
+        max_points: the most recent observations kept.
+        floor: the least relative margin of ``upper`` over ``predict``.
+        quantile: the quantile of the relative residuals that ``upper`` adds.
+
+    Example:
+        >>> m = StepModel("memory")
+        >>> for b, l in [(4, 10), (2, 30), (8, 5), (1, 60), (3, 20), (6, 12), (5, 7)]:
+        ...     f = shape_features([l] * b)
+        ...     m.observe(f, 2.0 * f[0] + 0.01 * f[1] + 5.0 * f[2] + 100.0)
+        >>> {k: round(v, 6) for k, v in m.coefficients().items()}
+        {'tokens': 2.0, 'square_tokens': 0.01, 'samples': 5.0, 'constant': 100.0}
+        >>> round(m.predict(shape_features([10, 10])), 6)
+        152.0
+    """
+
+    def __init__(self, name: str, max_points: int = 512, *, floor: float = 0.01, quantile: float = 0.95) -> None:
+        if int(max_points) < _MIN_POINTS:
+            raise ValueError(
+                f"max_points={max_points!r}: a step model needs at least {_MIN_POINTS} points to fit "
+                f"{_N} coefficients robustly. Fix: pass max_points >= {_MIN_POINTS} (default 512).")
+        if not (0.0 <= floor < 10.0) or not (0.5 <= quantile <= 1.0):
+            raise ValueError(
+                f"floor={floor!r}, quantile={quantile!r}: the upper bound's margin must be in [0, 10) and its "
+                f"quantile in [0.5, 1]. Fix: pass e.g. floor=0.01, quantile=0.95.")
+        self.name = str(name)
+        self.max_points = int(max_points)
+        self.floor = float(floor)
+        self.quantile = float(quantile)
+        self._x: List[List[float]] = []
+        self._y: List[float] = []
+        self._coef: Optional[np.ndarray] = None
+        self._upper = 1.0 + self.floor
+        self._rel_error: Optional[float] = None
+        self._dirty = False
+
+    def observe(self, features: Any, value: float) -> None:
+        """Add one step: its batch's features and the measured value (>= 0).
+
+        Example:
+            >>> m = StepModel("seconds"); m.observe(shape_features([4, 4]), 0.25); len(m)
+            1
+        """
+        f = _as_features(features)
+        v = float(value)
+        if f.ndim != 1 or not math.isfinite(v) or v < 0:
+            raise ValueError(
+                f"{self.name}: observed value {value!r} for features of shape {f.shape}: one batch's (4,) "
+                f"features and a finite value >= 0 are needed. Fix: pass shape_features(lengths) and the "
+                f"measured {self.name}.")
+        self._x.append([float(t) for t in f])
+        self._y.append(v)
+        if len(self._y) > self.max_points:
+            del self._x[0], self._y[0]
+        self._dirty = True
+
+    def __len__(self) -> int:
+        return len(self._y)
+
+    def _identified(self, x: np.ndarray) -> bool:
+        if len(x) < _MIN_POINTS or len(np.unique(x, axis=0)) < _N:
+            return False
+        scale = np.abs(x).max(axis=0)
+        if (scale <= 0).any():
+            return False
+        s = np.linalg.svd(x / scale, compute_uv=False)
+        return bool(s[-1] > _RANK_TOL * s[0])
+
+    def fit(self) -> bool:
+        """Fit the coefficients on the points kept; returns whether the model is fitted (enough points,
+        features that span the four directions). Called lazily by the predictions.
+
+        Example:
+            >>> m = StepModel("memory"); m.observe(shape_features([4]), 10.0); m.fit()
+            False
+        """
+        self._dirty = False
+        x = np.asarray(self._x, dtype=np.float64).reshape(-1, _N)
+        y = np.asarray(self._y, dtype=np.float64)
+        if not self._identified(x):
+            self._coef, self._upper, self._rel_error = None, 1.0 + self.floor, None
+            return False
+        scale = np.abs(x).max(axis=0)
+        inv = 1.0 / np.maximum(y, 1e-12 * max(float(y.max()), 1e-300))  # relative residuals
+        xs = x / scale * inv[:, None]
+        ys = y * inv
+        weights = np.ones(len(y))
+        coef_s = np.zeros(_N)
+        for _ in range(12):
+            sw = np.sqrt(weights)
+            new = nnls(xs * sw[:, None], ys * sw)
+            r = xs @ new - ys
+            sigma = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+            sigma = max(sigma, 1e-9)
+            k = 1.345 * sigma
+            a = np.abs(r)
+            weights = np.where(a <= k, 1.0, k / np.maximum(a, 1e-300))
+            weights[a > 3.0 * sigma] = 0.0
+            if weights.sum() < _N:
+                weights = np.ones(len(y))
+            done = np.allclose(new, coef_s, rtol=1e-10, atol=1e-14)
+            coef_s = new
+            if done:
+                break
+        self._coef = np.maximum(coef_s / scale, 0.0)
+        pred = x @ self._coef
+        rel = y / np.maximum(pred, 1e-300) - 1.0
+        self._upper = 1.0 + max(self.floor, float(np.quantile(rel, self.quantile)))
+        self._rel_error = float(np.median(np.abs(rel)))
+        return True
+
+    def _ensure(self) -> None:
+        if self._dirty:
+            self.fit()
+
+    @property
+    def fitted(self) -> bool:
+        """Whether predictions are available (enough points spanning the features).
+
+        Example:
+            >>> StepModel("memory").fitted
+            False
+        """
+        self._ensure()
+        return self._coef is not None
+
+    def predict(self, features: Any) -> Optional[float]:
+        """The modelled value of a batch (a float; (n,) array for (n, 4) features), None before fitted.
+
+        Example:
+            >>> print(StepModel("memory").predict(shape_features([4])))
+            None
+        """
+        self._ensure()
+        if self._coef is None:
+            return None
+        f = _as_features(features)
+        out = f @ self._coef
+        return float(out) if f.ndim == 1 else out
+
+    @property
+    def upper_factor(self) -> float:
+        """``upper / predict``: 1 + the residuals' high quantile (at least ``floor``).
+
+        Example:
+            >>> StepModel("memory", floor=0.05).upper_factor
+            1.05
+        """
+        self._ensure()
+        return self._upper
+
+    def upper(self, features: Any) -> Optional[float]:
+        """A conservative bound: the prediction times ``upper_factor``; None before fitted.
+
+        Example:
+            >>> print(StepModel("memory").upper(shape_features([4])))
+            None
+        """
+        p = self.predict(features)
+        return None if p is None else p * self._upper
+
+    def coefficients(self) -> Optional[Dict[str, float]]:
+        """The fitted coefficients by feature name (None before fitted).
+
+        Example:
+            >>> print(StepModel("memory").coefficients())
+            None
+        """
+        self._ensure()
+        return None if self._coef is None else {k: float(v) for k, v in zip(FEATURES, self._coef)}
+
+    def relative_error(self) -> Optional[float]:
+        """The median absolute relative residual of the points kept (None before fitted).
+
+        Example:
+            >>> print(StepModel("memory").relative_error())
+            None
+        """
+        self._ensure()
+        return self._rel_error
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain data (lists and floats, JSON-able) restoring the same points and predictions.
+
+        Example:
+            >>> sorted(StepModel("memory").state_dict())[:3]
+            ['coef', 'features', 'floor']
+        """
+        self._ensure()
+        return {
+            "name": self.name,
+            "max_points": self.max_points,
+            "floor": self.floor,
+            "quantile": self.quantile,
+            "features": [list(r) for r in self._x],
+            "values": list(self._y),
+            "coef": None if self._coef is None else [float(v) for v in self._coef],
+            "upper_factor": self._upper,
+            "relative_error": self._rel_error,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output (the fit is restored as saved, not refitted).
+
+        Example:
+            >>> a = StepModel("memory"); a.observe(shape_features([4]), 9.0)
+            >>> b = StepModel("memory"); b.load_state_dict(a.state_dict()); len(b)
+            1
+        """
+        missing = [k for k in _STATE_KEYS if k not in state]
+        unknown = [k for k in state if k not in _STATE_KEYS]
+        if missing or unknown:
+            raise ValueError(
+                f"step model state with missing keys {missing} and unknown keys {unknown}: a StepModel loads only "
+                f"what its state_dict() saved. Fix: pass the dict StepModel.state_dict() returned.")
+        self.name = str(state["name"])
+        self.max_points = int(state["max_points"])
+        self.floor = float(state["floor"])
+        self.quantile = float(state["quantile"])
+        self._x = [[float(t) for t in r] for r in state["features"]]
+        self._y = [float(v) for v in state["values"]]
+        self._coef = None if state["coef"] is None else np.asarray(state["coef"], dtype=np.float64)
+        self._upper = float(state["upper_factor"])
+        self._rel_error = None if state["relative_error"] is None else float(state["relative_error"])
+        self._dirty = False
