@@ -15,9 +15,13 @@ which is exactly ``CostModel((token_budget,), quadratic_length=q, sample_cost=s)
 (the sum over their samples) map the same way.
 
 Before the memory model is fitted (a few steps of varied shapes) the proposal is the start
-budget, grown by at most ``growth`` per proposal while the observed peaks leave room; once
-fitted, the model's budget, still never more than ``growth`` x the last one. An
-out-of-memory step lowers the effective cap below that batch's prediction. Under several
+budget, grown by at most ``growth`` per proposal while the observed peaks leave room. Once
+fitted, the proposal is the model's: the largest budget whose batches of every length
+(a grid up to the longest that fits) stay under the usable cap by the full upper bound,
+which adds the coefficients' uncertainty: a noiseless fit jumps to its budget at once, a
+noisy one far from the shapes it measured extrapolates no further than its standard errors
+allow. An out-of-memory step lowers the effective cap below that batch's prediction and
+shrinks the next proposal to at most 0.9 x the last. Under several
 ranks each sends its plan (``BudgetPlan.encode``, three int64) in the per-window exchange and
 all plan with ``agree``: the most conservative of them.
 """
@@ -136,9 +140,8 @@ class AutoBudget:
         >>> for b, l in [(4, 100), (2, 300), (8, 50), (1, 600), (3, 200), (6, 120), (5, 70)]:
         ...     f = shape_features([l] * b)
         ...     ab.observe(f, peak=100.0 * f[0] + 0.5 * f[1] + 1000.0 * f[2] + 2e5)
-        >>> plan = ab.propose()   # fitted: budget (0.9 x 1e6 / 1.01 - 2e5) / 100, q = 100 / 0.5, 1000 / 100 a sample
-        >>> plan.token_budget <= 1500, plan.quadratic_length, plan.sample_cost
-        (True, 200, 10.0)
+        >>> ab.propose()   # fitted: budget (0.9 x 1e6 / 1.01 - 2e5) / 100, q = 100 / 0.5, 1000 / 100 a sample
+        BudgetPlan(token_budget=6910, quadratic_length=200, sample_cost=10.0)
     """
 
     def __init__(self, cap: float, start_budget: int, *, packed: bool = False, margin: float = 0.1,
@@ -216,7 +219,9 @@ class AutoBudget:
         return np.array(list(coef.values())) * self.memory.upper_factor
 
     def model_plan(self) -> Optional[BudgetPlan]:
-        """The plan the fitted memory model allows under the usable cap, without the ramp (None before fitted).
+        """The plan the fitted memory model allows under the usable cap (None before fitted): the exact
+        mapping of its linear upper bound, the budget then lowered until the worst batch at each length of
+        a grid stays under the cap by the full upper bound (with the coefficients' uncertainty).
 
         Example:
             >>> print(AutoBudget(1e6, 100).model_plan())
@@ -233,7 +238,28 @@ class AutoBudget:
         budget = int(min(math.floor(room / a_eff), _MAX_BUDGET))
         q = None if b <= 0 or a_eff / b > _MAX_BUDGET else max(1, int(math.floor(a_eff / b)))
         s = min(_ceil_milli(c / a_eff), float(_MAX_BUDGET))
-        return BudgetPlan(max(self.min_budget, budget), q, s)
+        plan = BudgetPlan(max(self.min_budget, budget), q, s)
+        if self._worst_batches_fit(plan):
+            return plan
+        lo, hi = self.min_budget, plan.token_budget  # the largest budget whose worst batches fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._worst_batches_fit(dataclasses.replace(plan, token_budget=mid)):
+                lo = mid
+            else:
+                hi = mid - 1
+        return dataclasses.replace(plan, token_budget=lo)
+
+    def _worst_batches_fit(self, plan: BudgetPlan) -> bool:
+        """Whether, at every length of a geometric grid up to the longest that fits, the largest batch
+        of that length the plan admits stays under the usable cap by the memory model's full upper bound."""
+        longest = self.longest_fitting_length() or 1
+        grid = np.unique(np.geomspace(1, max(longest, 1), 48).astype(np.int64))
+        counts = plan.cost_model().copies_that_fit_unrounded(grid[:, None]).astype(np.float64)
+        keep = counts >= 1
+        lengths, counts = grid[keep].astype(np.float64), counts[keep]
+        feats = np.stack([counts * lengths, counts * lengths * lengths, counts, np.ones_like(counts)], axis=1)
+        return bool((self.memory.upper(feats) <= self._usable()).all()) if len(feats) else True
 
     def propose(self) -> BudgetPlan:
         """The planner's settings for the next window (fits the models first).
@@ -254,10 +280,8 @@ class AutoBudget:
             plan = BudgetPlan(max(self.min_budget, budget), None, 0.0)
         else:
             budget = model.token_budget
-            if self._last is not None:
-                budget = min(budget, math.floor(self.growth * self._last.token_budget))
-                if self._oom_pending:
-                    budget = min(budget, math.floor(0.9 * self._last.token_budget))
+            if self._last is not None and self._oom_pending:
+                budget = min(budget, math.floor(0.9 * self._last.token_budget))
             plan = BudgetPlan(max(self.min_budget, budget), model.quadratic_length, model.sample_cost)
         self._budget = plan.token_budget
         self._last = plan

@@ -15,7 +15,10 @@ least squares on *relative* residuals (a batch twice as large weighs the same), 
 nonnegative (the four-variable NNLS is solved over every support), robust to outliers
 (iteratively reweighted with Huber weights, points beyond 3 robust sigmas dropped).
 ``upper`` is the conservative bound the memory planner uses: the prediction times
-``1 + `` a high quantile of the relative residuals (at least ``floor``).
+``1 + `` a high quantile of the relative residuals (at least ``floor``), plus ``z`` standard
+errors of the prediction from the coefficients' own uncertainty. That last term is small
+among the shapes observed and grows with the distance beyond them, so a bound far from the
+data (a budget many times the one measured) stays safe while noisy points are few.
 
 The features come from the lengths the model actually runs on: pass padded lengths
 (after ``pad_to_multiple_of``, buckets) when the collate pads to them.
@@ -34,8 +37,8 @@ FEATURES = ("tokens", "square_tokens", "samples", "constant")
 _N = len(FEATURES)
 _MIN_POINTS = 6
 _RANK_TOL = 1e-9  # smallest singular value / largest of the column-scaled design: below it, not identified
-_STATE_KEYS = ("name", "max_points", "floor", "quantile", "features", "values", "coef", "upper_factor",
-               "relative_error")
+_STATE_KEYS = ("name", "max_points", "floor", "quantile", "z", "features", "values", "coef", "covariance",
+               "upper_factor", "relative_error")
 
 
 def shape_features(lengths: Any, packed: bool = False) -> np.ndarray:
@@ -111,6 +114,22 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+def _covariance(xs: np.ndarray, ys: np.ndarray, weights: np.ndarray, coef: np.ndarray) -> np.ndarray:
+    """The coefficients' covariance in the scaled problem (zero outside their support): the weighted
+    residual variance times the inverse normal matrix of the support's columns."""
+    support = coef > 0
+    cov = np.zeros((_N, _N))
+    used = weights > 0
+    dof = int(used.sum()) - int(support.sum())
+    if not support.any() or dof <= 0:
+        return cov
+    r = xs @ coef - ys
+    sigma2 = float((weights * r * r).sum()) / dof
+    z = xs[:, support] * np.sqrt(weights)[:, None]
+    cov[np.ix_(support, support)] = sigma2 * np.linalg.pinv(z.T @ z)
+    return cov
+
+
 class StepModel:
     """One target of a training step (peak memory bytes, or seconds) as a nonnegative linear function
     of a batch's features, fitted online.
@@ -120,6 +139,7 @@ class StepModel:
         max_points: the most recent observations kept.
         floor: the least relative margin of ``upper`` over ``predict``.
         quantile: the quantile of the relative residuals that ``upper`` adds.
+        z: standard errors of the prediction (from the coefficients' uncertainty) that ``upper`` adds.
 
     Example:
         >>> m = StepModel("memory")
@@ -132,22 +152,26 @@ class StepModel:
         152.0
     """
 
-    def __init__(self, name: str, max_points: int = 512, *, floor: float = 0.01, quantile: float = 0.95) -> None:
+    def __init__(self, name: str, max_points: int = 512, *, floor: float = 0.01, quantile: float = 0.95,
+                 z: float = 3.0) -> None:
         if int(max_points) < _MIN_POINTS:
             raise ValueError(
                 f"max_points={max_points!r}: a step model needs at least {_MIN_POINTS} points to fit "
                 f"{_N} coefficients robustly. Fix: pass max_points >= {_MIN_POINTS} (default 512).")
-        if not (0.0 <= floor < 10.0) or not (0.5 <= quantile <= 1.0):
+        if not (0.0 <= floor < 10.0) or not (0.5 <= quantile <= 1.0) or not (0.0 <= z < 100.0):
             raise ValueError(
-                f"floor={floor!r}, quantile={quantile!r}: the upper bound's margin must be in [0, 10) and its "
-                f"quantile in [0.5, 1]. Fix: pass e.g. floor=0.01, quantile=0.95.")
+                f"floor={floor!r}, quantile={quantile!r}, z={z!r}: the upper bound's margin must be in [0, 10), its "
+                f"quantile in [0.5, 1] and its standard errors z in [0, 100). Fix: pass e.g. floor=0.01, "
+                f"quantile=0.95, z=3.")
         self.name = str(name)
         self.max_points = int(max_points)
         self.floor = float(floor)
         self.quantile = float(quantile)
+        self.z = float(z)
         self._x: List[List[float]] = []
         self._y: List[float] = []
         self._coef: Optional[np.ndarray] = None
+        self._cov = np.zeros((_N, _N))
         self._upper = 1.0 + self.floor
         self._rel_error: Optional[float] = None
         self._dirty = False
@@ -197,35 +221,55 @@ class StepModel:
         y = np.asarray(self._y, dtype=np.float64)
         if not self._identified(x):
             self._coef, self._upper, self._rel_error = None, 1.0 + self.floor, None
+            self._cov = np.zeros((_N, _N))
             return False
         scale = np.abs(x).max(axis=0)
-        inv = 1.0 / np.maximum(y, 1e-12 * max(float(y.max()), 1e-300))  # relative residuals
-        xs = x / scale * inv[:, None]
-        ys = y * inv
+        xn = x / scale  # columns of comparable size; coefficients in these units until the end
+        coef_s = self._robust_start(xn, y, None if self._coef is None else self._coef * scale)
         weights = np.ones(len(y))
-        coef_s = np.zeros(_N)
-        for _ in range(12):
-            sw = np.sqrt(weights)
-            new = nnls(xs * sw[:, None], ys * sw)
-            r = xs @ new - ys
-            sigma = 1.4826 * float(np.median(np.abs(r - np.median(r))))
-            sigma = max(sigma, 1e-9)
-            k = 1.345 * sigma
-            a = np.abs(r)
+        rows = np.ones(len(y))
+        for _ in range(20):
+            # Least squares on residuals relative to the current prediction (not to the value: a wild
+            # low value must not weigh more), Huber-weighted, points beyond 3 robust sigmas dropped.
+            pred = xn @ coef_s
+            rows = 1.0 / np.maximum(pred, 1e-12 * max(float(np.median(pred)), 1e-300))
+            r = (y - pred) * rows
+            sigma = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), 1e-9)
+            k, a = 1.345 * sigma, np.abs(r)
             weights = np.where(a <= k, 1.0, k / np.maximum(a, 1e-300))
             weights[a > 3.0 * sigma] = 0.0
-            if weights.sum() < _N:
+            if np.count_nonzero(weights) < _N:
                 weights = np.ones(len(y))
-            done = np.allclose(new, coef_s, rtol=1e-10, atol=1e-14)
+            sw = rows * np.sqrt(weights)
+            new = nnls(xn * sw[:, None], y * sw)
+            done = np.allclose(new, coef_s, rtol=1e-10, atol=1e-14 * max(float(np.abs(new).max()), 1e-300))
             coef_s = new
             if done:
                 break
+        xs, ys = xn * rows[:, None], y * rows
         self._coef = np.maximum(coef_s / scale, 0.0)
+        self._cov = _covariance(xs, ys, weights, coef_s) / np.outer(scale, scale)
         pred = x @ self._coef
         rel = y / np.maximum(pred, 1e-300) - 1.0
         self._upper = 1.0 + max(self.floor, float(np.quantile(rel, self.quantile)))
         self._rel_error = float(np.median(np.abs(rel)))
         return True
+
+    @staticmethod
+    def _robust_start(xn: np.ndarray, y: np.ndarray, previous: Optional[np.ndarray]) -> np.ndarray:
+        """A first fit that outliers do not drag (least median of squares): of the fit on every point,
+        the previous fit and fits on 40 small subsets (seeded by the point count: the same points give
+        the same start), the one whose median absolute relative residual is least."""
+        inv = 1.0 / np.maximum(y, 1e-12 * max(float(y.max()), 1e-300))
+        xs, ys = xn * inv[:, None], y * inv
+        candidates = [nnls(xs, ys)] + ([] if previous is None else [previous])
+        rng = np.random.default_rng(len(y))
+        size = min(len(y), 2 * _N)
+        for _ in range(40):
+            pick = rng.choice(len(y), size=size, replace=False)
+            candidates.append(nnls(xs[pick], ys[pick]))
+        scores = np.array([float(np.median(np.abs(xs @ c - ys))) for c in candidates])
+        return candidates[int(np.flatnonzero(scores <= scores.min() + 1e-9)[0])]  # ties: the fit on every point
 
     def _ensure(self) -> None:
         if self._dirty:
@@ -275,7 +319,12 @@ class StepModel:
             None
         """
         p = self.predict(features)
-        return None if p is None else p * self._upper
+        if p is None:
+            return None
+        f = _as_features(features)
+        var = np.einsum("...i,ij,...j->...", f, self._cov, f)
+        out = p * self._upper + self.z * np.sqrt(np.maximum(var, 0.0))
+        return float(out) if f.ndim == 1 else out
 
     def coefficients(self) -> Optional[Dict[str, float]]:
         """The fitted coefficients by feature name (None before fitted).
@@ -302,7 +351,7 @@ class StepModel:
 
         Example:
             >>> sorted(StepModel("memory").state_dict())[:3]
-            ['coef', 'features', 'floor']
+            ['coef', 'covariance', 'features']
         """
         self._ensure()
         return {
@@ -310,9 +359,11 @@ class StepModel:
             "max_points": self.max_points,
             "floor": self.floor,
             "quantile": self.quantile,
+            "z": self.z,
             "features": [list(r) for r in self._x],
             "values": list(self._y),
             "coef": None if self._coef is None else [float(v) for v in self._coef],
+            "covariance": [[float(v) for v in row] for row in self._cov],
             "upper_factor": self._upper,
             "relative_error": self._rel_error,
         }
@@ -335,9 +386,11 @@ class StepModel:
         self.max_points = int(state["max_points"])
         self.floor = float(state["floor"])
         self.quantile = float(state["quantile"])
+        self.z = float(state["z"])
         self._x = [[float(t) for t in r] for r in state["features"]]
         self._y = [float(v) for v in state["values"]]
         self._coef = None if state["coef"] is None else np.asarray(state["coef"], dtype=np.float64)
+        self._cov = np.asarray(state["covariance"], dtype=np.float64).reshape(_N, _N)
         self._upper = float(state["upper_factor"])
         self._rel_error = None if state["relative_error"] is None else float(state["relative_error"])
         self._dirty = False
