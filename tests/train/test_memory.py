@@ -208,6 +208,26 @@ def test_a_failing_forward_leaves_no_hooks_behind():
         assert meter() == 0
 
 
+def test_autocast_counts_the_saved_low_precision_copies():
+    model = mlp()
+    with ActivationMeter(model) as meter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(3, 4))
+        out.float().sum().backward()
+        # bf16: the input cast (3x4), ReLU's output (3x8) and the 2nd Linear's weight cast (8x2),
+        # 2 bytes each; the 1st Linear's weight is not saved (its input needs no gradient).
+        assert meter() == (3 * 4 + 3 * 8 + 8 * 2) * 2
+
+
+def test_compiled_model_is_measured():
+    model = mlp()
+    with ActivationMeter(model) as meter:
+        compiled = torch.compile(model, backend="aot_eager")   # no C compiler needed
+        for batch in (3, 6):
+            step(compiled, torch.randn(batch, 4))
+            assert meter() == batch * 12 * F32
+
+
 def test_rejects_a_non_module():
     with pytest.raises(TypeError):
         ActivationMeter(lambda x: x)

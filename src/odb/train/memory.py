@@ -75,6 +75,11 @@ class ActivationMeter:
     Under gradient accumulation each micro-batch's backward frees its own activations before the
     next forward, so a call returns the *largest* forward since the previous call, not the sum.
 
+    Under ``torch.autocast`` the low-precision copies of the weights that an operation saves are
+    new tensors and are counted (they are held until backward like the activations, but do not
+    grow with the batch). Works through ``torch.compile`` (the hooks sit on the module, outside
+    the compiled graph; what the compiled graph saves is counted).
+
     Not counted: parameters, buffers, gradients and optimizer state (not activations); anything
     computed outside the root module's forward (a loss computed by the training loop from the
     logits); the temporary buffers of one operation (workspace, the autograd engine's gradient
