@@ -13,10 +13,13 @@ from odb.arguments import check_options
 OversizePolicy = Literal["error", "alone", "skip"]
 LossScaling = Literal["exact", "approx", "sample", "none"]
 Layout = Literal["padded", "packed"]
+Balance = Literal["tokens", "time"]
 
 _OVERSIZE = ("error", "alone", "skip")
 _LOSS_SCALING = ("exact", "approx", "sample", "none")
 _LAYOUTS = ("padded", "packed")
+_BALANCE = ("tokens", "time")
+AUTO = "auto"  # token_budget="auto": the loader sets the budget from measured steps (odb.plan.auto_budget)
 
 
 def _fail(name: str, value: Any, rule: str, fix: str, exc: type = ValueError) -> None:
@@ -45,7 +48,13 @@ class ODBConfig:
         token_budget: the most a batch may cost. A batch of B samples whose longest
             padded sample has length L costs B x L. An int budgets the sum over all
             length dimensions; a tuple gives one budget per dimension (e.g. source
-            and target of an encoder-decoder pair).
+            and target of an encoder-decoder pair). ``"auto"``: the loader measures every
+            step's peak memory (``memory_meter``) and seconds, fits a model of them from
+            the batches' shapes, and plans each window under the largest budget whose
+            predicted peak stays under the memory cap (``memory_cap_bytes`` or
+            ``memory_fraction``) with ``auto_margin`` to spare (odb.plan.auto_budget;
+            docs/options.md). One length dimension; no ``shape_buckets``, no
+            ``budget_schedule``, no ``lengths=`` (known lengths).
         window_budgets: a planning window closes once it holds this many budgets'
             worth of real tokens (``window_budgets x sum(token_budget)``), so short and
             long samples alike see many batches' worth per window. None: windows are
@@ -136,9 +145,30 @@ class ODBConfig:
             with the other ranks (docs/distributed.md). False: the loader stays on this
             process (evaluation or generation on rank 0 only): no group, no exchange; give
             it a sampler that does not shard.
+        sample_cost: a fixed cost per sample in tokens-equivalent (default 0): a padded batch
+            costs B x (L + sample_cost), a packed row the sum of (L + sample_cost); for models
+            whose per-sample work (heads, a per-sample loss) matters next to their tokens.
+            With ``token_budget="auto"`` the fitted memory model sets it (this value is the start).
+        memory_cap_bytes: ``token_budget="auto"``: the peak memory a step may reach, in bytes
+            (as ``memory_meter`` measures it). None: ``memory_fraction`` of the CUDA device's
+            total memory (required without CUDA).
+        memory_fraction: ``token_budget="auto"`` without ``memory_cap_bytes``: the cap as a share
+            of the current CUDA device's total memory (default 0.9).
+        memory_meter: ``token_budget="auto"``: ``meter() -> peak bytes (or None)`` since its
+            last call, then reset. None: CUDA's allocator peak (``odb.train.memory.CudaPeakMeter``)
+            when CUDA is available; required without CUDA (e.g.
+            ``odb.train.memory.ActivationMeter(model)``).
+        auto_start_budget: ``token_budget="auto"``: the budget of the first windows, until the
+            memory model is fitted. None: twice the longest sample of the first window read
+            (under several ranks each rank's own until the first exchange agrees: pass it to have
+            every window agree from the first).
+        auto_margin: ``token_budget="auto"``: the share of the cap kept free (default 0.1).
+        balance: how ranks pair their batches in a step (several ranks): "tokens" (default: by
+            the planner's cost) or "time" (by predicted step seconds, once the step-time model is
+            fitted; needs ``token_budget="auto"``).
     """
 
-    token_budget: Union[int, Tuple[int, ...]]
+    token_budget: Union[int, Tuple[int, ...], Literal["auto"]]
     window_budgets: Optional[int] = 64
     buffer_size: int = 32768
     first_window_size: int = 64
@@ -169,9 +199,23 @@ class ODBConfig:
     ready_batches: int = 4
     layout: Layout = "padded"
     distributed: bool = True
+    sample_cost: float = 0.0
+    memory_cap_bytes: Optional[int] = None
+    memory_fraction: float = 0.9
+    memory_meter: Optional[Callable[[], Optional[float]]] = None
+    auto_start_budget: Optional[int] = None
+    auto_margin: float = 0.1
+    balance: Balance = "tokens"
+
+    @property
+    def auto(self) -> bool:
+        """Whether the budget is ``"auto"`` (set by the loader from measured steps)."""
+        return isinstance(self.token_budget, str) and self.token_budget == AUTO
 
     def __post_init__(self) -> None:
-        budgets = self.token_budget if isinstance(self.token_budget, tuple) else (self.token_budget,)
+        self._check_auto()
+        budgets = (self.auto_start_budget or 1,) if self.auto else \
+            self.token_budget if isinstance(self.token_budget, tuple) else (self.token_budget,)
         if not budgets:
             _fail("token_budget", self.token_budget, "must not be empty", "pass e.g. token_budget=16384")
         for b in budgets:
@@ -248,6 +292,48 @@ class ODBConfig:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 _fail(name, getattr(self, name), "must be a non-empty str", "pass a field name", TypeError)
 
+    def _check_auto(self) -> None:
+        """The options of ``token_budget="auto"`` (and ``sample_cost``, ``balance``, usable without it)."""
+        if isinstance(self.sample_cost, bool) or not isinstance(self.sample_cost, (int, float)) or \
+                not math.isfinite(self.sample_cost) or self.sample_cost < 0:
+            _fail("sample_cost", self.sample_cost, "must be a finite number >= 0 (tokens-equivalent per sample)",
+                  "pass 0.0 (none) or e.g. 16.0")
+        if self.balance not in _BALANCE:
+            _fail("balance", self.balance, f"must be one of {_BALANCE}", 'use "tokens" (default) or "time"')
+        if isinstance(self.token_budget, str) and self.token_budget != AUTO:
+            _fail("token_budget", self.token_budget, 'must be an int, a tuple of ints or "auto"',
+                  'pass e.g. token_budget=16384, or token_budget="auto" with a memory cap', TypeError)
+        _check_int("memory_cap_bytes", self.memory_cap_bytes, 1, "pass None or the bytes a step may use",
+                   optional=True)
+        _check_int("auto_start_budget", self.auto_start_budget, 1,
+                   "pass None (twice the first window's longest sample) or a number of tokens", optional=True)
+        for name, low, high in (("memory_fraction", 0.0, 1.0), ("auto_margin", 0.0, 0.9)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+                _fail(name, value, f"must be a number in ({low}, {high}]", f"pass e.g. {name}="
+                      f"{0.9 if name == 'memory_fraction' else 0.1}")
+        if self.memory_meter is not None and not callable(self.memory_meter):
+            _fail("memory_meter", self.memory_meter, "must be callable: meter() -> peak bytes since its last call",
+                  "pass e.g. odb.train.memory.ActivationMeter(model)", TypeError)
+        if not self.auto:
+            if self.balance == "time":
+                _fail("balance", self.balance, 'needs token_budget="auto" (the step-time model is fitted there)',
+                      'pass token_budget="auto", or leave balance="tokens"')
+            return
+        if self.budget_schedule is not None:
+            _fail("budget_schedule", self.budget_schedule, 'must be None with token_budget="auto" (the loader sets '
+                  "the budget from measured steps)", "drop budget_schedule, or pass an int token_budget")
+        if self.shape_buckets is not None:
+            _fail("shape_buckets", self.shape_buckets, 'must be None with token_budget="auto" (the buckets are cut '
+                  "from a fixed budget)", "drop shape_buckets, or pass an int token_budget")
+        cuda = _cuda_available()
+        if self.memory_cap_bytes is None and not cuda:
+            _fail("token_budget", self.token_budget, "needs a memory cap: memory_cap_bytes, or memory_fraction of a "
+                  "CUDA device (none is available here)", "pass memory_cap_bytes=<bytes a step may use>")
+        if self.memory_meter is None and not cuda:
+            _fail("token_budget", self.token_budget, "needs a memory meter: CUDA's allocator peak is the default, and "
+                  "no CUDA device is available here", "pass memory_meter=odb.train.memory.ActivationMeter(model)")
+
     def _check_shape_buckets(self) -> None:
         value = self.shape_buckets
         if value is None:
@@ -305,8 +391,11 @@ class ODBConfig:
 
     @property
     def token_budgets(self) -> Tuple[int, ...]:
-        """The budget as a tuple: one entry (sum over dimensions) or one per dimension."""
+        """The budget as a tuple: one entry (sum over dimensions) or one per dimension. ``"auto"``: the
+        start budget (``auto_start_budget``, 1 when unset: the loader plans under a resolved copy)."""
         tb = self.token_budget
+        if self.auto:
+            return (self.auto_start_budget or 1,)
         return tb if isinstance(tb, tuple) else (tb,)
 
     @property
@@ -352,7 +441,21 @@ PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_s
                 "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
                 "quadratic_length",
                 "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling",
-                "budget_schedule", "probe_worst_case", "layout")
+                "budget_schedule", "probe_worst_case", "layout", "sample_cost", "auto_start_budget", "auto_margin",
+                "balance")
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device (False without torch: odb.config imports no torch)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch  # type: ignore[no-redef]
+        except ImportError:
+            return False
+    return bool(torch.cuda.is_available())
 
 
 def _checked_init(init: Callable[..., None]) -> Callable[..., None]:

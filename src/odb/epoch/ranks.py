@@ -12,7 +12,10 @@ them reaches the training loop, so a rank whose batch failed stops every rank at
 step; ``announce`` joins the next exchange with a failure or a stop. The header and the
 confirmation have the same size (status, 4 header fields, the plan options'
 fingerprint), so a rank that fails anywhere but between a header and its summaries knows
-the shape the others expect.
+the shape the others expect. With ``token_budget="auto"`` (``auto_plans``) the header also
+carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints; zeros
+in a confirmation), and ``agreed_plan`` is the most conservative of every rank's (``agree``),
+which the epoch run applies to its next window; without it the messages are unchanged.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from odb.comm.agreement import agreed_values, check_agreement, fingerprint
 from odb.comm.dist import ODBOptionMismatch
 from odb.epoch.pool import SamplePool
 from odb.plan.align import StepPlan, global_steps, local_steps, shared_step_order
+from odb.plan.auto_budget import agree
 from odb.plan.fitting import cost_rank_order, decide_splits, decide_trim, decide_window, must_emit
 from odb.plan.planner import balanced_partition
 from odb.plan.window import WindowPlanner
 
 Step = Tuple[StepPlan, Optional[np.ndarray]]
+PLAN_SIZE = 3  # int64 of an encoded BudgetPlan (odb.plan.auto_budget.BudgetPlan.encode)
 CONFIRM_STEPS = 4  # steps confirmed by one exchange (the same on every rank: it shapes the protocol)
 
 
@@ -53,7 +58,8 @@ class RankAligner:
     """
 
     def __init__(self, exchange: Any, planner: WindowPlanner, pool: SamplePool, *, epoch: int, seed: int,
-                 shuffle: bool, steps_done: Callable[[], int] = lambda: 0) -> None:
+                 shuffle: bool, steps_done: Callable[[], int] = lambda: 0, options: Any = None,
+                 auto_plans: bool = False) -> None:
         self.exchange = exchange
         self.planner, self.pool = planner, pool
         self.epoch, self.seed, self.shuffle = epoch, seed, shuffle
@@ -62,8 +68,13 @@ class RankAligner:
         self.all_done = False
         self.unconfirmed = 0  # exchanged steps not yet confirmed (made) on this rank
         self.last_fit = FitCounts()
-        self._values = agreed_values(planner.cfg, shuffle)
+        self._values = agreed_values(options if options is not None else planner.cfg, shuffle)
         self._fingerprint = fingerprint(self._values)
+        self._plan_size = PLAN_SIZE if auto_plans else 0
+        self.proposal: Optional[np.ndarray] = None  # this rank's encoded proposal, sent with the next header
+        self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (auto only)
+        # balance="time": predicted seconds of a group's batch (None before the time model is fitted)
+        self.time_cost: Optional[Callable[[np.ndarray], Optional[float]]] = None
         self._body: Optional[Tuple[int, int]] = None  # shape of the summaries due after a header
 
     # ---- state (odb.resume) ------------------------------------------------------------
@@ -81,8 +92,17 @@ class RankAligner:
 
     # ---- alignment ---------------------------------------------------------------------
     def cost(self, group: np.ndarray) -> int:
-        """What ranks compare to pair groups of similar cost (``CostModel.group_cost``)."""
+        """The planner's cost of a group (``CostModel.group_cost``)."""
         return self.planner.cost.group_cost(self.pool.lengths(group))
+
+    def pair_cost(self, group: np.ndarray) -> int:
+        """What ranks compare to pair groups of similar cost: ``cost``, or with balance="time" the predicted
+        step time in microseconds once the time model is fitted."""
+        if self.time_cost is not None:
+            seconds = self.time_cost(self.planner.cost.pad(self.pool.lengths(group)))
+            if seconds is not None:
+                return int(round(seconds * 1e6))
+        return self.cost(group)
 
     def local(self, groups: List[np.ndarray]) -> List[Step]:
         """Every group is a step of its own, with local figures as global ones."""
@@ -97,7 +117,10 @@ class RankAligner:
             return self.local(groups)
         ex, cfg = self.exchange, self.planner.cfg
         where = f"epoch {self.epoch}, window {window_index}"
-        header = self._exchange([len(groups), self._must_emit(groups), int(planned_final), self.seed], where)
+        header = self._exchange([len(groups), self._must_emit(groups), int(planned_final), self.seed], where,
+                                self.proposal)
+        if self._plan_size:
+            self.agreed_plan = agree(self._plans)
         window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join)
         if window.go_local:
             self.local_only = True
@@ -107,7 +130,7 @@ class RankAligner:
         self._body = (n_steps, 3) if n_steps else None
         fitted = self._fit(groups, n_steps, planned_final)
         probe = cfg.probe_worst_case and window_index == 1
-        costs = [self.cost(g) if g is not None else 0 for g in fitted]
+        costs = [self.pair_cost(g) if g is not None else 0 for g in fitted]
         longest = [self.pool.longest(g) if g is not None else 0 for g in fitted] if probe else None
         rank_order = cost_rank_order(costs, longest).tolist()
         ranked = [fitted[k] for k in rank_order]
@@ -147,16 +170,19 @@ class RankAligner:
         at once; nothing when no exchange is left or the exchange already failed."""
         if self.finished:
             return
-        shape = self._body if self._body is not None else (4 + len(self._fingerprint),)
+        shape = self._body if self._body is not None else (4 + self._plan_size + len(self._fingerprint),)
         self.exchange.announce(shape, f"epoch {self.epoch}, after step {self._steps_done()}", error)
 
-    def _exchange(self, fields: List[int], where: str) -> np.ndarray:
-        """A header-sized message (4 fields and the options' fingerprint) of every rank; refuses ranks
-        whose loaders plan under other options."""
-        message = np.concatenate((np.asarray(fields, dtype=np.int64), self._fingerprint))
+    def _exchange(self, fields: List[int], where: str, plan: Optional[np.ndarray] = None) -> np.ndarray:
+        """A header-sized message (4 fields, the encoded plan proposal with token_budget="auto", and the
+        options' fingerprint) of every rank; refuses ranks whose loaders plan under other options."""
+        p = self._plan_size
+        sent = np.zeros(p, dtype=np.int64) if plan is None or not p else np.asarray(plan, dtype=np.int64)
+        message = np.concatenate((np.asarray(fields, dtype=np.int64), sent, self._fingerprint))
         gathered = self.exchange.all_gather(message, where)
+        self._plans = gathered[:, 4:4 + p]
         try:
-            check_agreement(gathered[:, 4:], self._values, self.exchange.rank)
+            check_agreement(gathered[:, 4 + p:], self._values, self.exchange.rank)
         except ODBOptionMismatch:
             self.exchange.dead = True  # every rank raises this: nobody exchanges on this group again
             raise

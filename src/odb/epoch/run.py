@@ -15,6 +15,7 @@ import collections
 import copy
 import dataclasses
 import threading
+import time
 import warnings
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -34,6 +35,229 @@ from odb.step_info import ODBStepInfo, attach_step_info, loss_scale
 from odb.plan.window import WindowPlanner, window_limits
 
 ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
+
+
+class AutoControl:
+    """``token_budget="auto"`` of one loader: the AutoBudget (odb.plan.auto_budget) fed by the training
+    thread, read by the batch thread, behind one lock.
+
+    Measuring (training thread): when the loop asks for the next batch, the batch handed out before
+    (one micro-batch: with gradient accumulation each micro-batch is a point) is observed: the features
+    of its samples' padded lengths (kept by ``planned`` when the batch was made), the seconds between
+    handing it out and this request (the training step; the wait for data is not in it) and the meter's
+    peak since it was handed out. Ghost batches are counted, not fed; a batch that ran out of memory
+    (``on_oom``) feeds ``AutoBudget.on_oom`` instead.
+
+    Applying (batch thread): the plan of an epoch's window w+1 is the AutoBudget's proposal frozen when
+    the training loop had observed exactly the steps made before window w was planned (window 1 and 2:
+    the proposal at the epoch's start). The plans are so a function of the observations, not of how
+    far the batch thread runs ahead: a resumed run plans the same windows (the state holds the
+    AutoBudget's, the frozen proposals and the observation count). The batch thread waits for that
+    point (it is normally a window behind it).
+
+    Example:
+        >>> import numpy as np
+        >>> from odb.epoch.run import AutoControl
+        >>> auto = AutoControl(cap=10**9, meter=lambda: None, packed=False, margin=0.1)
+        >>> auto.start(64); auto.begin_epoch(); auto.plan_at(0).token_budget
+        64
+    """
+
+    def __init__(self, *, cap: float, meter: Callable[[], Optional[float]], packed: bool, margin: float,
+                 time_balance: bool = False) -> None:
+        self.cap, self.meter, self.packed, self.margin = cap, meter, packed, margin
+        self.time_balance = time_balance
+        self.budget: Any = None  # odb.plan.auto_budget.AutoBudget, made by start()
+        self.start_budget: Optional[int] = None
+        self.lock = threading.Condition()
+        self.clock: Callable[[], float] = time.perf_counter
+        self.features: Dict[int, np.ndarray] = {}  # step -> features of a batch made, not yet observed
+        self.observed = 0  # steps of this epoch observed (ghosts counted)
+        self.frozen: Dict[int, Tuple[Any, Any]] = {}  # mark -> (BudgetPlan, AutoBudget copy for time balance)
+        self.marks: Set[int] = set()  # marks registered, not reached yet
+        self.used: List[int] = []  # marks planned with, the latest last
+        self.in_flight: Optional[List[Any]] = None  # [step, ghost, t0, oom] of the batch handed out last
+        self.closed = False
+
+    # ---- set-up --------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self.budget is not None
+
+    def _new_budget(self, start: int) -> Any:
+        from odb.plan.auto_budget import AutoBudget
+
+        return AutoBudget(self.cap, int(start), packed=self.packed, margin=self.margin)
+
+    def start(self, start_budget: int) -> None:
+        """Make the AutoBudget with the first windows' budget."""
+        with self.lock:
+            self.start_budget = int(start_budget)
+            self.budget = self._new_budget(self.start_budget)
+
+    def begin_epoch(self) -> None:
+        """A new epoch (not a resumed one): its windows 1 and 2 plan under the proposal of now."""
+        with self.lock:
+            self.features.clear()
+            self.observed, self.marks, self.used, self.in_flight, self.closed = 0, set(), [], None, False
+            self.frozen = {0: self._freeze()}
+
+    def close(self) -> None:
+        """The epoch stops: a batch thread waiting in ``plan_at`` goes on."""
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
+
+    def reopen(self) -> None:
+        """A resumed epoch starts: ``plan_at`` waits for the measurements again."""
+        with self.lock:
+            self.closed = False
+
+    def _freeze(self) -> Tuple[Any, Any]:
+        return self.budget.propose(), (copy.deepcopy(self.budget) if self.time_balance else None)
+
+    # ---- batch thread --------------------------------------------------------------
+    def planned(self, step: int, lengths: np.ndarray) -> None:
+        """Step ``step`` was made from samples of (n, D) padded ``lengths`` (not for ghosts)."""
+        from odb.plan.step_model import shape_features
+
+        lengths = np.asarray(lengths)
+        features = shape_features(lengths.sum(axis=1) if lengths.ndim == 2 else lengths, self.packed)
+        with self.lock:
+            self.features[int(step)] = features
+
+    def mark(self, mark: int) -> None:
+        """Freeze the proposal once ``mark`` steps of this epoch are observed (now, if they are)."""
+        with self.lock:
+            if self.observed >= mark:
+                if mark not in self.frozen:
+                    self.frozen[mark] = self._freeze()
+            else:
+                self.marks.add(mark)
+
+    def plan_at(self, mark: int) -> Any:
+        """The proposal frozen at ``mark`` (waits for the training loop to get there)."""
+        with self.lock:
+            while mark not in self.frozen and not self.closed:
+                self.lock.wait(0.1)
+            entry = self.frozen.get(mark)
+            if entry is None:  # closed: the epoch stops, this plan is not used (the AutoBudget is left as it is)
+                entry = (self.budget.last_plan or self._new_budget(self.start_budget).propose(), None)
+            if not self.used or self.used[-1] != mark:
+                self.used.append(mark)
+            if len(self.used) > 2:  # a cursor may point at most one window back: keep its mark
+                keep = self.used[-2]
+                self.used = self.used[-2:]
+                self.frozen = {k: v for k, v in self.frozen.items() if k >= keep}
+            return entry[0]
+
+    def time_cost(self, mark: Optional[int], lengths: np.ndarray) -> Optional[float]:
+        """Predicted seconds of a batch of ``lengths`` under the model frozen at ``mark`` (None: unfitted)."""
+        with self.lock:
+            entry = self.frozen.get(mark) if mark is not None else None
+            model = entry[1] if entry is not None and entry[1] is not None else None
+            if model is None:
+                return None
+            lengths = np.asarray(lengths)
+            return model.time_cost(lengths.sum(axis=1) if lengths.ndim == 2 else lengths)
+
+    # ---- training thread -----------------------------------------------------------
+    def request(self) -> None:
+        """The loop asks for the next batch: the batch handed out before ran its step; observe it."""
+        with self.lock:
+            flight, self.in_flight = self.in_flight, None
+            if flight is None:
+                return
+            step, ghost, t0, oom = flight
+            peak = self.meter()
+            seconds = self.clock() - t0
+            features = self.features.pop(step, None)
+            if not ghost and not oom and features is not None and self.budget is not None:
+                self.budget.observe(features, peak=None if peak is None else float(peak), seconds=seconds)
+            self.observed = max(self.observed, step + 1)
+            for m in sorted(m for m in self.marks if m <= self.observed):
+                self.marks.discard(m)
+                self.frozen.setdefault(m, self._freeze())
+            self.lock.notify_all()
+
+    def handed_out(self, step: int, ghost: bool) -> None:
+        """The loop receives step ``step``: its measurement starts (the meter's peak so far is dropped)."""
+        with self.lock:
+            self.meter()
+            self.in_flight = [int(step), bool(ghost), self.clock(), False]
+
+    def on_oom(self) -> None:
+        """The batch handed out last ran out of memory (odb.train.oom): the AutoBudget learns it."""
+        with self.lock:
+            flight = self.in_flight
+            if flight is None or flight[1] or self.budget is None:
+                return
+            features = self.features.get(flight[0])
+            if features is not None and not flight[3]:
+                self.budget.on_oom(features)
+            flight[3] = True
+
+    # ---- state and metrics ---------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain data: the AutoBudget's state, the observation count, the frozen proposals and marks (the
+        step in flight is observed now: a state is taken between steps)."""
+        self.request()
+        with self.lock:
+            frozen = [[int(k), [int(v) for v in plan.encode().tolist()],
+                       model.state_dict() if model is not None else None]
+                      for k, (plan, model) in sorted(self.frozen.items())]
+            return {"start": self.start_budget, "budget": None if self.budget is None else self.budget.state_dict(),
+                    "observed": self.observed, "frozen": frozen, "marks": sorted(self.marks),
+                    "used": list(self.used)}
+
+    def load_state_dict(self, state: Dict[str, Any], resumed: bool) -> None:
+        """Continue from ``state_dict``'s output (``resumed``: mid-epoch, else at an epoch's start)."""
+        from odb.plan.auto_budget import BudgetPlan
+
+        with self.lock:
+            if state.get("start") is None:
+                return
+            self.start_budget = int(state["start"])
+            self.budget = self._new_budget(self.start_budget)
+            self.budget.load_state_dict(state["budget"])
+            self.features.clear()
+            self.in_flight, self.closed = None, False
+            if resumed:
+                self.observed = int(state["observed"])
+                self.marks = set(int(m) for m in state["marks"])
+                self.used = [int(m) for m in state["used"]]
+                self.frozen = {}
+                for k, plan, model in state["frozen"]:
+                    copy_ = None
+                    if model is not None:
+                        copy_ = self._new_budget(self.start_budget)
+                        copy_.load_state_dict(model)
+                    self.frozen[int(k)] = (BudgetPlan.decode(np.asarray(plan, dtype=np.int64)), copy_)
+
+    def metrics(self) -> Dict[str, Any]:
+        """``auto_*`` counters of the AutoBudget (empty before it starts)."""
+        with self.lock:
+            if self.budget is None:
+                return {}
+            out: Dict[str, Any] = {}
+            for key, value in self.budget.metrics().items():
+                if key == "last_plan":
+                    value = value or {}
+                    key, value = "", {"token_budget": value.get("token_budget"),
+                                      "quadratic_length": value.get("quadratic_length"),
+                                      "sample_cost": value.get("sample_cost")}
+                if isinstance(value, dict):  # coefficients: one scalar each
+                    out.update({f"auto_{key + '_' if key else ''}{k}": v for k, v in value.items()})
+                else:
+                    out[f"auto_{key}"] = value
+            out["auto_observed_steps"] = self.observed
+            return out
+
+    def check_length(self, length: int) -> None:
+        """Refuse a sample that no batch can hold under the cap, by the fitted memory model."""
+        with self.lock:
+            if self.budget is not None:
+                self.budget.check_max_length(int(length))
 
 
 class LazyBatch:
@@ -86,8 +310,15 @@ class EpochRun:
     def __init__(self, cfg: ODBConfig, source: SampleSource, collate_fn: Callable[[List[Any]], Any],
                  *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, exchange: Any = None,
                  finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None,
-                 notices: Optional[Set[str]] = None) -> None:
+                 notices: Optional[Set[str]] = None, auto: Optional[AutoControl] = None,
+                 options: Optional[ODBConfig] = None) -> None:
         self.cfg = cfg
+        # token_budget="auto": cfg is the planning copy (an int budget that moves); ``options`` the user's config,
+        # which the ranks compare (odb.comm.agreement).
+        self.auto = auto
+        self._auto_mark: Optional[int] = None  # steps made before the last planned window (its freeze point)
+        self._auto_agreed: Any = None  # the plan the ranks agreed on at the last window, for the next one
+        self.auto_plan: Any = None  # the plan of the last planned window
         self.notices = notices if notices is not None else set()  # warnings given once per loader, not per epoch
         self.total = total  # samples this epoch brings (None: unknown, e.g. an IterableDataset)
         self.source = source
@@ -101,7 +332,8 @@ class EpochRun:
         self.pool = SamplePool()
         self.planner = WindowPlanner(cfg)
         self.aligner = RankAligner(exchange, self.planner, self.pool, epoch=epoch, seed=seed, shuffle=shuffle,
-                                   steps_done=lambda: self.stats.steps)
+                                   steps_done=lambda: self.stats.steps, options=options,
+                                   auto_plans=auto is not None)
         self.arrived = 0  # samples taken from the source into windows
         self.window_index = 0
         self.planned_final = False
@@ -135,6 +367,28 @@ class EpochRun:
         if self.stream_marks is not None:
             self._keep_ghost_recent()
         self.snapshot, self._since = self.state_dict(), 0
+        self._snapshot_auto()
+
+    def _snapshot_auto(self) -> None:
+        """token_budget="auto": the snapshot also holds the last window's freeze point and plans (its "auto"
+        key, which odb.resume.state.cursor_state leaves out of the epoch's state)."""
+        if self.auto is not None:
+            self.snapshot["auto"] = {
+                "mark": self._auto_mark,
+                "agreed": None if self._auto_agreed is None else [int(v) for v in self._auto_agreed.encode()],
+                "plan": None if self.auto_plan is None else [int(v) for v in self.auto_plan.encode()]}
+
+    def restore_auto(self, state: Optional[Dict[str, Any]]) -> None:
+        """The "auto" part of a snapshot (``_snapshot_auto``), for a resumed epoch."""
+        if self.auto is None or state is None:
+            return
+        from odb.plan.auto_budget import BudgetPlan
+
+        self._auto_mark = None if state["mark"] is None else int(state["mark"])
+        self._auto_agreed = None if state["agreed"] is None else BudgetPlan.decode(state["agreed"])
+        if state["plan"] is not None:
+            self._apply_plan(BudgetPlan.decode(state["plan"]))
+        self._snapshot_auto()
 
     def _keep_ghost_recent(self) -> None:
         """A stream resumes from before the first sample its state holds, the ghost's included: keep the
@@ -199,6 +453,7 @@ class EpochRun:
         # The saved ghost stays: moving it here (take_snapshot) would pick another sample than the interrupted
         # run, whose next move comes with its next window, as the resumed run's does.
         self.snapshot, self._since = self.state_dict(), 0
+        self._snapshot_auto()
 
     def register(self, sid: int, index: int, sample: Any, meta: Any) -> None:
         """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
@@ -213,6 +468,36 @@ class EpochRun:
         if budget != self.cfg.token_budget:
             self.cfg = self.cfg.replace(token_budget=budget)
             self.planner.set_config(self.cfg)
+
+    def set_plan_costs(self, token_budget: int, quadratic_length: Optional[int], sample_cost: float) -> None:
+        """Plan the next windows under these costs (token_budget="auto"; steps already planned keep theirs)."""
+        cfg = self.cfg
+        if (token_budget, quadratic_length, float(sample_cost)) != (cfg.token_budget, cfg.quadratic_length,
+                                                                     float(cfg.sample_cost)):
+            self.cfg = cfg.replace(token_budget=int(token_budget), quadratic_length=quadratic_length,
+                                   sample_cost=float(sample_cost))
+            self.planner.set_config(self.cfg)
+
+    def _apply_plan(self, plan: Any) -> None:
+        self.auto_plan = plan
+        self.set_plan_costs(plan.token_budget, plan.quadratic_length, plan.sample_cost)
+
+    def _auto_window(self) -> None:
+        """token_budget="auto", before planning a window: its plan (see AutoControl), and its freeze point."""
+        auto = self.auto
+        if auto is None:
+            return
+        frozen_at = 0 if self._auto_mark is None else self._auto_mark
+        proposal = auto.plan_at(frozen_at)
+        self._auto_mark = self.step  # the steps made before this window: the next window's freeze point
+        auto.mark(self._auto_mark)
+        if self.aligner.local_only:
+            self._apply_plan(proposal)
+        else:  # the ranks agreed on their proposals at the last window's exchange; send this one's
+            self._apply_plan(self._auto_agreed if self._auto_agreed is not None else proposal)
+            self.aligner.proposal = proposal.encode()
+        if auto.time_balance:
+            self.aligner.time_cost = lambda lengths: auto.time_cost(frozen_at, lengths)
 
     def _follow_schedule(self) -> None:
         schedule = self.cfg.budget_schedule
@@ -234,6 +519,7 @@ class EpochRun:
         return ids, ended
 
     def _plan_next_window(self) -> List[Step]:
+        self._auto_window()
         self._follow_schedule()
         groups: List[np.ndarray] = []
         if not self.planned_final:
@@ -244,6 +530,8 @@ class EpochRun:
             groups = self._plan([], True)
         self.window_index += 1
         steps = self.aligner.align(groups, self.planned_final, self.window_index)
+        if self.auto is not None and self.aligner.agreed_plan is not None:
+            self._auto_agreed = self.aligner.agreed_plan
         fit = self.aligner.last_fit
         self.stats.deferred_groups += fit.deferred
         self.stats.carry_groups += fit.from_carry
@@ -254,6 +542,8 @@ class EpochRun:
         cfg = self.cfg
         patches = self.pool.patches(ids) if cfg.image_patches_key else None
         lengths = self.pool.lengths(ids)
+        if self.auto is not None and len(lengths):
+            self.auto.check_length(int(lengths.sum(axis=1).max()))
         if self.stats.windows == 0 and self.rank == 0:
             self._note_one_length(lengths)
         # The probe's window emits all it holds: its longest samples must not wait in the carry for a fuller batch.
@@ -295,6 +585,13 @@ class EpochRun:
         lengths, _, patches = self.pool.meta(sid)
         policy, cfg = self.cfg.oversize, self.cfg
         if policy == "error":
+            if self.auto is not None:
+                raise ValueError(
+                    f"sample {sid} has length {sum(lengths)}, more than token_budget={cfg.token_budget} that "
+                    f"token_budget='auto' set for this window from the measured steps under the memory cap "
+                    f"({self.auto.cap:.0f}, {self.auto.margin:g} of it kept free): no batch can hold it. Fix: raise "
+                    f"memory_cap_bytes (or memory_fraction), lower auto_margin, truncate samples, or pass "
+                    f"oversize='alone' (own batch) or 'skip'.")
             if cfg.shape_buckets is not None:  # the rule is the buckets', not the budget alone
                 raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
                                                   max(lengths), cfg.shape_buckets, cfg.token_budget))
@@ -363,7 +660,7 @@ class EpochRun:
 
     def _warn_at_end(self) -> None:
         fill = self.stats.padded_tokens / max(self.stats.steps * sum(self.cfg.token_budgets), 1)
-        if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5:
+        if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5 and self.auto is None:  # (auto: it moves)
             warnings.warn(f"odb rank {self.rank}: batches filled only {fill:.0%} of token_budget on "
                           f"average in epoch {self.epoch} (split groups: {self.stats.split_groups}, ghost steps: "
                           f"{self.stats.ghost_steps}): this rank's shard holds far fewer tokens than others'. "
@@ -390,6 +687,8 @@ class EpochRun:
         real = int(lengths.sum())
         padded = self.planner.cost.group_tokens(lengths)
         local_loss = 0 if ghost else plan.local_loss_tokens
+        if self.auto is not None and not ghost:
+            self.auto.planned(self.step, self.planner.cost.pad(lengths))
         info = ODBStepInfo(
             step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
             all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,

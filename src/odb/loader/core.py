@@ -46,7 +46,7 @@ from odb.data.source import SampleMeter, SampleSource, WorkerWatch, stream_recor
 from odb.data.stream_state import StreamMarks
 from odb.epoch.known import known_epoch, known_records
 from odb.epoch.pipeline import BatchPipeline
-from odb.epoch.run import EpochRun, made
+from odb.epoch.run import AutoControl, EpochRun, made
 from odb.epoch.stats import EpochStats
 from odb.loader.batch_checks import BatchChecks
 from odb.loader.inner import InnerLoaders
@@ -93,7 +93,7 @@ class OnlineEpoch:
     def batches(self) -> Iterator[Any]:
         """The epoch's batches, each with its step info complete (``loader_wait_s`` included)."""
         core, run, pipeline = self.core, self.run, self.pipeline
-        key, check = core.cfg.step_info_key, core.checks
+        key, check, auto = core.cfg.step_info_key, core.checks, core.auto
         check.reset()
         try:
             for batch, cursor in pipeline:
@@ -102,7 +102,11 @@ class OnlineEpoch:
                 info = dataclasses.replace(info, loader_wait_s=pipeline.last_wait_s)
                 batch = attach_step_info(batch, info, key)
                 check.handed_out(batch, info)
+                if auto is not None:
+                    auto.handed_out(info.step, info.is_ghost)
                 yield batch
+                if auto is not None:  # the loop asks for the next batch: the last one's step is over
+                    auto.request()
             check.finished()
         except Exception as err:  # raised while odb had the training thread: the other ranks hear this error
             pipeline.abort(err)  # (the batch thread's own errors were told already; a worker's death comes here
@@ -173,6 +177,14 @@ class LoaderCore:
         check_in_order(getattr(loader, "in_order", True))
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         self.loader = loader
+        # token_budget="auto": ``cfg`` is a planning copy with an int budget (the epoch run moves it window by
+        # window), ``user_cfg`` the user's, which odb_config shows and ranks and resumed states compare.
+        self._user_cfg: Optional[ODBConfig] = None
+        self.auto: Optional[AutoControl] = None
+        if cfg.auto:
+            self._user_cfg = cfg
+            self.auto = auto_control(cfg, lengths)
+            cfg = cfg.replace(token_budget=cfg.auto_start_budget or PROVISIONAL_BUDGET, balance="tokens")
         self.cfg = cfg
         self.shuffle, self.seed = shuffle, seed
         if cfg.shape_buckets is not None and not isinstance(group_collate, PadToBucket):
@@ -197,6 +209,7 @@ class LoaderCore:
         self.resume: Optional[Dict[str, Any]] = None
         self.exchange: Optional[RankExchange] = None  # the current epoch's (released when the next starts)
         self.oom: Optional[Any] = None
+        self.auto_resumed = False  # a mid-epoch state gave the AutoControl its place in the epoch
         self.warned_shard = False
         self.notices: set = set()  # warnings the loader's epochs give once (odb.epoch.run.EpochRun.notices)
         self.checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
@@ -205,6 +218,11 @@ class LoaderCore:
         # (epoch, the sampler's epoch, source, stream marks).
         self.prepared: Optional[Tuple[int, Any, SampleSource, Optional[StreamMarks]]] = None
         self.known_lengths()  # refuses lengths that do not match the dataset, now
+
+    @property
+    def user_cfg(self) -> ODBConfig:
+        """The config as the user gave it (``odb_config``): ``cfg`` but with token_budget="auto" kept."""
+        return self._user_cfg if self._user_cfg is not None else self.cfg
 
     # ---- what the loader's public methods do ---------------------------------------------------
     def stats(self) -> Dict[str, Any]:
@@ -220,6 +238,10 @@ class LoaderCore:
         out = stats.as_dict()
         if self.oom is not None:
             out.update({k if k.startswith("oom") else f"oom_{k}": v for k, v in self.oom.as_dict().items()})
+        if self.auto is not None:
+            out.update(self.auto.metrics())
+            plan = self.run.auto_plan if self.run is not None else None
+            out["auto_window_budget"] = None if plan is None else plan.token_budget  # the last planned window's
         return out
 
     def oom_counters(self) -> Any:
@@ -228,6 +250,8 @@ class LoaderCore:
             from odb.train.oom import OOMCounters
 
             self.oom = OOMCounters()
+            if self.auto is not None:  # odb.train.oom tells of an out-of-memory batch: the AutoBudget learns it
+                self.oom.on_oom = self.auto.on_oom
         return self.oom
 
     def wait_s(self, default: float = 0.0) -> float:
@@ -243,6 +267,10 @@ class LoaderCore:
 
     def set_token_budget(self, token_budget: Any) -> None:
         """``set_token_budget``: from the next planning window on."""
+        if self.auto is not None:
+            raise ValueError(f"set_token_budget({token_budget!r}) on a loader with token_budget='auto': the loader "
+                             f"sets its budget from measured steps. Fix: build the loader with an int token_budget "
+                             f"to set it yourself, or leave the auto budget alone.")
         self.cfg = self.cfg.replace(token_budget=token_budget, budget_schedule=None)
         self.estimate = None
         run = self.run
@@ -289,16 +317,27 @@ class LoaderCore:
             prepared = self._take_prepared(epoch if state is None else None)  # len() read its first window
             source, marks = prepared if prepared is not None else self._source(
                 skip=skip, order=order, stream=run_state["stream"] if run_state is not None else None)
+        auto = self.auto
+        if auto is not None:
+            if not auto.started:  # the first epoch: the first windows' budget
+                auto.start(cfg.auto_start_budget or start_budget(source, cfg))
+            if run_state is None or not self.auto_resumed:
+                auto.begin_epoch()
+            else:
+                auto.reopen()  # (stop() closed it)
+            self.auto_resumed = False
         pin = loader.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
         run = EpochRun(cfg, source, list if known is not None else self.group_collate, epoch=epoch,
                        seed=self.seed, shuffle=self.shuffle, drop_last=bool(loader.drop_last),
                        exchange=exchange, finalize=pin_batch if pin else None,
-                       total=self._epoch_total() if order is None else len(order), notices=self.notices)
+                       total=self._epoch_total() if order is None else len(order), notices=self.notices,
+                       auto=auto, options=self.user_cfg)
         run.stream_marks = marks
         if run_state is not None:
             run.restore(run_state, retained_samples(source, run_state, dataset=loader.dataset,
                                                     sampler=loader.sampler, iterable=self.iterable,
                                                     transform=self.transform, cfg=cfg, known=known, order=order))
+            run.restore_auto((state.get("auto") or {}).get("window"))
         else:
             run.take_snapshot()
         self.run = run
@@ -338,7 +377,8 @@ class LoaderCore:
         rank, world_size = self.world()
         return saved_state(self.run, self.cursor, finished_epoch=self.last_steps_epoch, next_epoch=self.next_epoch,
                            seed=self.seed, wait_s=self.wait_s(), accumulation=self.cfg.gradient_accumulation_steps,
-                           rank=rank, world_size=world_size, fields=self._fields())
+                           rank=rank, world_size=world_size, fields=self._fields(),
+                           auto=self.auto.state_dict() if self.auto is not None else None)
 
     def load_state_dict(self, state: Union[Dict[str, Any], Sequence[Dict[str, Any]]]) -> None:
         """``load_state_dict``: resume from ``state`` at the next iteration."""
@@ -351,6 +391,9 @@ class LoaderCore:
             self.own_sampler.seed = self.seed
         self.resume = state if state["run"] is not None else None
         self.next_epoch = int(state["epoch"])
+        if self.auto is not None and state.get("auto") is not None:
+            self.auto.load_state_dict(state["auto"], resumed=state["run"] is not None)
+            self.auto_resumed = state["run"] is not None
         if self.own_sampler is None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(int(state["epoch"]))  # the saved epoch's order (DistributedSampler, ShardSampler)
         self.stop()
@@ -378,6 +421,8 @@ class LoaderCore:
         """End the previous iteration's background work, if any."""
         self.pipeline_done = True
         pipeline, run = self.pipeline, self.run
+        if self.auto is not None:
+            self.auto.close()  # a batch thread waiting for the training loop's measurements goes on
         if pipeline is not None:
             late = None
             try:  # a worker that died: torch raised it on the training thread, maybe outside odb; tell the others
@@ -413,7 +458,7 @@ class LoaderCore:
 
     def _fields(self) -> Dict[str, Any]:
         loader = self.loader
-        return loader_fields(loader.dataset, loader.sampler, loader.num_workers, self.plan_options(self.cfg),
+        return loader_fields(loader.dataset, loader.sampler, loader.num_workers, self.plan_options(self.user_cfg),
                              self.iterable)
 
     def _new_exchange(self) -> Optional[RankExchange]:
@@ -468,7 +513,8 @@ class LoaderCore:
                 wrapper.start = None
             chunks = stream_records(batches, packed, meter, first, marks.on_chunk if marks is not None else None)
         chunks = self.label_check.wrap(chunks)  # warns when target labels go unbudgeted
-        return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=cfg.window_tokens,
+        # token_budget="auto": the budget moves, so the read-ahead is bounded by buffer_size samples only
+        return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=None if self.auto else cfg.window_tokens,
                             threaded=cfg.ready_batches > 0, watch=watch), marks
 
     def _estimate_steps(self) -> int:
@@ -489,6 +535,12 @@ class LoaderCore:
             lengths = self._first_window(n)
         if lengths is None:
             lengths = probe_lengths(dataset, self.transform, cfg, self.inner.workers())
+        if self.auto is not None:  # token_budget="auto": the current budget, else the start rule's
+            plan = self.run.auto_plan if self.run is not None else None
+            budget = plan.token_budget if plan is not None else self.auto.start_budget or cfg.auto_start_budget
+            lengths = np.asarray(lengths)
+            cfg = cfg.replace(token_budget=int(budget or max(1, 2 * int(lengths.reshape(len(lengths), -1)
+                                                                         .sum(axis=1).max(initial=0)))))
         check_probed_fit(lengths, cfg, "len(loader) measured the dataset's samples",
                          total if self.lengths is not None else None)  # known lengths: by index
         return max(1, estimate_steps(np.asarray(lengths), n, cfg, world_size=world_size))
@@ -542,6 +594,37 @@ class LoaderCore:
         prepared, self.prepared = self.prepared, None
         if prepared is not None:
             prepared[2].close()
+
+
+PROVISIONAL_BUDGET = 2**40  # token_budget="auto" without auto_start_budget: the budget until the first window is read
+
+
+def auto_control(cfg: ODBConfig, lengths: Optional[Sequence[int]]) -> AutoControl:
+    """The AutoControl of a loader with token_budget="auto": its cap (``memory_cap_bytes``, else
+    ``memory_fraction`` of the CUDA device's memory) and meter (``memory_meter``, else CUDA's peak)."""
+    if lengths is not None:
+        raise ValueError("odb got lengths= with token_budget='auto': with known lengths the whole plan is made "
+                         "before any step is measured. Rule: token_budget='auto' plans online. Fix: drop lengths=, "
+                         "or pass an int token_budget.")
+    cap = cfg.memory_cap_bytes
+    if cap is None:  # ODBConfig refused "auto" without a cap where CUDA is not available
+        device = torch.cuda.current_device()
+        cap = int(cfg.memory_fraction * torch.cuda.get_device_properties(device).total_memory)
+    meter = cfg.memory_meter
+    if meter is None:
+        from odb.train.memory import CudaPeakMeter
+
+        meter = CudaPeakMeter()
+    return AutoControl(cap=float(cap), meter=meter, packed=cfg.layout == "packed", margin=cfg.auto_margin,
+                       time_balance=cfg.balance == "time")
+
+
+def start_budget(source: SampleSource, cfg: ODBConfig) -> int:
+    """token_budget="auto" without auto_start_budget: twice the longest sample of the first window."""
+    metas = source.peek(cfg.first_window_size)
+    longest = max((sum(meta[0]) if isinstance(meta[0], (tuple, list)) else int(meta[0]) for meta in metas),
+                  default=1)
+    return max(1, 2 * int(longest))
 
 
 def is_sharded(sampler: Any) -> bool:

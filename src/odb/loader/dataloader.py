@@ -79,8 +79,9 @@ class ODBLoaderMixin(DataLoader):
 
     @property
     def odb_config(self) -> ODBConfig:
-        """The options this loader plans with."""
-        return self._odb.cfg
+        """The options this loader plans with (as given: token_budget="auto" stays "auto"; its current
+        budget is in ``odb_stats["auto_window_budget"]``)."""
+        return self._odb.user_cfg
 
     @property
     def odb_stats(self) -> Dict[str, Any]:

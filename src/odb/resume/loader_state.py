@@ -59,11 +59,13 @@ def loader_fields(dataset: Any, sampler: Any, num_workers: int, options: Dict[st
 
 
 def saved_state(run: Any, cursor: Any, *, finished_epoch: Optional[int], next_epoch: int, seed: int,
-                wait_s: float, accumulation: int, rank: int, world_size: int, fields: Dict[str, Any]
-                ) -> Dict[str, Any]:
+                wait_s: float, accumulation: int, rank: int, world_size: int, fields: Dict[str, Any],
+                auto: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The loader's state (see ``ODBDataLoader.state_dict``): ``run``/``cursor`` are the current epoch's
     EpochRun and the Cursor of the last batch the training loop received (None before any epoch),
-    ``finished_epoch`` the last epoch that ran to its end, ``fields`` from ``loader_fields``."""
+    ``finished_epoch`` the last epoch that ran to its end, ``fields`` from ``loader_fields``; ``auto``:
+    with token_budget="auto", the loader's AutoBudget state (its "auto" key, with the plans of the cursor's
+    window under "window" when an epoch is under way)."""
     run_state = None
     if run is not None and finished_epoch != run.epoch:
         # The batches the training loop received, not what the background thread planned ahead.
@@ -80,7 +82,9 @@ def saved_state(run: Any, cursor: Any, *, finished_epoch: Optional[int], next_ep
     return {"odb_state_version": STATE_VERSION, "epoch": run.epoch if run_state is not None else next_epoch,
             "seed": seed, "world_size": world_size, "rank": rank, "dataset_len": fields["dataset_len"],
             "iterable": fields["iterable"], "options": fields["options"], "sampler": fields["sampler"],
-            "num_workers": fields["num_workers"], "run": run_state}
+            "num_workers": fields["num_workers"], "run": run_state,
+            **({} if auto is None else {"auto": dict(auto, window=cursor.snapshot.get("auto") if run_state is not None
+                                                     else None)})}
 
 
 def state_to_resume(state: Union[Dict[str, Any], Sequence[Dict[str, Any]]], *, rank: int, world_size: int,

@@ -35,6 +35,7 @@ from odb.epoch.run_state import retained_positions  # noqa: F401  (read from her
 STATE_VERSION = 3
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
             "sampler", "num_workers", "run"}
+OPTIONAL_KEYS = {"auto"}  # token_budget="auto": the AutoBudget's state and the plans (odb.loader.core)
 
 
 def cursor_state(cursor: Cursor, accumulation: int) -> Dict[str, Any]:
@@ -49,6 +50,7 @@ def cursor_state(cursor: Cursor, accumulation: int) -> Dict[str, Any]:
             micro, pending, pos = pending[:accumulation], pending[accumulation:], 0
         pos += 1
     out = dict(snap)
+    out.pop("auto", None)  # token_budget="auto": saved beside the epoch's state (odb.resume.loader_state)
     out.update(step=int(snap["step"]) + cursor.since, chunk_pos=pos, carry=list(snap["carry"]),
                chunk=[[None] + row[1:] if k < pos else copy_row(row) for k, row in enumerate(micro)],
                pending=[copy_row(row) for row in pending], stats=dict(vars(cursor.stats)),
@@ -70,7 +72,7 @@ def check_state(state: Any, *, world_size: int, rank: int, dataset_len: Optional
         raise TypeError(f"load_state_dict got {type(state).__name__}: odb states are dicts from "
                         f"loader.state_dict() (or a list of every rank's). Fix: pass that dict (e.g. json.load or "
                         f"torch.load of what you saved).")
-    unknown, missing = set(state) - TOP_KEYS, TOP_KEYS - set(state)
+    unknown, missing = set(state) - TOP_KEYS - OPTIONAL_KEYS, TOP_KEYS - set(state)
     if state.get("odb_state_version") != STATE_VERSION:
         raise ValueError(f"odb state version {state.get('odb_state_version')!r} is not {STATE_VERSION}. "
                          f"Fix: resume with the odb version that saved it.")

@@ -124,7 +124,8 @@ def train_step_with_oom_fallback(
         exchange: odb's metadata exchange (default: the default group's, when
             torch.distributed runs with more than one rank).
         splitter: how to cut the batch (default ``PaddedBatchSplitter()``).
-        counters: an ``OOMCounters`` to add this call's counts to.
+        counters: an ``OOMCounters`` to add this call's counts to (``loader.odb_oom_counters``: a
+            loader with ``token_budget="auto"`` then also learns that its batch ran out of memory).
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -148,6 +149,9 @@ def train_step_with_oom_fallback(
     outcome = run.execute()
     if counters is not None:
         counters.add(outcome)
+        hook = getattr(counters, "on_oom", None)  # a loader with token_budget="auto" learns of its batch's OOM
+        if hook is not None and outcome.local_ooms:
+            hook()
     return outcome
 
 
