@@ -15,9 +15,10 @@ which is exactly ``CostModel((token_budget,), quadratic_length=q, sample_cost=s)
 (the sum over their samples) map the same way.
 
 Before the memory model is fitted (a few steps of varied shapes) the proposal is the start
-budget, grown by at most ``growth`` per proposal while the observed peaks leave room. Once
-fitted, the proposal is the model's: the largest budget whose batches of every length
-(a grid up to the longest that fits) stay under the usable cap by the full upper bound,
+budget, grown by at most ``growth`` per proposal, and to no more than the budget at which the
+costliest batch per token observed since the last proposal would reach the usable cap. Once
+fitted, the proposal is the model's: the largest budget whose batches of the lengths the run
+has shown stay under the usable cap by the full upper bound,
 which adds the coefficients' uncertainty: a noiseless fit jumps to its budget at once, a
 noisy one far from the shapes it measured extrapolates no further than its standard errors
 allow. An out-of-memory step lowers the effective cap below that batch's prediction and
@@ -40,7 +41,7 @@ from odb.plan.step_model import StepModel, shape_features
 _MAX_BUDGET = 2 ** 40  # no budget, quadratic length or sample cost beyond this (int64-safe, float-exact)
 _MILLI = 1000
 _STATE_KEYS = ("version", "cap", "effective_cap", "packed", "margin", "growth", "min_budget", "budget", "last",
-               "window_peak", "oom_pending", "ooms", "memory", "time")
+               "window_rate", "oom_pending", "ooms", "memory", "time")
 
 
 def _ceil_milli(x: float) -> float:
@@ -165,7 +166,7 @@ class AutoBudget:
         self._cap_eff = self.cap
         self._budget = int(start_budget)
         self._last: Optional[BudgetPlan] = None
-        self._window_peak: Optional[float] = None
+        self._window_rate: Optional[float] = None  # the most memory per token of a batch since the last proposal
         self._oom_pending = False
         self._ooms = 0
 
@@ -192,7 +193,8 @@ class AutoBudget:
         """
         if peak is not None:
             self.memory.observe(features, peak)
-            self._window_peak = float(peak) if self._window_peak is None else max(self._window_peak, float(peak))
+            rate = float(peak) / max(float(np.asarray(features, dtype=np.float64)[0]), 1.0)
+            self._window_rate = rate if self._window_rate is None else max(self._window_rate, rate)
         if seconds is not None:
             self.time.observe(features, seconds)
 
@@ -220,8 +222,8 @@ class AutoBudget:
 
     def model_plan(self) -> Optional[BudgetPlan]:
         """The plan the fitted memory model allows under the usable cap (None before fitted): the exact
-        mapping of its linear upper bound, the budget then lowered until the worst batch at each length of
-        a grid stays under the cap by the full upper bound (with the coefficients' uncertainty).
+        mapping of its linear upper bound, the budget then lowered until the largest batch at each length
+        the run has shown stays under the cap by the full upper bound (with the coefficients' uncertainty).
 
         Example:
             >>> print(AutoBudget(1e6, 100).model_plan())
@@ -251,13 +253,18 @@ class AutoBudget:
         return dataclasses.replace(plan, token_budget=lo)
 
     def _worst_batches_fit(self, plan: BudgetPlan) -> bool:
-        """Whether, at every length of a geometric grid up to the longest that fits, the largest batch
-        of that length the plan admits stays under the usable cap by the memory model's full upper bound."""
-        longest = self.longest_fitting_length() or 1
-        grid = np.unique(np.geomspace(1, max(longest, 1), 48).astype(np.int64))
-        counts = plan.cost_model().copies_that_fit_unrounded(grid[:, None]).astype(np.float64)
+        """Whether, at each batch length the run has shown (33 quantiles of the observed batches'
+        ``square_tokens / tokens``: their longest length padded, a token-weighted mean packed), the
+        largest batch of that length the plan admits stays under the usable cap by the memory model's
+        full upper bound (the lengths never seen rely on the linear bound alone)."""
+        pts = self.memory.points()
+        pts = pts[pts[:, 0] > 0]
+        if not len(pts):
+            return True
+        seen = np.unique(np.quantile(pts[:, 1] / pts[:, 0], np.linspace(1 / 32, 1, 32)))
+        counts = plan.cost_model().copies_that_fit_unrounded(np.ceil(seen)[:, None]).astype(np.float64)
         keep = counts >= 1
-        lengths, counts = grid[keep].astype(np.float64), counts[keep]
+        lengths, counts = seen[keep], counts[keep]
         feats = np.stack([counts * lengths, counts * lengths * lengths, counts, np.ones_like(counts)], axis=1)
         return bool((self.memory.upper(feats) <= self._usable()).all()) if len(feats) else True
 
@@ -275,8 +282,10 @@ class AutoBudget:
             budget = self._budget
             if self._oom_pending:
                 budget = budget // 2
-            elif self._window_peak is not None and self._window_peak > 0:
-                budget = math.floor(budget * min(self.growth, usable / self._window_peak))
+            elif self._window_rate is not None and self._window_rate > 0:
+                # memory per token only falls as batches grow (the constant spreads): the budget at which
+                # the costliest batch per token seen would reach the usable cap is safe
+                budget = math.floor(min(budget * self.growth, usable / self._window_rate))
             plan = BudgetPlan(max(self.min_budget, budget), None, 0.0)
         else:
             budget = model.token_budget
@@ -285,7 +294,7 @@ class AutoBudget:
             plan = BudgetPlan(max(self.min_budget, budget), model.quadratic_length, model.sample_cost)
         self._budget = plan.token_budget
         self._last = plan
-        self._window_peak = None
+        self._window_rate = None
         self._oom_pending = False
         return plan
 
@@ -394,7 +403,7 @@ class AutoBudget:
             "min_budget": self.min_budget,
             "budget": self._budget,
             "last": None if self._last is None else dataclasses.asdict(self._last),
-            "window_peak": self._window_peak,
+            "window_rate": self._window_rate,
             "oom_pending": self._oom_pending,
             "ooms": self._ooms,
             "memory": self.memory.state_dict(),
@@ -426,7 +435,7 @@ class AutoBudget:
         last = state["last"]
         self._last = None if last is None else BudgetPlan(int(last["token_budget"]), last["quadratic_length"],
                                                           float(last["sample_cost"]))
-        self._window_peak = None if state["window_peak"] is None else float(state["window_peak"])
+        self._window_rate = None if state["window_rate"] is None else float(state["window_rate"])
         self._oom_pending = bool(state["oom_pending"])
         self._ooms = int(state["ooms"])
         self.memory.load_state_dict(state["memory"])

@@ -115,19 +115,18 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _covariance(xs: np.ndarray, ys: np.ndarray, weights: np.ndarray, coef: np.ndarray) -> np.ndarray:
-    """The coefficients' covariance in the scaled problem (zero outside their support): the weighted
-    residual variance times the inverse normal matrix of the support's columns."""
-    support = coef > 0
-    cov = np.zeros((_N, _N))
+    """The coefficients' covariance in the scaled problem: the weighted residual variance times the
+    inverse normal matrix of all four columns (a coefficient held at 0 may still be uncertain: two
+    features that moved together in the points kept leave their split unknown, and that must widen
+    the bound where they part)."""
     used = weights > 0
-    dof = int(used.sum()) - int(support.sum())
-    if not support.any() or dof <= 0:
-        return cov
+    dof = int(used.sum()) - _N
+    if dof <= 0:
+        return np.zeros((_N, _N))
     r = xs @ coef - ys
     sigma2 = float((weights * r * r).sum()) / dof
-    z = xs[:, support] * np.sqrt(weights)[:, None]
-    cov[np.ix_(support, support)] = sigma2 * np.linalg.pinv(z.T @ z)
-    return cov
+    z = xs * np.sqrt(weights)[:, None]
+    return sigma2 * np.linalg.pinv(z.T @ z)
 
 
 class StepModel:
@@ -198,6 +197,15 @@ class StepModel:
 
     def __len__(self) -> int:
         return len(self._y)
+
+    def points(self) -> np.ndarray:
+        """(n, 4) features of the observations kept, oldest first.
+
+        Example:
+            >>> m = StepModel("memory"); m.observe(shape_features([2, 3]), 1.0); m.points().tolist()
+            [[6.0, 18.0, 2.0, 1.0]]
+        """
+        return np.asarray(self._x, dtype=np.float64).reshape(-1, _N)
 
     def _identified(self, x: np.ndarray) -> bool:
         if len(x) < _MIN_POINTS or len(np.unique(x, axis=0)) < _N:
