@@ -164,6 +164,56 @@ def test_old_states_without_auto_load_unchanged():
 
 
 @pytest.mark.timeout(120)
+def test_packed_rows_under_auto_stay_under_the_cap():
+    trainer = Trainer()
+    loader = make_loader(trainer, clock=False, layout="packed", collate_fn=odb.PackedCollate())
+    rows = []
+    for _ in range(2):
+        for batch in loader:
+            info = odb.pop_step_info(batch)
+            trainer.step(batch, info)
+            rows.append(info.padded_tokens)
+    assert loader.odb_stats["auto_window_budget"] > loader.odb_core.auto.start_budget
+    assert max(rows[len(rows) // 2:]) * BYTES_PER_TOKEN <= CAP
+
+
+@pytest.mark.timeout(120)
+def test_sample_cost_is_a_plain_option_too():
+    def sizes(**options: Any) -> List[int]:
+        loader = odb.ODBDataLoader(LengthDataset([10] * 31 + [9] * 33), token_budget=200, collate_fn=pad_collate,
+                                   seed=0, shift_labels=False, **options)
+        return [odb.pop_step_info(b).local_samples for b in loader]
+
+    assert max(sizes()) == 20
+    assert max(sizes(sample_cost=10.0)) == 10  # each sample costs 10 + 10
+
+
+@pytest.mark.timeout(120)
+def test_train_step_with_oom_fallback_tells_the_auto_budget():
+    from odb.train.oom import train_step_with_oom_fallback
+
+    trainer = Trainer()
+    loader = make_loader(trainer, auto_start_budget=60)
+    failed = []
+
+    def loss_fn(batch: Dict[str, Any]) -> torch.Tensor:
+        if not failed:  # the first pass runs out of memory
+            failed.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        out = trainer.model(batch["input_ids"])
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+    it = iter(loader)
+    batch = next(it)
+    info = odb.pop_step_info(batch)
+    outcome = train_step_with_oom_fallback(loss_fn, batch, info, model=trainer.model,
+                                           counters=loader.odb_oom_counters)
+    assert outcome.local_ooms == 1
+    next(it)
+    assert loader.odb_stats["auto_ooms"] == 1 and loader.odb_stats["oom_errors"] == 1
+
+
+@pytest.mark.timeout(120)
 def test_oom_fallback_tells_the_auto_budget():
     trainer = Trainer()
     loader = make_loader(trainer, auto_start_budget=60)

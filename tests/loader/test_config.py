@@ -106,6 +106,15 @@ INVALID = [
     ("shape_buckets", {"shape_buckets": (100, 256), "pad_to_multiple_of": 8}, ValueError, _BAD),
     ("shape_buckets", {"shape_buckets": (32768, 65536)}, ValueError, _BAD),  # no length within the budget
     ("shape_buckets", {"shape_buckets": 8, "layout": "packed"}, ValueError, _BAD),
+    # token_budget="auto" and its options (docs/options.md)
+    ("sample_cost", {"sample_cost": -1.0}, ValueError, _BAD),
+    ("balance", {"balance": "speed"}, ValueError, _BAD),
+    ("balance", {"balance": "time"}, ValueError, _BAD),  # needs token_budget="auto"
+    ("memory_cap_bytes", {"memory_cap_bytes": 0}, ValueError, _BAD),
+    ("memory_fraction", {"memory_fraction": 1.5}, ValueError, _BAD),
+    ("memory_meter", {"memory_meter": 3}, TypeError, _BAD),
+    ("auto_start_budget", {"auto_start_budget": 0}, ValueError, _BAD),
+    ("auto_margin", {"auto_margin": 0.0}, ValueError, _BAD),
 ]
 
 
