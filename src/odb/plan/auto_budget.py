@@ -299,8 +299,8 @@ class AutoBudget:
         return plan
 
     def longest_fitting_length(self) -> Optional[int]:
-        """The longest sample whose batch of one stays under the usable cap by the memory model's upper
-        bound (None before fitted; 0 when none does).
+        """The longest sample whose batch of one stays under the usable cap by the memory model's linear
+        upper bound, ``predict x upper_factor`` (None before fitted; 0 when none does).
 
         Example:
             >>> print(AutoBudget(1e6, 100).longest_fitting_length())
@@ -340,7 +340,7 @@ class AutoBudget:
         """
         if self.max_length_fits(length):
             return
-        need = self.memory.upper(shape_features([int(length)], self.packed))
+        need = self.memory.predict(shape_features([int(length)], self.packed)) * self.memory.upper_factor
         raise ValueError(
             f"a sample of length {int(length)} needs about {need:.4g} of memory by the fitted step model, over "
             f"{1 - self.margin:g} x the memory cap {self._cap_eff:.4g}: no batch can hold it (the longest that "
