@@ -20,7 +20,7 @@ import odb
 from dist_harness import run_ranks as run_processes
 from helpers import LengthDataset, known_lengths, pad_collate
 from odb.comm.threads import ThreadRanks
-from odb.epoch.run import EpochRun
+from odb.epoch.run import AutoControl, EpochRun
 from odb.train.memory import ActivationMeter
 from odb.train.oom import OOMCounters
 from roundtrip import read, round_trip, step_record
@@ -258,6 +258,15 @@ def test_two_thread_ranks_plan_every_window_with_the_agreed_budget(monkeypatch, 
         self.plan_log.append((self.window_index + 1, plan, self.step))
 
     monkeypatch.setattr(EpochRun, "_apply_plan", logged)
+    timed = []
+    original_time = AutoControl.time_cost
+
+    def time_cost(self: AutoControl, mark: Any, lengths: Any) -> Any:  # balance="time": pairs by predicted seconds
+        seconds = original_time(self, mark, lengths)
+        timed.append(seconds is not None)
+        return seconds
+
+    monkeypatch.setattr(AutoControl, "time_cost", time_cost)
     ranks = ThreadRanks(2, timeout_s=60)
     plans: Dict[int, list] = {}
     results: List[Any] = [None, None]
@@ -282,6 +291,10 @@ def test_two_thread_ranks_plan_every_window_with_the_agreed_budget(monkeypatch, 
     agreed = [[(w, p) for w, p, _ in plans[r] if w >= first] for r in range(2)]
     assert agreed[0] == agreed[1] and len(agreed[0]) > 3
     assert len({p.token_budget for _, p in agreed[0]}) > 1  # the budget moved
+    if options.get("balance") == "time":  # the later windows paired their steps by the fitted time model
+        assert any(timed) and not timed[0]
+    else:
+        assert not timed
     for rank, infos in enumerate(results):  # each step's batch is under its window's agreed budget
         windows = plans[rank]
         for info in infos:

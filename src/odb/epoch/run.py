@@ -78,6 +78,7 @@ class AutoControl:
         self.used: List[int] = []  # marks planned with, the latest last
         self.in_flight: Optional[List[Any]] = None  # [step, ghost, t0, oom] of the batch handed out last
         self.closed = False
+        self.wait_limit_s = 1800.0  # plan_at's longest wait (the loader sets exchange_timeout_s)
 
     # ---- set-up --------------------------------------------------------------------
     @property
@@ -138,7 +139,14 @@ class AutoControl:
     def plan_at(self, mark: int) -> Any:
         """The proposal frozen at ``mark`` (waits for the training loop to get there)."""
         with self.lock:
+            deadline = time.monotonic() + self.wait_limit_s
             while mark not in self.frozen and not self.closed:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"odb token_budget='auto': the batch thread waited {self.wait_limit_s:g}s for the training "
+                        f"loop to finish step {mark - 1} of this epoch (measured {self.observed} steps) to plan the "
+                        f"next window. Rule: the loop asks for each next batch after its step. Fix: keep iterating "
+                        f"the loader, or pass an int token_budget.")
                 self.lock.wait(0.1)
             entry = self.frozen.get(mark)
             if entry is None:  # closed: the epoch stops, this plan is not used (the AutoBudget is left as it is)

@@ -615,8 +615,10 @@ def auto_control(cfg: ODBConfig, lengths: Optional[Sequence[int]]) -> AutoContro
         from odb.train.memory import CudaPeakMeter
 
         meter = CudaPeakMeter()
-    return AutoControl(cap=float(cap), meter=meter, packed=cfg.layout == "packed", margin=cfg.auto_margin,
-                       time_balance=cfg.balance == "time")
+    control = AutoControl(cap=float(cap), meter=meter, packed=cfg.layout == "packed", margin=cfg.auto_margin,
+                          time_balance=cfg.balance == "time")
+    control.wait_limit_s = float(cfg.exchange_timeout_s)
+    return control
 
 
 def start_budget(source: SampleSource, cfg: ODBConfig) -> int:
