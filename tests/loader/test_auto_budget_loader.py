@@ -20,7 +20,8 @@ import odb
 from dist_harness import run_ranks as run_processes
 from helpers import LengthDataset, known_lengths, pad_collate
 from odb.comm.threads import ThreadRanks
-from odb.epoch.run import AutoControl, EpochRun
+from odb.epoch.auto import AutoControl
+from odb.epoch.run import EpochRun
 from odb.train.memory import ActivationMeter
 from odb.train.oom import OOMCounters
 from roundtrip import read, round_trip, step_record

@@ -46,7 +46,8 @@ from odb.data.source import SampleMeter, SampleSource, WorkerWatch, stream_recor
 from odb.data.stream_state import StreamMarks
 from odb.epoch.known import known_epoch, known_records
 from odb.epoch.pipeline import BatchPipeline
-from odb.epoch.run import AutoControl, EpochRun, made
+from odb.epoch.auto import AutoControl
+from odb.epoch.run import EpochRun, made
 from odb.epoch.stats import EpochStats
 from odb.loader.batch_checks import BatchChecks
 from odb.loader.inner import InnerLoaders

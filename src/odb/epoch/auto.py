@@ -1,0 +1,247 @@
+"""token_budget="auto" of one loader's epochs: measurements in, planner settings out (see AutoControl).
+
+The model and its proposals are odb.plan.auto_budget's (pure); this module holds what runs on the
+loader's two threads: the training thread feeds each handed-out batch's measurements, the batch
+thread reads the plan of the next window, frozen at a step mark so that planning does not depend on
+how far it has read ahead (a resumed run plans the same windows).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+
+class AutoControl:
+    """``token_budget="auto"`` of one loader: the AutoBudget (odb.plan.auto_budget) fed by the training
+    thread, read by the batch thread, behind one lock.
+
+    Measuring (training thread): when the loop asks for the next batch, the batch handed out before
+    (one micro-batch: with gradient accumulation each micro-batch is a point) is observed: the features
+    of its samples' padded lengths (kept by ``planned`` when the batch was made), the seconds between
+    handing it out and this request (the training step; the wait for data is not in it) and the meter's
+    peak since it was handed out. Ghost batches are counted, not fed; a batch that ran out of memory
+    (``on_oom``) feeds ``AutoBudget.on_oom`` instead.
+
+    Applying (batch thread): the plan of an epoch's window w+1 is the AutoBudget's proposal frozen when
+    the training loop had observed exactly the steps made before window w was planned (window 1 and 2:
+    the proposal at the epoch's start). The plans are so a function of the observations, not of how
+    far the batch thread runs ahead: a resumed run plans the same windows (the state holds the
+    AutoBudget's, the frozen proposals and the observation count). The batch thread waits for that
+    point (it is normally a window behind it).
+
+    Example:
+        >>> import numpy as np
+        >>> from odb.epoch.auto import AutoControl
+        >>> auto = AutoControl(cap=10**9, meter=lambda: None, packed=False, margin=0.1)
+        >>> auto.start(64); auto.begin_epoch(); auto.plan_at(0).token_budget
+        64
+    """
+
+    def __init__(self, *, cap: float, meter: Callable[[], Optional[float]], packed: bool, margin: float,
+                 time_balance: bool = False) -> None:
+        self.cap, self.meter, self.packed, self.margin = cap, meter, packed, margin
+        self.time_balance = time_balance
+        self.budget: Any = None  # odb.plan.auto_budget.AutoBudget, made by start()
+        self.start_budget: Optional[int] = None
+        self.lock = threading.Condition()
+        self.clock: Callable[[], float] = time.perf_counter
+        self.features: Dict[int, np.ndarray] = {}  # step -> features of a batch made, not yet observed
+        self.observed = 0  # steps of this epoch observed (ghosts counted)
+        self.frozen: Dict[int, Tuple[Any, Any]] = {}  # mark -> (BudgetPlan, AutoBudget copy for time balance)
+        self.marks: Set[int] = set()  # marks registered, not reached yet
+        self.used: List[int] = []  # marks planned with, the latest last
+        self.in_flight: Optional[List[Any]] = None  # [step, ghost, t0, oom] of the batch handed out last
+        self.closed = False
+        self.wait_limit_s = 1800.0  # plan_at's longest wait (the loader sets exchange_timeout_s)
+
+    # ---- set-up --------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self.budget is not None
+
+    def _new_budget(self, start: int) -> Any:
+        from odb.plan.auto_budget import AutoBudget
+
+        return AutoBudget(self.cap, int(start), packed=self.packed, margin=self.margin)
+
+    def start(self, start_budget: int) -> None:
+        """Make the AutoBudget with the first windows' budget."""
+        with self.lock:
+            self.start_budget = int(start_budget)
+            self.budget = self._new_budget(self.start_budget)
+
+    def begin_epoch(self) -> None:
+        """A new epoch (not a resumed one): its windows 1 and 2 plan under the proposal of now."""
+        with self.lock:
+            self.features.clear()
+            self.observed, self.marks, self.used, self.in_flight, self.closed = 0, set(), [], None, False
+            self.frozen = {0: self._freeze()}
+
+    def close(self) -> None:
+        """The epoch stops: a batch thread waiting in ``plan_at`` goes on."""
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
+
+    def reopen(self) -> None:
+        """A resumed epoch starts: ``plan_at`` waits for the measurements again."""
+        with self.lock:
+            self.closed = False
+
+    def _freeze(self) -> Tuple[Any, Any]:
+        return self.budget.propose(), (copy.deepcopy(self.budget) if self.time_balance else None)
+
+    # ---- batch thread --------------------------------------------------------------
+    def planned(self, step: int, lengths: np.ndarray) -> None:
+        """Step ``step`` was made from samples of (n, D) padded ``lengths`` (not for ghosts)."""
+        from odb.plan.step_model import shape_features
+
+        lengths = np.asarray(lengths)
+        features = shape_features(lengths.sum(axis=1) if lengths.ndim == 2 else lengths, self.packed)
+        with self.lock:
+            self.features[int(step)] = features
+
+    def mark(self, mark: int) -> None:
+        """Freeze the proposal once ``mark`` steps of this epoch are observed (now, if they are)."""
+        with self.lock:
+            if self.observed >= mark:
+                if mark not in self.frozen:
+                    self.frozen[mark] = self._freeze()
+            else:
+                self.marks.add(mark)
+
+    def plan_at(self, mark: int) -> Any:
+        """The proposal frozen at ``mark`` (waits for the training loop to get there)."""
+        with self.lock:
+            deadline = time.monotonic() + self.wait_limit_s
+            while mark not in self.frozen and not self.closed:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"odb token_budget='auto': the batch thread waited {self.wait_limit_s:g}s for the training "
+                        f"loop to finish step {mark - 1} of this epoch (measured {self.observed} steps) to plan the "
+                        f"next window. Rule: the loop asks for each next batch after its step. Fix: keep iterating "
+                        f"the loader, or pass an int token_budget.")
+                self.lock.wait(0.1)
+            entry = self.frozen.get(mark)
+            if entry is None:  # closed: the epoch stops, this plan is not used (the AutoBudget is left as it is)
+                entry = (self.budget.last_plan or self._new_budget(self.start_budget).propose(), None)
+            if not self.used or self.used[-1] != mark:
+                self.used.append(mark)
+            if len(self.used) > 2:  # a cursor may point at most one window back: keep its mark
+                keep = self.used[-2]
+                self.used = self.used[-2:]
+                self.frozen = {k: v for k, v in self.frozen.items() if k >= keep}
+            return entry[0]
+
+    def time_cost(self, mark: Optional[int], lengths: np.ndarray) -> Optional[float]:
+        """Predicted seconds of a batch of ``lengths`` under the model frozen at ``mark`` (None: unfitted)."""
+        with self.lock:
+            entry = self.frozen.get(mark) if mark is not None else None
+            model = entry[1] if entry is not None and entry[1] is not None else None
+            if model is None:
+                return None
+            lengths = np.asarray(lengths)
+            return model.time_cost(lengths.sum(axis=1) if lengths.ndim == 2 else lengths)
+
+    # ---- training thread -----------------------------------------------------------
+    def request(self) -> None:
+        """The loop asks for the next batch: the batch handed out before ran its step; observe it."""
+        with self.lock:
+            flight, self.in_flight = self.in_flight, None
+            if flight is None:
+                return
+            step, ghost, t0, oom = flight
+            peak = self.meter()
+            seconds = self.clock() - t0
+            features = self.features.pop(step, None)
+            if not ghost and not oom and features is not None and self.budget is not None:
+                self.budget.observe(features, peak=None if peak is None else float(peak), seconds=seconds)
+            self.observed = max(self.observed, step + 1)
+            for m in sorted(m for m in self.marks if m <= self.observed):
+                self.marks.discard(m)
+                self.frozen.setdefault(m, self._freeze())
+            self.lock.notify_all()
+
+    def handed_out(self, step: int, ghost: bool) -> None:
+        """The loop receives step ``step``: its measurement starts (the meter's peak so far is dropped)."""
+        with self.lock:
+            self.meter()
+            self.in_flight = [int(step), bool(ghost), self.clock(), False]
+
+    def on_oom(self) -> None:
+        """The batch handed out last ran out of memory (odb.train.oom): the AutoBudget learns it."""
+        with self.lock:
+            flight = self.in_flight
+            if flight is None or flight[1] or self.budget is None:
+                return
+            features = self.features.get(flight[0])
+            if features is not None and not flight[3]:
+                self.budget.on_oom(features)
+            flight[3] = True
+
+    # ---- state and metrics ---------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain data: the AutoBudget's state, the observation count, the frozen proposals and marks (the
+        step in flight is observed now: a state is taken between steps)."""
+        self.request()
+        with self.lock:
+            frozen = [[int(k), [int(v) for v in plan.encode().tolist()],
+                       model.state_dict() if model is not None else None]
+                      for k, (plan, model) in sorted(self.frozen.items())]
+            return {"start": self.start_budget, "budget": None if self.budget is None else self.budget.state_dict(),
+                    "observed": self.observed, "frozen": frozen, "marks": sorted(self.marks),
+                    "used": list(self.used)}
+
+    def load_state_dict(self, state: Dict[str, Any], resumed: bool) -> None:
+        """Continue from ``state_dict``'s output (``resumed``: mid-epoch, else at an epoch's start)."""
+        from odb.plan.auto_budget import BudgetPlan
+
+        with self.lock:
+            if state.get("start") is None:
+                return
+            self.start_budget = int(state["start"])
+            self.budget = self._new_budget(self.start_budget)
+            self.budget.load_state_dict(state["budget"])
+            self.features.clear()
+            self.in_flight, self.closed = None, False
+            if resumed:
+                self.observed = int(state["observed"])
+                self.marks = set(int(m) for m in state["marks"])
+                self.used = [int(m) for m in state["used"]]
+                self.frozen = {}
+                for k, plan, model in state["frozen"]:
+                    copy_ = None
+                    if model is not None:
+                        copy_ = self._new_budget(self.start_budget)
+                        copy_.load_state_dict(model)
+                    self.frozen[int(k)] = (BudgetPlan.decode(np.asarray(plan, dtype=np.int64)), copy_)
+
+    def metrics(self) -> Dict[str, Any]:
+        """``auto_*`` counters of the AutoBudget (empty before it starts)."""
+        with self.lock:
+            if self.budget is None:
+                return {}
+            out: Dict[str, Any] = {}
+            for key, value in self.budget.metrics().items():
+                if key == "last_plan":
+                    value = value or {}
+                    key, value = "", {"token_budget": value.get("token_budget"),
+                                      "quadratic_length": value.get("quadratic_length"),
+                                      "sample_cost": value.get("sample_cost")}
+                if isinstance(value, dict):  # coefficients: one scalar each
+                    out.update({f"auto_{key + '_' if key else ''}{k}": v for k, v in value.items()})
+                else:
+                    out[f"auto_{key}"] = value
+            out["auto_observed_steps"] = self.observed
+            return out
+
+    def check_length(self, length: int) -> None:
+        """Refuse a sample that no batch can hold under the cap, by the fitted memory model."""
+        with self.lock:
+            if self.budget is not None:
+                self.budget.check_max_length(int(length))
