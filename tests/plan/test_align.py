@@ -269,6 +269,8 @@ def test_simulation_is_deterministic(case, epoch):
     assert batches(first) == batches(again)
 
 
+@pytest.mark.slow  # 1024 threads meet at every exchange of the real protocol (odb.comm.threads): 20 s on
+@pytest.mark.timeout(900)  # Python 3.11, about 1 min on 3.10 alone, several under load
 @pytest.mark.filterwarnings("ignore:odb rank")  # tiny shards: the low-fill warning is expected here
 def test_1024_simulated_ranks_agree_on_steps_and_emit_every_sample_once():
     rng = np.random.default_rng(1024)
