@@ -304,25 +304,25 @@ class SampleSource:
             self._check_open()
             self._hold = max(self._hold, count)
             self._cond.notify_all()
-            while len(self._buf) < count and not self._ended and not self._closed:
-                if self._thread is None:
-                    self._read_one_chunk()
-                else:
-                    self._cond.wait()
+            self._fill_until(lambda: len(self._buf) >= count or self._ended or self._closed)
             self._check_open()
             self._raise()
             return [record[3] for record in itertools.islice(self._buf, count)]
+
+    def _fill_until(self, done: Callable[[], bool]) -> None:
+        """Until ``done()``: read a chunk here (no reader thread) or wait for the reader (holding the lock)."""
+        while not done():
+            if self._thread is None:
+                self._read_one_chunk()
+            else:
+                self._cond.wait()
 
     def take(self, max_samples: int, max_tokens: Optional[int]) -> Tuple[List[Record], bool]:
         """The next window's records, and whether the data ends with them."""
         with self._cond:
             self._check_open()
             self._hold = 0
-            while not self._enough(max_samples, max_tokens):
-                if self._thread is None:
-                    self._read_one_chunk()
-                else:
-                    self._cond.wait()
+            self._fill_until(lambda: self._enough(max_samples, max_tokens))
             self._raise()
             out: List[Record] = []
             tokens = 0
@@ -335,11 +335,7 @@ class SampleSource:
             self._cond.notify_all()
             # Knowing that this window is the last lets the planner flush it instead of
             # carrying samples into a window that never comes.
-            while not self._buf and not self._ended and not self._closed:
-                if self._thread is None:
-                    self._read_one_chunk()
-                else:
-                    self._cond.wait()
+            self._fill_until(lambda: bool(self._buf) or self._ended or self._closed)
             self._check_open()
             self._raise()
             return out, self._ended and not self._buf
