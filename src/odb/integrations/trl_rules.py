@@ -102,19 +102,26 @@ def _given(name: str, config: Optional[ODBConfig], options: Dict[str, Any], defa
     return default if value == getattr(ODBConfig, name, default) else value
 
 
+def check_layout(name: str, packed: bool, layout: Any, fix_padded: str, fix_packed: str) -> None:
+    """Refuse a ``layout`` that contradicts what the collator ``name`` builds: padding-free rows (``packed``)
+    or padded rows; the fixes are the caller's (each names its own switch)."""
+    if packed and layout == "padded":
+        raise ValueError(f"odb got layout='padded' but {name} flattens each batch into one padding-free row. Rule: "
+                         f"odb budgets a padding-free row as layout='packed' (the sum of its samples' lengths). "
+                         f"Fix: {fix_padded}.")
+    if not packed and layout == "packed":
+        raise ValueError(f"odb got layout='packed' but {name} pads each batch into rows, which then cost the longest "
+                         f"sample times the rows, beyond a budget planned on the sum of lengths. Fix: {fix_packed}.")
+
+
 def _collator_options(collator: Any, config: Optional[ODBConfig], out: Dict[str, Any], shift: bool) -> Dict[str, Any]:
     name = type(collator).__name__
     padding_free = bool(collator.padding_free)
     flag = f"{name}(padding_free={padding_free})"
     layout = _given("layout", config, out, None)
-    if padding_free and layout == "padded":
-        raise ValueError(f"odb got layout='padded' but {flag} flattens each batch into one padding-free row. Rule: "
-                         f"odb budgets a padding-free row as layout='packed' (the sum of its samples' lengths). Fix: "
-                         f"leave layout out (odb follows the collator), or set padding_free=False in the SFTConfig.")
-    if not padding_free and layout == "packed":
-        raise ValueError(f"odb got layout='packed' but {flag} pads each batch into rows, which then cost the "
-                         f"longest sample times the rows, beyond a budget planned on the sum of lengths. Fix: set "
-                         f"padding_free=True in the SFTConfig, or leave layout out.")
+    check_layout(flag, padding_free, layout,
+                 "leave layout out (odb follows the collator), or set padding_free=False in the SFTConfig",
+                 "set padding_free=True in the SFTConfig, or leave layout out")
     if padding_free:
         out["layout"] = "packed"
     pad = int(collator.pad_to_multiple_of or 1)

@@ -44,6 +44,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from odb.config import ODBConfig
+from odb.integrations.trl_rules import check_layout
 
 __all__ = ["CollatorRules", "FlattenedTokens", "InputTokens", "LabelTokens", "collator_options", "collator_rules"]
 
@@ -204,7 +205,8 @@ def collator_rules(collator: Any, *, shift_labels: bool, config: Optional[ODBCon
     packed = kind == "DataCollatorWithFlattening"
     name = f"{kind}(mlm={collator.mlm})" if kind == "DataCollatorForLanguageModeling" else kind
     _check_padding(collator, name)
-    _check_layout(name, packed, _given("layout", config, out))
+    check_layout(name, packed, _given("layout", config, out), "leave layout out (odb follows the collator)",
+                 "leave layout out, or collate with transformers.DataCollatorWithFlattening for padding-free rows")
     if packed:
         out["layout"] = "packed"
         separator = getattr(collator, "separator_id", IGNORE_INDEX)
@@ -270,17 +272,6 @@ def _check_padding(collator: Any, name: str) -> None:
                          f"every batch is padded to that length, while odb sizes a batch by its longest sample, so "
                          f"batches would exceed token_budget. Fix: padding=True (to the longest sample, the "
                          f"default); odb's pad_to_multiple_of (or the collator's) rounds the width.")
-
-
-def _check_layout(name: str, packed: bool, layout: Any) -> None:
-    if packed and layout == "padded":
-        raise ValueError(f"odb got layout='padded' but {name} flattens each batch into one padding-free row. Rule: "
-                         f"odb budgets a padding-free row as layout='packed' (the sum of its samples' lengths). "
-                         f"Fix: leave layout out (odb follows the collator).")
-    if not packed and layout == "packed":
-        raise ValueError(f"odb got layout='packed' but {name} pads each batch into rows, which then cost the longest "
-                         f"sample times the rows, beyond a budget planned on the sum of lengths. Fix: leave layout "
-                         f"out, or collate with transformers.DataCollatorWithFlattening for padding-free rows.")
 
 
 def _adopt_pad_multiple(collator: Any, name: str, config: Optional[ODBConfig], out: Dict[str, Any]) -> None:
