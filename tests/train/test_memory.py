@@ -311,3 +311,26 @@ def test_cuda_peak_meter_without_cuda_is_none_and_leaves_cuda_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_the_meter_keeps_no_activation_alive(backward):
+    """A forward's outputs and saved activations are freed once the caller lets go, as without the
+    meter. Returning the saved tensor itself from the pack hook made every saved *output* (ReLU's,
+    softmax's) hold its own grad_fn: a cycle through autograd's graph that gc cannot collect, so each
+    forward leaked its activations (the auto-budget benchmark's shape search grew to 23 GB)."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Softmax(dim=-1))
+    refs = []
+    with ActivationMeter(model) as meter:
+        for _ in range(3):
+            out = model(torch.randn(3, 4))
+            refs.append(weakref.ref(out))
+            if backward:
+                out.square().sum().backward()
+            del out
+        assert meter() == 3 * (4 + 8 + 8) * F32   # input, ReLU's output (the softmax's input), softmax's output
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]

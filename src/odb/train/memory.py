@@ -151,7 +151,10 @@ class ActivationMeter:
             if key not in self._seen and (key[0], key[1]) not in self._skip:
                 self._seen.add(key)
                 self._total += nbytes
-        return tensor
+        # Not the tensor itself: a saved output that holds its own grad_fn is a reference cycle through
+        # autograd's C++ graph, which Python's gc cannot collect (every forward's activations leaked).
+        # The detached view shares the storage (and the version counter) without the grad_fn.
+        return tensor.detach()
 
     # -- the meter ---------------------------------------------------------------------------
 
