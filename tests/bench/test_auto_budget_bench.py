@@ -1,25 +1,10 @@
-"""benchmarks/auto_budget.py: its oracle search, the users' rule, and a tiny end-to-end run (correctness
-only, nothing timed)."""
-
-import importlib.util
-import pathlib
-import sys
+"""odb.bench.auto_budget (make demo's auto-budget section, benchmarks/auto_budget.py alone): its oracle
+search, the users' rule, and tiny end-to-end runs (correctness only, nothing timed)."""
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("auto_budget_bench", ROOT / "benchmarks" / "auto_budget.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
+import odb.bench.auto_budget as bench
 
 
 def synthetic_memory(a=1.0, b=0.01, c=5.0, d=100.0):
@@ -93,4 +78,27 @@ def test_main_runs_end_to_end_on_a_tiny_workload(tmp_path):
         assert oracle["over_cap_warmup"] == 0 and oracle["over_cap_after"] == 0
         assert case["oracle_budget"] >= case["max_len"]
         assert case["auto_mode"] == "manual"
+        # The plain budget under auto's usable memory ((1 - margin) x cap) is no larger than the oracle's, and
+        # none of its batches exceeds that memory.
+        assert case["max_len"] <= case["oracle_at_margin_budget"] <= case["oracle_budget"]
+        assert case["oracle_at_margin_steps"] >= case["runs"]["oracle"][0]["steps"]
     assert len(result["goals"]) == 2
+    rows = bench.goal_rows(result)
+    # per case: after warm-up vs the oracle, steps over the cap; eager adds memory-planned vs plain
+    assert len(rows) == 5 and all(len(r) == 4 for r in rows)
+    assert rows[1][1] == str(result["goals"][0]["auto_over_cap_after_warmup"])
+
+
+@pytest.mark.timeout(300)
+def test_the_loader_arm_runs_token_budget_auto_and_records_its_model(tmp_path):
+    result = bench.run_auto_budget(quick=True, samples=60, repeats=1, max_len=48,
+                                   workload_names=["pareto-a1.2"], attentions=["eager"], auto_mode="loader",
+                                   progress=lambda m: None)
+    case = result["cases"][0]
+    assert case["auto_mode"] == "loader"
+    auto = case["runs"]["auto"][0]
+    assert auto["steps"] > 0 and auto["over_cap_after"] == 0
+    # the loader's fitted model and its plan, from odb_stats
+    stats = case["auto_metrics"][0]
+    assert stats["auto_observed_steps"] == auto["steps"]
+    assert stats["auto_cap"] == case["cap_bytes"]

@@ -82,16 +82,19 @@ def bench(tmp_path_factory):
 
 def test_outputs_written(bench):
     out, results, stdout = bench
-    assert set(results) >= {"meta", "planning", "ranks", "loader", "training", "e2e", "packing", "wall_s"}
+    assert set(results) >= {"meta", "planning", "ranks", "loader", "training", "e2e", "packing", "auto_budget",
+                            "wall_s"}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
-    for heading in ("Goals", "Planner quality", "odb buffers", "Loader cost", "Training", "End to end"):
+    for heading in ("Goals", "Planner quality", "odb buffers", "Loader cost", "Training", "End to end",
+                    'token_budget="auto" under a memory cap'):
         assert heading in summary and heading in stdout, heading
     assert "useful fill" in stdout and "odb padded x" in stdout and "overlap" in stdout
     assert (out / "training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The printed goals table holds every goal of the results, in order, with its figure, target and verdict.
     expected = goals(results)
-    for part in ("end to end, ", "window ", "short epoch ", "order ", "planning ", "loader (", "packed ", "training ("):
+    for part in ("end to end, ", "window ", "short epoch ", "order ", "planning ", "loader (", "packed ", "training (",
+                 "auto budget "):
         assert any(name.startswith(part) for name, *_ in expected), f"no goal starts with {part!r}"
     lines = stdout.splitlines()
     start = lines.index("== Goals") + 2  # past the table's header line

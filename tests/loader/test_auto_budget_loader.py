@@ -106,6 +106,24 @@ def test_auto_budget_each_micro_batch_is_a_point_and_ghosts_are_not_fed():
 
 
 @pytest.mark.timeout(120)
+def test_worst_case_warm_up_measures_the_longest_shape_first():
+    """probe_worst_case with "auto": the first step holds the first window's longest sample (the costliest
+    shape per token is measured before the budget grows), and every step stays under the cap."""
+    trainer = Trainer()
+    loader = make_loader(trainer, clock=False, shuffle=False, probe_worst_case=True)
+    widths, peaks = [], []
+    for batch in loader:
+        info = odb.pop_step_info(batch)
+        trainer.step(batch, info)  # the loader reads the meter (a second reader here would take its peaks)
+        widths.append(batch["input_ids"].shape[1])
+        peaks.append(info.padded_tokens * BYTES_PER_TOKEN)
+    first_window = LENGTHS[:loader.odb_config.first_window_size]
+    assert widths[0] == max(first_window) > sorted(first_window)[len(first_window) // 2]
+    assert max(peaks) <= CAP
+    assert loader.odb_stats["auto_window_budget"] > loader.odb_core.auto.start_budget
+
+
+@pytest.mark.timeout(120)
 def test_auto_refuses_cpu_without_cap_or_meter_with_the_fix():
     if torch.cuda.is_available():
         pytest.skip("the refusals are for a process without CUDA")

@@ -102,6 +102,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-loader", action="store_true", help="skip the loader-cost benchmark")
     p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end benchmark")
     p.add_argument("--skip-packing", action="store_true", help="skip the packed-layout benchmark")
+    p.add_argument("--skip-auto", action="store_true", help="skip the token_budget='auto' benchmark")
     p.add_argument("--no-real", action="store_true", help="leave out the committed real-data workloads")
     return p.parse_args(argv)
 
@@ -161,6 +162,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         t0 = time.perf_counter()
         results["packing"] = run_packing(size["planning_samples"], real=not args.no_real, progress=progress)
         results["wall_s"]["packing"] = time.perf_counter() - t0
+
+    if not args.skip_auto:
+        from odb.bench.auto_budget import run_auto_budget
+
+        t0 = time.perf_counter()
+        results["auto_budget"] = run_auto_budget(quick=args.quick, progress=progress)
+        results["wall_s"]["auto_budget"] = time.perf_counter() - t0
 
     if not args.skip_e2e:
         from odb.bench.e2e import run_e2e

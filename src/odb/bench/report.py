@@ -446,6 +446,10 @@ def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]
         out += packing_goals(results["packing"])
     for g in (results.get("training") or {}).get("goals", []):
         out.append((g["goal"], f"{g['measured']:.2f}", f">= {g['target']}", g["met"]))
+    if results.get("auto_budget"):
+        from odb.bench.auto_budget import goal_rows
+
+        out += goal_rows(results["auto_budget"])
     return out
 
 
@@ -533,7 +537,23 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
         parts += [f"{h}End to end", e2e_table(results["e2e"], markdown)]
     if "packing" in results:
         parts += [f"{h}Packed layout (padding-free rows)", packing_tables(results["packing"], markdown), ""]
+    if results.get("auto_budget"):
+        parts += [f"{h}token_budget=\"auto\" under a memory cap", auto_budget_table(results["auto_budget"], markdown), ""]
     return "\n".join(parts)
+
+
+def auto_budget_table(ab: Dict[str, Any], markdown: bool = False) -> str:
+    """The auto-budget section: its settings, the table of every arm and the goal lines (odb.bench.auto_budget)."""
+    from odb.bench.auto_budget import goal_lines, table
+
+    head = (f"{ab['samples']} samples per workload, {ab['repeats']} repeat(s) (medians, min-max), tiny Llama "
+            f"(hidden {ab['model']['hidden_size']}, {ab['model']['num_hidden_layers']} layers), float32 on CPU, memory = "
+            f"ActivationMeter bytes; cap = {ab['cap_rule']}; auto arm: {ab['auto_mode']}; warm-up "
+            f"{ab['warmup_steps']} steps.")
+    text = table(ab["cases"])  # markdown already
+    if not markdown:
+        text = "\n".join(line for line in text.split("\n") if not line.startswith("|---"))
+    return "\n".join([head, "", text, "", *("- " + line for line in goal_lines(ab["cases"]))])
 
 
 # ---- plots --------------------------------------------------------------------------------------
