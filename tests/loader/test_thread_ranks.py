@@ -181,6 +181,22 @@ def test_a_rank_failure_reaches_the_other_thread_rank_as_odb_rank_failed(known):
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_with_token_budget_auto_beside_one_with_an_int_budget_is_named():
+    """Ranks with and without token_budget="auto" send headers of one shape, so the options check names
+    token_budget on both (the auto rank's longer header failed in numpy: 'all input arrays must have the
+    same shape')."""
+    from odb.comm.dist import ODBOptionMismatch
+
+    def rank_run(rank: int, exchanges: ThreadExchanges) -> List[Dict[str, Any]]:
+        auto = {"token_budget": "auto", "memory_cap_bytes": 10**7, "memory_meter": lambda: None} if rank == 0 else {}
+        return steps(make(rank, 2, exchanges, **auto))
+
+    results = run_ranks(2, rank_run)
+    assert all(isinstance(r, ODBOptionMismatch) for r in results), results
+    assert "token_budget='auto' here" in str(results[0]) and "token_budget=240 here" in str(results[1])
+
+
+@pytest.mark.timeout(60)
 def test_thread_ranks_refuse_exchange_with_a_process_group_or_a_local_loader():
     ranks = ThreadRanks(2)
     with pytest.raises(ValueError, match="distributed=False"):

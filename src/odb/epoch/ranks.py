@@ -14,8 +14,8 @@ confirmation have the same size (status, 4 header fields, the plan options'
 fingerprint), so a rank that fails anywhere but between a header and its summaries knows
 the shape the others expect. With ``token_budget="auto"`` (``auto_plans``) the header also
 carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints; zeros
-in a confirmation), and ``agreed_plan`` is the most conservative of every rank's (``agree``),
-which the epoch run applies to its next window; without it the messages are unchanged.
+in a confirmation, and always zeros without it), and ``agreed_plan`` is the most conservative of
+every rank's (``agree``), which the epoch run applies to its next window.
 """
 
 from __future__ import annotations
@@ -70,7 +70,10 @@ class RankAligner:
         self.last_fit = FitCounts()
         self._values = agreed_values(options if options is not None else planner.cfg, shuffle)
         self._fingerprint = fingerprint(self._values)
-        self._plan_size = PLAN_SIZE if auto_plans else 0
+        # Every header has room for a plan proposal (zeros without token_budget="auto"), so that ranks with
+        # and without "auto" exchange messages of one shape and the options check names the difference.
+        self._auto = bool(auto_plans)
+        self._plan_size = PLAN_SIZE
         self.proposal: Optional[np.ndarray] = None  # this rank's encoded proposal, sent with the next header
         self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (auto only)
         # balance="time": predicted seconds of a group's batch (None before the time model is fitted)
@@ -119,7 +122,7 @@ class RankAligner:
         where = f"epoch {self.epoch}, window {window_index}"
         header = self._exchange([len(groups), self._must_emit(groups), int(planned_final), self.seed], where,
                                 self.proposal)
-        if self._plan_size:
+        if self._auto:
             self.agreed_plan = agree(self._plans)
         window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join)
         if window.go_local:
