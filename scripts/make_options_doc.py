@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from pathlib import Path
+from typing import List, Optional
 
 from odb.config import ODBConfig
 
@@ -31,7 +33,12 @@ in the batch sampler so that workers fetch and collate whole batches; see docs/a
 (batch order; default: whether the sampler shuffles) and `collate_fn=` (for loaders built with
 `batch_size=None`).
 
-This table is generated from `ODBConfig`'s docstring by `scripts/make_options_doc.py`.
+`token_budget="auto"` and its options (`memory_cap_bytes`, `memory_fraction`, `memory_meter`,
+`auto_start_budget`, `auto_margin`, `balance`): what is measured, the counters it adds, what it is not used
+with, in [cost-model.md](cost-model.md).
+
+This table is generated from `ODBConfig`'s docstring by `scripts/make_options_doc.py`
+(`python scripts/make_options_doc.py --check` fails when it is out of date; a test runs it).
 """
 
 
@@ -46,7 +53,8 @@ def descriptions() -> dict:
     return out
 
 
-def main() -> None:
+def render() -> str:
+    """docs/options.md as ODBConfig's fields and docstring give it."""
     descr = descriptions()
     rows = []
     for f in dataclasses.fields(ODBConfig):
@@ -54,10 +62,22 @@ def main() -> None:
             raise SystemExit(f"ODBConfig.{f.name} has no entry under Attributes: in the docstring. Fix: add one.")
         default = "required" if f.default is dataclasses.MISSING else repr(f.default)
         rows.append(f"| `{f.name}` | `{default}` | {descr[f.name]} |")
+    return HEADER + "\n" + "\n".join(rows) + "\n" + FOOTER
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
     path = Path(__file__).resolve().parent.parent / "docs" / "options.md"
-    path.write_text(HEADER + "\n" + "\n".join(rows) + "\n" + FOOTER)
-    print(f"wrote {path} ({len(rows)} options)")
+    text = render()
+    if check:
+        if path.read_text() != text:
+            print(f"{path} differs from ODBConfig's docstring. Fix: python scripts/make_options_doc.py")
+            return 1
+        return 0
+    path.write_text(text)
+    print(f"wrote {path} ({text.count(chr(10) + '| `')} options)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
