@@ -41,8 +41,8 @@ import argparse
 import json
 import math
 import subprocess
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -169,20 +169,16 @@ def run_ranks(lengths: np.ndarray, balance: str, seed: int, cap: int, noise: flo
               world: int = WORLD) -> List[Dict[str, Any]]:
     """Every rank's run_rank on a thread of its own."""
     ranks = ThreadRanks(world, timeout_s=300)
-    out: List[Any] = [None] * world
 
-    def run(rank: int) -> None:
+    def run(rank: int) -> Any:
         try:
-            out[rank] = run_rank(rank, ranks, lengths, balance, seed, cap, noise, max_len)
+            return run_rank(rank, ranks, lengths, balance, seed, cap, noise, max_len)
         except BaseException as err:  # surfaced below
-            out[rank] = err
-            ranks.abort()
+            ranks.abort()  # the other ranks' next exchange raises instead of waiting
+            return err
 
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(world) as pool:
+        out = list(pool.map(run, range(world)))
     for rank, r in enumerate(out):
         if isinstance(r, BaseException):
             raise RuntimeError(f"rank {rank} failed: {type(r).__name__}: {r}") from r
