@@ -220,6 +220,8 @@ class AutoControl:
                         copy_ = self._new_budget(self.start_budget)
                         copy_.load_state_dict(model)
                     self.frozen[int(k)] = (BudgetPlan.decode(np.asarray(plan, dtype=np.int64)), copy_)
+                if not self.frozen:  # a re-partitioned epoch (``merged_state``): its windows plan from now on
+                    self.frozen = {0: self._freeze()}
 
     def metrics(self) -> Dict[str, Any]:
         """``auto_*`` counters of the AutoBudget (empty before it starts)."""
@@ -245,3 +247,19 @@ class AutoControl:
         with self.lock:
             if self.budget is not None:
                 self.budget.check_max_length(int(length))
+
+
+def merged_state(states: List[Optional[Dict[str, Any]]], step: int) -> Optional[Dict[str, Any]]:
+    """The loader state's "auto" entry that every new rank of an elastic resume loads (odb.resume.elastic),
+    from every old rank's (None where a rank had none): the AutoBudgets merged
+    (odb.plan.auto_budget.merge_states: the most conservative rank's, with every rank's OOMs),
+    the least start budget, ``step`` steps of the epoch observed, and no frozen proposal: the re-partitioned
+    epoch plans its remaining windows from the merged model (its first window under the merged state's
+    proposal, the same on every new rank), and the ranks agree again through their exchange."""
+    from odb.plan.auto_budget import merge_states
+
+    started = [s for s in states if s is not None and s.get("start") is not None]
+    if not started:  # no rank had started: nothing learned yet
+        return next((dict(s, window=None) for s in states if s is not None), None)
+    return {"start": min(int(s["start"]) for s in started), "budget": merge_states([s["budget"] for s in started]),
+            "observed": int(step), "frozen": [], "marks": [], "used": [], "window": None}

@@ -440,3 +440,29 @@ class AutoBudget:
         self._ooms = int(state["ooms"])
         self.memory.load_state_dict(state["memory"])
         self.time.load_state_dict(state["time"])
+
+
+def merge_states(states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One ``AutoBudget.state_dict()`` from several ranks' (an elastic resume, odb.resume.elastic), for
+    every new rank to start from: the state of the most conservative rank, the one whose next proposal has
+    the least token budget (the first such rank on a tie), as the ranks' agreement (``agree``) would have
+    been bound by it; with what any rank learned of out-of-memory steps: the least effective cap, an OOM
+    pending where any rank had one, the most OOMs a rank counted (each rank's next proposal is judged with
+    them). Copies of one state merge into that state.
+
+    Example:
+        >>> a, b = AutoBudget(1e6, 100), AutoBudget(1e6, 80)
+        >>> merge_states([a.state_dict(), b.state_dict()])["budget"]
+        80
+    """
+    shared = {"effective_cap": min(float(s["effective_cap"]) for s in states),
+              "oom_pending": any(bool(s["oom_pending"]) for s in states), "ooms": max(int(s["ooms"]) for s in states)}
+    candidates = [dict(s, **shared) for s in states]
+
+    def next_budget(state: Dict[str, Any]) -> int:
+        budget = AutoBudget(float(state["cap"]), int(state["budget"]), min_budget=int(state["min_budget"]))
+        budget.load_state_dict(state)
+        return budget.propose().token_budget
+
+    budgets = [next_budget(s) for s in candidates]
+    return candidates[budgets.index(min(budgets))]

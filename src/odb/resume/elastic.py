@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from odb.data.sampling import global_order, stride_sharded
+from odb.epoch.auto import merged_state
 from odb.epoch.run_state import fresh_run_state, retained_positions
 
 
@@ -62,8 +63,9 @@ def repartition(states: List[Dict[str, Any]], sampler: Any, world: int, rank: in
     """The state rank ``rank`` of ``world`` resumes from, given every old rank's state (checked by
     ``check_group``): a fresh run over its share of what no old rank emitted."""
     running = [s for s in states if s["run"] is not None]
+    auto = _merged_auto(states, int(running[0]["run"]["step"]) if running else 0)
     if not running:
-        return dict(states[0], world_size=world, rank=rank, run=None)
+        return dict(states[0], world_size=world, rank=rank, run=None, **auto)
     run0 = running[0]["run"]
     epoch, prior = int(running[0]["epoch"]), list(run0["layers"])
     old_world = len(states)
@@ -80,7 +82,15 @@ def repartition(states: List[Dict[str, Any]], sampler: Any, world: int, rank: in
         kept.extend(p * old_world + r for p in held)
     layer = {"world": old_world, "arrived": arrived, "kept": sorted(kept), "total": total}
     return dict(running[0], epoch=epoch, world_size=world, rank=rank,
-                run=fresh_run_state(int(run0["step"]), prior + [layer]))
+                run=fresh_run_state(int(run0["step"]), prior + [layer]), **auto)
+
+
+def _merged_auto(states: List[Dict[str, Any]], step: int) -> Dict[str, Any]:
+    """token_budget="auto": the "auto" entry of every new rank (odb.epoch.auto.merged_state: the most
+    conservative old rank's AutoBudget, no frozen window plans); {} without it."""
+    if not any("auto" in s for s in states):
+        return {}
+    return {"auto": merged_state([s.get("auto") for s in states], step)}
 
 
 def check_group(states: Any, sampler: Any, iterable: bool) -> List[Dict[str, Any]]:
