@@ -143,6 +143,23 @@ def test_auto_refuses_cpu_without_cap_or_meter_with_the_fix():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("oversize", ["error", "skip"])
+def test_a_sample_over_the_window_budget_that_fits_the_cap_trains_alone(oversize):
+    """A start budget (or a fitted plan's budget) below a sample's length is odb's guess, not the user's
+    rule: the sample trains alone (it raised 'no batch can hold it' before the model was even fitted,
+    e.g. when ranks agreed on the smallest of their start budgets)."""
+    trainer = Trainer()
+    loader = make_loader(trainer, auto_start_budget=20, oversize=oversize)
+    seen = []
+    for batch in loader:
+        info = odb.pop_step_info(batch)
+        trainer.step(batch, info)
+        seen.extend(info.sample_ids)
+    assert sorted(seen) == list(range(len(LENGTHS)))  # nothing skipped: every sample fits the cap alone
+    assert loader.odb_stats["oversize_alone"] >= sum(n > 20 for n in LENGTHS[:64])
+
+
+@pytest.mark.timeout(120)
 def test_auto_refuses_a_cap_too_small_for_the_longest_sample():
     trainer = Trainer()
     # 30 tokens' worth of cap: samples up to 50 tokens cannot fit once the memory model is fitted
@@ -310,8 +327,10 @@ def test_two_thread_ranks_plan_every_window_with_the_agreed_budget(monkeypatch, 
     agreed = [[(w, p) for w, p, _ in plans[r] if w >= first] for r in range(2)]
     assert agreed[0] == agreed[1] and len(agreed[0]) > 3
     assert len({p.token_budget for _, p in agreed[0]}) > 1  # the budget moved
-    if options.get("balance") == "time":  # the later windows paired their steps by the fitted time model
-        assert any(timed) and not timed[0]
+    if options.get("balance") == "time":  # the later windows paired their steps by the fitted time model,
+        # and only windows where every rank's time model predicts asked it (before, a rank whose model was not
+        # fitted yet paired by planner cost while another paired by seconds)
+        assert timed and all(timed)
     else:
         assert not timed
     for rank, infos in enumerate(results):  # each step's batch is under its window's agreed budget

@@ -248,6 +248,17 @@ class AutoControl:
             if self.budget is not None:
                 self.budget.check_max_length(int(length))
 
+    def fits_alone(self, length: int) -> bool:
+        """Whether a batch of this one sample fits the cap by the fitted memory model (True before the fit)."""
+        with self.lock:
+            return self.budget is None or self.budget.max_length_fits(int(length))
+
+    def time_fitted(self, mark: Optional[int]) -> bool:
+        """Whether the time model frozen at ``mark`` predicts (balance="time")."""
+        with self.lock:
+            entry = self.frozen.get(mark) if mark is not None else None
+            return entry is not None and entry[1] is not None and entry[1].time.coefficients() is not None
+
 
 def merged_state(states: List[Optional[Dict[str, Any]]], step: int) -> Optional[Dict[str, Any]]:
     """The loader state's "auto" entry that every new rank of an elastic resume loads (odb.resume.elastic),

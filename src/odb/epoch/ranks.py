@@ -13,9 +13,12 @@ step; ``announce`` joins the next exchange with a failure or a stop. The header 
 confirmation have the same size (status, 4 header fields, the plan options'
 fingerprint), so a rank that fails anywhere but between a header and its summaries knows
 the shape the others expect. With ``token_budget="auto"`` (``auto_plans``) the header also
-carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints; zeros
-in a confirmation, and always zeros without it), and ``agreed_plan`` is the most conservative of
-every rank's (``agree``), which the epoch run applies to its next window.
+carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints) and whether
+its time model predicts (1 int; zeros in a confirmation, and always zeros without "auto"), and
+``agreed_plan`` is the most conservative of every rank's (``agree``), which the epoch run applies
+to its next window; with balance="time" the ranks pair by predicted seconds only in a window where
+every rank's time model predicts (else all by the planner's cost, so no step pairs one rank's
+seconds with another's tokens).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from odb.plan.window import WindowPlanner
 
 Step = Tuple[StepPlan, Optional[np.ndarray]]
 PLAN_SIZE = 3  # int64 of an encoded BudgetPlan (odb.plan.auto_budget.BudgetPlan.encode)
+AUTO_SIZE = PLAN_SIZE + 1  # the header's auto part: the encoded plan, and whether this rank's time model predicts
 CONFIRM_STEPS = 4  # steps confirmed by one exchange (the same on every rank: it shapes the protocol)
 
 
@@ -73,11 +77,14 @@ class RankAligner:
         # Every header has room for a plan proposal (zeros without token_budget="auto"), so that ranks with
         # and without "auto" exchange messages of one shape and the options check names the difference.
         self._auto = bool(auto_plans)
-        self._plan_size = PLAN_SIZE
+        self._plan_size = AUTO_SIZE
         self.proposal: Optional[np.ndarray] = None  # this rank's encoded proposal, sent with the next header
         self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (auto only)
-        # balance="time": predicted seconds of a group's batch (None before the time model is fitted)
+        # balance="time": predicted seconds of a group's batch (None before the time model is fitted), and whether
+        # this rank's time model (frozen for the window) predicts: ranks pair by seconds only when every rank's does
         self.time_cost: Optional[Callable[[np.ndarray], Optional[float]]] = None
+        self.time_ready = False
+        self._time_ready_all = False
         self._body: Optional[Tuple[int, int]] = None  # shape of the summaries due after a header
 
     # ---- state (odb.resume) ------------------------------------------------------------
@@ -101,7 +108,7 @@ class RankAligner:
     def pair_cost(self, group: np.ndarray) -> int:
         """What ranks compare to pair groups of similar cost: ``cost``, or with balance="time" the predicted
         step time in microseconds once the time model is fitted."""
-        if self.time_cost is not None:
+        if self.time_cost is not None and self._time_ready_all:
             seconds = self.time_cost(self.planner.cost.pad(self.pool.lengths(group)))
             if seconds is not None:
                 return int(round(seconds * 1e6))
@@ -123,7 +130,8 @@ class RankAligner:
         header = self._exchange([len(groups), self._must_emit(groups), int(planned_final), self.seed], where,
                                 self.proposal)
         if self._auto:
-            self.agreed_plan = agree(self._plans)
+            self.agreed_plan = agree(self._plans[:, :PLAN_SIZE])
+            self._time_ready_all = bool((self._plans[:, PLAN_SIZE] == 1).all())
         window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join)
         if window.go_local:
             self.local_only = True
@@ -180,7 +188,10 @@ class RankAligner:
         """A header-sized message (4 fields, the encoded plan proposal with token_budget="auto", and the
         options' fingerprint) of every rank; refuses ranks whose loaders plan under other options."""
         p = self._plan_size
-        sent = np.zeros(p, dtype=np.int64) if plan is None or not p else np.asarray(plan, dtype=np.int64)
+        sent = np.zeros(p, dtype=np.int64)
+        if plan is not None:
+            sent[:PLAN_SIZE] = np.asarray(plan, dtype=np.int64)
+            sent[PLAN_SIZE] = int(self.time_ready)
         message = np.concatenate((np.asarray(fields, dtype=np.int64), sent, self._fingerprint))
         gathered = self.exchange.all_gather(message, where)
         self._plans = gathered[:, 4:4 + p]

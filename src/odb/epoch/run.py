@@ -275,6 +275,7 @@ class EpochRun:
             self.aligner.proposal = proposal.encode()
         if auto.time_balance:
             self.aligner.time_cost = lambda lengths: auto.time_cost(frozen_at, lengths)
+            self.aligner.time_ready = auto.time_fitted(frozen_at)
 
     def _follow_schedule(self) -> None:
         schedule = self.cfg.budget_schedule
@@ -319,8 +320,8 @@ class EpochRun:
         cfg = self.cfg
         patches = self.pool.patches(ids) if cfg.image_patches_key else None
         lengths = self.pool.lengths(ids)
-        if self.auto is not None and len(lengths):
-            self.auto.check_length(int(lengths.sum(axis=1).max()))
+        if self.auto is not None and len(lengths) and cfg.oversize != "skip":
+            self.auto.check_length(int(lengths.sum(axis=1).max()))  # refuses what no batch can hold under the cap
         if self.stats.windows == 0 and self.rank == 0:
             self._note_one_length(lengths)
         # The probe's window emits all it holds: its longest samples must not wait in the carry for a fuller batch.
@@ -361,14 +362,12 @@ class EpochRun:
     def _oversize(self, sid: int) -> List[np.ndarray]:
         lengths, _, patches = self.pool.meta(sid)
         policy, cfg = self.cfg.oversize, self.cfg
+        if self.auto is not None:
+            # token_budget="auto": the window's budget is the model's (or the start's), not a rule of the user's. A
+            # sample over it that fits the cap alone by the memory model (any sample before the model is fitted:
+            # its step measures it) trains alone; one that cannot fit was refused by check_length (or is skipped).
+            policy = "skip" if policy == "skip" and not self.auto.fits_alone(int(sum(lengths))) else "alone"
         if policy == "error":
-            if self.auto is not None:
-                raise ValueError(
-                    f"sample {sid} has length {sum(lengths)}, more than token_budget={cfg.token_budget} that "
-                    f"token_budget='auto' set for this window from the measured steps under the memory cap "
-                    f"({self.auto.cap:.0f}, {self.auto.margin:g} of it kept free): no batch can hold it. Fix: raise "
-                    f"memory_cap_bytes (or memory_fraction), lower auto_margin, truncate samples, or pass "
-                    f"oversize='alone' (own batch) or 'skip'.")
             if cfg.shape_buckets is not None:  # the rule is the buckets', not the budget alone
                 raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
                                                   max(lengths), cfg.shape_buckets, cfg.token_budget))
