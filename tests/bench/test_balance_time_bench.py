@@ -49,7 +49,8 @@ def test_quick_run_writes_every_figure_and_the_table(quick):
     doc, stdout = quick
     assert set(doc) >= {"config", "goal", "results", "wall_s"}
     assert doc["config"]["world"] == 8 and doc["config"]["seeds"] == [0, 1, 2]
-    assert set(doc["results"]) == {"lognormal-cv1.00", "pareto-a1.2"}
+    assert set(doc["results"]) == {"lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00", "pareto-a1.2"}
+    assert doc["goal"]["workloads"] == ["lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00"]
     assert isinstance(doc["goal"]["met"], bool) and doc["goal"]["mean_imbalance_after_warmup_at_most"] == 1.05
     for name, arms in doc["results"].items():
         assert set(arms) == {"tokens", "time"}
