@@ -85,6 +85,14 @@ class ODBLightningLoader:
 
     def __init__(self, loader: ODBLoaderMixin, snapshot_every: int = 16) -> None:
         self.loader = check_odb_loader(loader, "ODBLightningLoader")
+        if loader.odb_config.auto:
+            raise ValueError(
+                "ODBLightningLoader got a loader with token_budget='auto'. Lightning fetches each training batch "
+                "one ahead of training it, and odb's loader measures a batch (its peak memory and seconds) when "
+                "the next one is asked for: each measurement would be taken before its batch trains and credited "
+                "to the next batch's shape, so the budget could plan batches over memory_cap_bytes. Fix: pass an "
+                "int token_budget under Lightning (e.g. the odb_stats['auto_window_budget'] that a plain loop or "
+                "Accelerate run of this model settles on).")
         if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"ODBLightningLoader got snapshot_every={snapshot_every!r}: it must be an int >= 1. "
                              f"Fix: pass e.g. 16 (a resume replays fewer batches than this), or 1.")

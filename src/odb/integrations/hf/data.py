@@ -76,8 +76,8 @@ def check_fits(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[int]]) -
     ``input_ids`` column measured from its Arrow offsets (no sample is read; TRL's prepared
     dataset is one). Otherwise the first ``len()`` of the loader, at ``train()``, finds it.
     """
-    if cfg.oversize != "error" or cfg.image_patches_key is not None:
-        return
+    if cfg.oversize != "error" or cfg.image_patches_key is not None or cfg.auto:
+        return  # token_budget="auto": no budget yet (the memory model refuses a sample no batch can hold)
     if lengths is None and cfg.length_fn is None:
         lengths = arrow_lengths(trainer.train_dataset, cfg)
     found = first_oversize(lengths, cfg) if lengths is not None else None

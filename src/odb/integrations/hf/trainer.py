@@ -45,6 +45,7 @@ from odb.train.loss import weigh_loss
 from odb.integrations.hf.collators import collator_label, collator_options, collator_rules
 from odb.integrations.hf.data import build_train_loader, check_fits, epoch_emitted, estimate_micro_steps, read_state, write_state
 from odb.integrations.hf.progress import SampleProgress, schedule_by_samples
+from odb.integrations.memory import auto_meter_options
 from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, log_batching,
                        loss_shifts_labels, prepare_packed_rows)
 from odb.integrations.hf.steps import SampleView, StepFiller, check_loss_tokens, next_step, pad_step, recount_loss_tokens
@@ -117,6 +118,8 @@ class ODBTrainerMixin:
         if "length_fn" not in options and (config is None or config.length_fn is None) and lengths is None and \
                 getattr(getattr(self.model, "config", None), "is_encoder_decoder", False):
             options["length_fn"] = seq2seq_lengths  # an encoder-decoder's targets count against the budget too
+        # token_budget="auto" off CUDA: the Trainer's model is known, so its activations are the meter
+        options = auto_meter_options(token_budget, config, options, self.model, args.device)
         cfg = make_config(config, token_budget, options, "enable_odb")
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         check_fits(self, cfg, lengths)
