@@ -359,3 +359,15 @@ def test_constructor_refuses_bad_settings(kwargs, match):
     args = {"cap": CAP, "start_budget": 100, **kwargs}
     with pytest.raises(ValueError, match=match):
         AutoBudget(args.pop("cap"), args.pop("start_budget"), **args)
+
+
+@pytest.mark.parametrize("a, b", [(137.36, 1e-17), (137.36, 0.0), (100.0, 0.5), (1e-9, 2.0)])
+def test_longest_fitting_length_is_the_largest_length_under_the_cap(a, b, monkeypatch):
+    """The positive root of b L^2 + a L = room without cancellation: with b a float's noise next to a (an
+    exactly linear model fitted by NNLS), (-a + sqrt(a^2 + 4 b room)) / 2b gave 0, and a 50-token sample
+    'could not fit' a cap of 400 such samples (seen under load in the packed auto loader test)."""
+    ab = AutoBudget(54_400, 60)
+    monkeypatch.setattr(ab, "_upper_coefficients", lambda: np.array([a, b, 0.0, 0.0]))
+    usable = 0.9 * 54_400
+    longest = ab.longest_fitting_length()
+    assert a * longest + b * longest ** 2 <= usable < a * (longest + 1) + b * (longest + 1) ** 2

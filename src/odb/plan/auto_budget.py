@@ -313,10 +313,12 @@ class AutoBudget:
         room = self._usable() - c - d
         if room < 0:
             return 0
-        if b > 0:
-            x = (-a + math.sqrt(a * a + 4 * b * room)) / (2 * b)
+        if a > 0 or b > 0:
+            # the positive root of b x^2 + a x = room, in the form without cancellation: (-a + sqrt(...)) / 2b
+            # gave 0 for a b of float noise (1e-17) next to a of 100 (the sample "could not fit" any cap)
+            x = 2.0 * room / (a + math.sqrt(a * a + 4.0 * b * room))
         else:
-            x = room / a if a > 0 else float(_MAX_BUDGET)
+            x = float(_MAX_BUDGET)
         length = int(min(math.floor(x), _MAX_BUDGET))
         while length > 0 and a * length + b * length * length + c + d > self._usable():
             length -= 1
