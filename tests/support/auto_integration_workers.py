@@ -63,7 +63,8 @@ def _trainer_run(trainer: Any) -> Dict[str, Any]:
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     out = summary(trainer.odb_loader.odb_stats, recording.values, infos, losses)
-    out.update(default_meter=defaulted, global_step=trainer.state.global_step)
+    out.update(default_meter=defaulted, global_step=trainer.state.global_step,
+               relative_error=trainer.odb_loader.odb_stats.get("auto_memory_relative_error"))
     return out
 
 
@@ -77,7 +78,7 @@ def _auto_trainer(rank: int, world: int, p: Dict[str, Any], build: Callable[[Dic
 
     if world > 1:
         H._join_torch_distributed(rank, world)
-    q = dict(n=p["n"], ga=1, lr=1e-2, budget="auto", max_steps=-1, epochs=1, args=LOG_EVERY_STEP,
+    q = dict(n=p["n"], ga=p.get("ga", 1), lr=1e-2, budget="auto", max_steps=-1, epochs=1, args=LOG_EVERY_STEP,
              odb=dict(memory_cap_bytes=p["cap"], auto_start_budget=p["start"]), buffer=p["buffer"], **fields)
     return _trainer_run(build(q, p["out"]))
 

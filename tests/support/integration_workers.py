@@ -171,8 +171,15 @@ class LitLM(pl.LightningModule if pl is not None else object):  # type: ignore[m
             sharding["shuffle"] = True
         else:
             sharding["sampler"] = odb.ShardSampler(data, seed=2)
-        loader = odb.ODBDataLoader(data, token_budget=p["budget"], buffer_size=p["buffer"], collate_fn=pad_collate,
-                                   seed=0, gradient_accumulation_steps=p["accumulation"], **sharding)
+        budget: Dict[str, Any] = {"token_budget": p["budget"]}
+        if p["budget"] == "auto":  # the activation memory of this module's model, every value kept for the test
+            from auto_integration_workers import Recording
+            from odb.train.memory import ActivationMeter
+
+            self.recording = Recording(ActivationMeter(self.model))
+            budget.update(memory_cap_bytes=p["cap"], memory_meter=self.recording, auto_start_budget=p["start"])
+        loader = odb.ODBDataLoader(data, buffer_size=p["buffer"], collate_fn=pad_collate, seed=0,
+                                   gradient_accumulation_steps=p["accumulation"], **budget, **sharding)
         return loader if p.get("raw_loader") else ODBLightningLoader(loader, p.get("snapshot_every", 16))
 
     def training_step(self, batch, batch_idx):
@@ -183,7 +190,7 @@ class LitLM(pl.LightningModule if pl is not None else object):  # type: ignore[m
             ids = [] if info.is_ghost else list(batch["idx"])  # dataset indices; odb's are positions in a Subset
             self.micro.append({"epoch": self.current_epoch, "ids": ids, "info_ids": list(info.sample_ids),
                                "ghost": info.is_ghost, "last": info.is_last_micro_step, "local": info.local_samples,
-                               "padding": info.padding_ratio})
+                               "padding": info.padding_ratio, "padded": info.padded_tokens})
             self._ids += ids
         return scale_loss(self, lm_loss(self.model, batch))
 
@@ -203,8 +210,12 @@ class LitLM(pl.LightningModule if pl is not None else object):  # type: ignore[m
     def on_train_end(self):
         p = self.p
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("odb/")}
+        recording = getattr(self, "recording", None)
+        stats = self.trainer.train_dataloader.odb_stats
         torch.save({"micro": self.micro, "steps": self.steps, "metrics": metrics,
-                    "global_step": self.trainer.global_step}, f"{p['out']}/rank{self.global_rank}.pt")
+                    "global_step": self.trainer.global_step, "peaks": recording.values if recording else [],
+                    "auto": {k: v for k, v in stats.items() if k.startswith("auto_")}},
+                   f"{p['out']}/rank{self.global_rank}.pt")
 
 
 def lightning_fit(p: Dict[str, Any]) -> None:

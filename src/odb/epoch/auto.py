@@ -58,6 +58,12 @@ class AutoControl:
         self.in_flight: Optional[List[Any]] = None  # [step, ghost, t0, oom] of the batch handed out last
         self.closed = False
         self.wait_limit_s = 1800.0  # plan_at's longest wait (the loader sets exchange_timeout_s)
+        # An integration whose framework fetches batches ahead of training them (HF Trainer's gradient
+        # accumulation, Lightning) measures each micro-batch itself (``begin``/``end``, see
+        # ``measure_explicitly``): the loader's next() then says nothing about which batch ran, and a window's
+        # plan waits only for the steps up to ``lookahead`` before its freeze point.
+        self.explicit = False
+        self.lookahead = 0
 
     # ---- set-up --------------------------------------------------------------------
     @property
@@ -106,10 +112,14 @@ class AutoControl:
         with self.lock:
             self.features[int(step)] = features
 
+    def _needed(self, mark: int) -> int:
+        """Steps observed before the proposal of ``mark`` freezes (``mark`` less the framework's lookahead)."""
+        return max(0, mark - self.lookahead)
+
     def mark(self, mark: int) -> None:
         """Freeze the proposal once ``mark`` steps of this epoch are observed (now, if they are)."""
         with self.lock:
-            if self.observed >= mark:
+            if self.observed >= self._needed(mark):
                 if mark not in self.frozen:
                     self.frozen[mark] = self._freeze()
             else:
@@ -149,8 +159,31 @@ class AutoControl:
             return model.time_cost(lengths.sum(axis=1) if lengths.ndim == 2 else lengths)
 
     # ---- training thread -----------------------------------------------------------
+    def measure_explicitly(self, lookahead: int) -> None:
+        """An integration calls ``begin``/``end`` around each micro-batch it trains, for a framework that holds
+        up to ``lookahead`` batches fetched and not yet trained; the loader's own next()-time measuring stops.
+
+        Example:
+            >>> auto = AutoControl(cap=1e9, meter=lambda: None, packed=False, margin=0.1)
+            >>> auto.measure_explicitly(3); auto.request(); auto.explicit, auto.lookahead
+            (True, 3)
+        """
+        with self.lock:
+            self.explicit, self.lookahead = True, max(0, int(lookahead))
+
     def request(self) -> None:
-        """The loop asks for the next batch: the batch handed out before ran its step; observe it."""
+        """The loop asks for the next batch: the batch handed out before ran its step; observe it (not when
+        an integration measures explicitly)."""
+        if not self.explicit:
+            self.end()
+
+    def handed_out(self, step: int, ghost: bool) -> None:
+        """The loop receives step ``step``: its measurement starts (not when an integration measures explicitly)."""
+        if not self.explicit:
+            self.begin(step, ghost)
+
+    def end(self) -> None:
+        """The micro-batch begun last has run its step: observe it (its features, the meter's peak, its seconds)."""
         with self.lock:
             flight, self.in_flight = self.in_flight, None
             if flight is None:
@@ -162,13 +195,13 @@ class AutoControl:
             if not ghost and not oom and features is not None and self.budget is not None:
                 self.budget.observe(features, peak=None if peak is None else float(peak), seconds=seconds)
             self.observed = max(self.observed, step + 1)
-            for m in sorted(m for m in self.marks if m <= self.observed):
+            for m in sorted(m for m in self.marks if self._needed(m) <= self.observed):
                 self.marks.discard(m)
                 self.frozen.setdefault(m, self._freeze())
             self.lock.notify_all()
 
-    def handed_out(self, step: int, ghost: bool) -> None:
-        """The loop receives step ``step``: its measurement starts (the meter's peak so far is dropped)."""
+    def begin(self, step: int, ghost: bool) -> None:
+        """Step ``step`` starts training: its measurement starts (the meter's peak so far is dropped)."""
         with self.lock:
             self.meter()
             self.in_flight = [int(step), bool(ghost), self.clock(), False]
@@ -188,7 +221,7 @@ class AutoControl:
     def state_dict(self) -> Dict[str, Any]:
         """Plain data: the AutoBudget's state, the observation count, the frozen proposals and marks (the
         step in flight is observed now: a state is taken between steps)."""
-        self.request()
+        self.end()
         with self.lock:
             frozen = [[int(k), [int(v) for v in plan.encode().tolist()],
                        model.state_dict() if model is not None else None]

@@ -55,7 +55,12 @@ from odb.loader.dataloader import ODBLoaderMixin
 from odb.train.loss import scale_loss as exact_scale
 from odb.step_info import ODBStepInfo, StepInfoNotPoppedWarning, pop_step_info
 from odb.integrations.checks import check_accumulation, check_odb_loader, check_sharding
+from odb.integrations.memory import measure_auto_explicitly
 from odb.integrations.states import gather_states, restore_rank_state, saved_elsewhere
+
+# token_budget="auto": the most batches Lightning holds fetched and not yet trained (the one training and the
+# one fetched ahead), so a window's plan never waits for a batch it has not trained
+LIGHTNING_LOOKAHEAD = 2
 
 __all__ = ["ODBCallback", "ODBLightningLoader", "scale_loss"]
 _END = object()
@@ -85,14 +90,9 @@ class ODBLightningLoader:
 
     def __init__(self, loader: ODBLoaderMixin, snapshot_every: int = 16) -> None:
         self.loader = check_odb_loader(loader, "ODBLightningLoader")
-        if loader.odb_config.auto:
-            raise ValueError(
-                "ODBLightningLoader got a loader with token_budget='auto'. Lightning fetches each training batch "
-                "one ahead of training it, and odb's loader measures a batch (its peak memory and seconds) when "
-                "the next one is asked for: each measurement would be taken before its batch trains and credited "
-                "to the next batch's shape, so the budget could plan batches over memory_cap_bytes. Fix: pass an "
-                "int token_budget under Lightning (e.g. the odb_stats['auto_window_budget'] that a plain loop or "
-                "Accelerate run of this model settles on).")
+        # token_budget="auto": Lightning fetches each training batch one ahead of training it, so the loader's
+        # next() does not end a batch's step; ODBCallback measures each batch around its training instead.
+        self.auto = measure_auto_explicitly(loader, LIGHTNING_LOOKAHEAD)
         if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"ODBLightningLoader got snapshot_every={snapshot_every!r}: it must be an int >= 1. "
                              f"Fix: pass e.g. 16 (a resume replays fewer batches than this), or 1.")
@@ -256,8 +256,12 @@ class ODBCallback(pl.Callback):
                                "Trainer.fit.")
         self.step_info = self.loader.next_step_info()
         pl_module.odb_step_info = self.step_info
+        if self.loader.auto is not None:  # token_budget="auto": this batch's measurement starts
+            self.loader.auto.begin(self.step_info.step, self.step_info.is_ghost)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.loader is not None and self.loader.auto is not None:  # its forward, backward and step are done
+            self.loader.auto.end()
         info, now = self.step_info, time.perf_counter()
         if info is not None and not self._warned_unscaled \
                 and getattr(pl_module, "_odb_scaled_step_info", None) is not info:

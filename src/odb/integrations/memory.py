@@ -28,7 +28,7 @@ import torch
 from odb.config import AUTO, ODBConfig
 from odb.train.memory import ActivationMeter
 
-__all__ = ["auto_meter_options", "needs_activation_meter"]
+__all__ = ["auto_meter_options", "measure_auto_explicitly", "needs_activation_meter"]
 
 
 def needs_activation_meter(device: Any = None) -> bool:
@@ -53,3 +53,21 @@ def auto_meter_options(token_budget: Any, config: Optional[ODBConfig], options: 
     if not isinstance(model, torch.nn.Module) or not needs_activation_meter(device):
         return options
     return dict(options, memory_meter=ActivationMeter(model))
+
+
+def measure_auto_explicitly(loader: Any, lookahead: int) -> Any:
+    """For a framework that fetches batches before it trains them (the HF Trainer pulls a whole optimizer
+    step's micro-batches first; Lightning fetches one ahead), the loader's next() does not mark the end of a
+    batch's step: the integration then calls ``begin(step, ghost)``/``end()`` of the returned
+    ``odb.epoch.auto.AutoControl`` around each micro-batch it trains, and each window's plan waits only for
+    the steps up to ``lookahead`` (the most batches the framework holds fetched and not yet trained) before
+    its freeze point. None when the loader's budget is not "auto".
+
+    Example:
+        >>> print(measure_auto_explicitly(object(), 4))
+        None
+    """
+    auto = getattr(getattr(loader, "odb_core", None), "auto", None)
+    if auto is not None:
+        auto.measure_explicitly(lookahead)
+    return auto

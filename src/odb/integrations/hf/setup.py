@@ -51,6 +51,7 @@ class ODBRun:
         self.count_after_collate = False
         self.collator_name = ""
         self.banner: Optional["BannerLines"] = None  # rewrites the Trainer's train-start banner (log_batching)
+        self.auto: Any = None  # token_budget="auto": the loader's AutoControl, measured per micro-batch by training_step
 
 
 class ProgressCallback(TrainerCallback):

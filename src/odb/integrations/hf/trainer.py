@@ -45,7 +45,7 @@ from odb.train.loss import weigh_loss
 from odb.integrations.hf.collators import collator_label, collator_options, collator_rules
 from odb.integrations.hf.data import build_train_loader, check_fits, epoch_emitted, estimate_micro_steps, read_state, write_state
 from odb.integrations.hf.progress import SampleProgress, schedule_by_samples
-from odb.integrations.memory import auto_meter_options
+from odb.integrations.memory import auto_meter_options, measure_auto_explicitly
 from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, log_batching,
                        loss_shifts_labels, prepare_packed_rows)
 from odb.integrations.hf.steps import SampleView, StepFiller, check_loss_tokens, next_step, pad_step, recount_loss_tokens
@@ -136,6 +136,10 @@ class ODBTrainerMixin:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         self._odb.loader = build_train_loader(self, self._odb.cfg, self._odb.lengths)
+        # "auto": the Trainer pulls a step's micro-batches (get_batch_samples) before it trains them, so each is
+        # measured by training_step; it holds at most the step's micro-batches and one fetched ahead (Accelerate's
+        # prepared loader reads one batch ahead to know the last).
+        self._odb.auto = measure_auto_explicitly(self._odb.loader, self.args.gradient_accumulation_steps + 1)
         return self._odb.loader
 
     def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple:
@@ -262,10 +266,14 @@ class ODBTrainerMixin:
         count = torch.tensor(max(info.local_loss_tokens, 1), device=self.args.device)
         self.current_gradient_accumulation_steps = 1  # Trainers without loss_is_scaled_for_ga divide by it
         run.active = info
+        if run.auto is not None:
+            run.auto.begin(info.step, info.is_ghost)
         try:
-            return super().training_step(model, inputs, count)
+            return super().training_step(model, inputs, count)  # forward and backward
         finally:
             run.active = None
+            if run.auto is not None:
+                run.auto.end()
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
