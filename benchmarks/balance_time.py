@@ -315,14 +315,14 @@ def commit() -> Optional[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="300 samples per rank, max length 1024 (a test's size)")
-    p.add_argument("--samples-per-rank", type=int, default=None, help="default 6000 (--quick: 300)")
+    p.add_argument("--quick", action="store_true", help="150 samples per rank, max length 1024 (a test's size)")
+    p.add_argument("--samples-per-rank", type=int, default=None, help="default 6000 (--quick: 150)")
     p.add_argument("--max-len", type=int, default=None, help="longest sample (default 2048; --quick: 1024)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--noise", type=float, default=0.0, help="sigma of the measured time's log-normal noise")
     p.add_argument("--out", type=Path, default=Path("out/balance_time.json"))
     a = p.parse_args(argv)
-    n = a.samples_per_rank or (300 if a.quick else 6000)
+    n = a.samples_per_rank or (150 if a.quick else 6000)
     max_len = a.max_len or (1024 if a.quick else 2048)
     t0 = time.perf_counter()
     results = bench(n, a.seeds, max_len, a.noise)

@@ -80,7 +80,7 @@ ARMS = ("oracle", "users_rule", "odb_at_oracle", "auto")
 GOAL_ORACLE = 0.9
 GOAL_EAGER_PLAIN = 1.3
 AUTO_MARGIN = 0.1  # ODBConfig's auto_margin default: auto plans under (1 - AUTO_MARGIN) x the cap
-SIZES = {"full": {"samples": 2000, "repeats": 3}, "quick": {"samples": 300, "repeats": 1}}
+SIZES = {"full": {"samples": 2000, "repeats": 3}, "quick": {"samples": 150, "repeats": 1}}
 
 
 # ---- workloads ---------------------------------------------------------------------------------
@@ -623,7 +623,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few hundred samples, 1 repeat (not meaningful)")
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--samples", type=int, default=None, help="samples per workload (default: 2000, quick 300)")
+    ap.add_argument("--samples", type=int, default=None, help="samples per workload (default: 2000, quick 150)")
     ap.add_argument("--max-len", type=int, default=MAX_LEN)
     ap.add_argument("--workloads", default=None, help="comma-separated subset")
     ap.add_argument("--attention", default=",".join(ATTENTIONS))
