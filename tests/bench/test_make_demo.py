@@ -41,6 +41,18 @@ def test_make_demo_writes_under_out_only_and_says_where():
     assert "scripts/update_readme.py docs/results/bench.json" in publish and "docs/results/bench.json" in publish
 
 
+def test_what_make_demo_writes_is_ignored_by_git():
+    """`make demo` writes out/bench/ (and may build .venv): git ignores both, so a fresh clone's `git status`
+    stays clean after it (the smoke test runs the benchmark with --out elsewhere, so it cannot see this)."""
+    import subprocess
+
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    for path in ("out/bench/results.json", "out/bench/summary.md", "out/bench/bench.png", ".venv/bin/python"):
+        proc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT, timeout=60)
+        assert proc.returncode == 0, f"{path} is not ignored by git: make demo would leave the checkout dirty"
+
+
 def test_progress_bars_only_on_a_terminal(monkeypatch, tmp_path):
     # Before: tqdm bars whatever stderr was; a log of `make demo > log 2>&1` filled with redraws.
     from tqdm import tqdm

@@ -205,3 +205,55 @@ def test_a_training_step_without_scale_loss_is_warned_once_with_the_fix(tmp_path
     assert "Unscaled.training_step trained a batch (epoch 0, step 0) without calling" in str(warning.message)
     assert "return scale_loss(self, self.model(**batch).loss)" in str(warning.message)
     assert run(iw.LitLM(p)) == [], "a training_step that scales its loss is not warned about"
+
+
+class PackedLlama(lightning.pytorch.LightningModule):
+    """A tiny HF Llama (sdpa, the default attention) trained on packed rows through ODBLightningLoader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from packed_workers import tiny_llama
+
+        self.model = tiny_llama("sdpa")
+
+    def train_dataloader(self):
+        import odb
+        from helpers import LengthDataset
+
+        data = LengthDataset(known_lengths(24, 3, 20, seed=2))
+        return ODBLightningLoader(odb.ODBDataLoader(data, token_budget=64, layout="packed", buffer_size=12,
+                                                    collate_fn=odb.PackedCollate(), seed=0, shift_labels=True))
+
+    def training_step(self, batch, batch_idx):
+        from odb.integrations.lightning import scale_loss
+
+        batch = {k: batch[k] for k in ("input_ids", "position_ids", "labels") if k in batch}
+        return scale_loss(self, self.model(**batch).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("packed_attention", ["odb_varlen", "model"])
+def test_packed_rows_switch_the_models_dense_mask_attention_to_odb_varlen(packed_attention, caplog):
+    """A packed-row loader under Lightning: ODBCallback switches the module's sdpa model to odb_varlen and says
+    so once, as the HF/TRL integrations do (it trained on the dense mask, silently slower, before);
+    packed_attention="model" keeps sdpa."""
+    import logging
+
+    import lightning.pytorch as pl
+
+    from odb.integrations.lightning import ODBCallback
+
+    module = PackedLlama()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[ODBCallback(packed_attention=packed_attention)],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with caplog.at_level(logging.WARNING, logger="odb.packed.models"):
+        trainer.fit(module)
+    switched = [r for r in caplog.records if "switched from 'sdpa' to 'odb_varlen'" in r.getMessage()]
+    if packed_attention == "odb_varlen":
+        assert module.model.config._attn_implementation == "odb_varlen" and len(switched) == 1
+    else:
+        assert module.model.config._attn_implementation == "sdpa" and not switched
+    assert trainer.global_step > 0

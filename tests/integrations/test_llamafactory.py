@@ -346,11 +346,18 @@ def assert_close_gradients(got: Dict[str, torch.Tensor], want: Dict[str, torch.T
     assert worst < bound, worst
 
 
-def test_neat_packing_trains_odb_packed_rows_and_one_step_equals_the_reference(setup):
+def test_neat_packing_trains_odb_packed_rows_and_one_step_equals_the_reference(setup, caplog):
+    import logging
+
     parts = build_neat(setup, "neat", max_steps=1)
     state = {k: v.detach().clone().double() for k, v in parts["model"].state_dict().items()}
-    trainer = odb_lf.enable_odb(trainer=make_trainer(parts), token_budget=BUDGET, buffer_size=16)
+    before = parts["model"].config._attn_implementation
+    with caplog.at_level(logging.WARNING, logger="odb.packed.models"):
+        trainer = odb_lf.enable_odb(trainer=make_trainer(parts), token_budget=BUDGET, buffer_size=16)
     assert trainer.odb_config.layout == "packed" and trainer.odb_config.pad_to_multiple_of == 1
+    # the trainer path switches a dense-mask model to per-sample attention, saying so once
+    assert before in ("sdpa", "eager") and trainer.model.config._attn_implementation == "odb_varlen"
+    assert len([r for r in caplog.records if f"switched from {before!r} to 'odb_varlen'" in r.getMessage()]) == 1
     assert isinstance(trainer.data_collator, odb.PackedCollate)
     recorder = StepGradients(trainer)
     trainer.add_callback(recorder)

@@ -220,6 +220,12 @@ class ODBCallback(pl.Callback):
     called ``scale_loss`` for it, and warns once (``StepInfoNotPoppedWarning``, with the fix)
     when it did not: the loss then trained unscaled.
 
+    With a loader of packed rows (``layout="packed"``) it readies the transformers models inside the
+    LightningModule at the start of training, as the HF/TRL integrations do: an ``sdpa``/``eager``
+    model (exact on packed rows only through a dense mask of the whole row) is switched to
+    ``odb_varlen`` and the switch logged once (``odb.packed.models.prepare_packed_model``);
+    ``packed_attention="model"`` keeps the model's attention.
+
     Example::
 
         trainer = L.Trainer(callbacks=[ODBCallback()])
@@ -227,9 +233,10 @@ class ODBCallback(pl.Callback):
 
     _EPOCH_SUMS = ("odb/real_tokens_per_s_epoch", "odb/ghost_steps")
 
-    def __init__(self, log_metrics: bool = True, sync_dist: bool = False) -> None:
+    def __init__(self, log_metrics: bool = True, sync_dist: bool = False, packed_attention: str = "odb_varlen") -> None:
         self.log_metrics = log_metrics
         self.sync_dist = sync_dist
+        self.packed_attention = packed_attention
         self.loader: Optional[ODBLightningLoader] = None
         self.step_info: Optional[ODBStepInfo] = None
         self._warned_unscaled = False
@@ -243,6 +250,11 @@ class ODBCallback(pl.Callback):
                        "build the loader inside train_dataloader() (torch.distributed is up there) with "
                        "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "
                        "and rank=trainer.global_rank.")
+        if self.loader.loader.odb_config.layout == "packed":  # as the HF/TRL integrations do with the Trainer's model
+            from odb.packed.models import prepare_packed_model
+
+            for model in _transformers_models(pl_module):
+                prepare_packed_model(model, attention=self.packed_attention)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.loader is not None:
@@ -310,6 +322,16 @@ def _warn_unscaled(info: ODBStepInfo, module: str) -> None:
                   f"    return scale_loss(self, self.model(**batch).loss)\n"
                   f"(manual optimisation: self.manual_backward(scale_loss(self, loss))). odb warns once per "
                   f"ODBCallback.", StepInfoNotPoppedWarning, stacklevel=2)
+
+
+def _transformers_models(module: Any) -> List[Any]:
+    """The outermost transformers models inside a LightningModule (those with ``set_attn_implementation``)."""
+    found: List[Any] = []
+    for sub in module.modules():
+        if hasattr(sub, "set_attn_implementation") and hasattr(sub, "config") \
+                and not any(sub is inner for outer in found for inner in outer.modules()):
+            found.append(sub)
+    return found
 
 
 def _find_loader(train_dataloader: Any) -> ODBLightningLoader:
