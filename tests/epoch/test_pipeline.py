@@ -56,12 +56,19 @@ def test_the_training_thread_collates_what_the_batch_thread_has_not_reached():
 
     ds = LengthDataset(known_lengths(200, 1, 40, seed=1))
     lazy = odb.ODBDataLoader(ds, token_budget=200, collate_fn=collate, buffer_size=64, shuffle=True, seed=0)
-    ids = _ids(lazy)
-    assert len(calls) == len(ids)  # each batch collated exactly once
-    assert True in calls  # the training thread collated some
     inline = odb.ODBDataLoader(ds, token_budget=200, collate_fn=pad_collate, buffer_size=64, shuffle=True, seed=0,
                                ready_batches=0)
-    assert _ids(inline) == ids
+    # Which thread takes a queued batch first is a race (the batch thread queues a batch, then collates it):
+    # epochs until the training thread has won it at least once, at most three (in two loaded full-suite runs,
+    # on Python 3.11 and 3.10, it lost every hand-off of the one epoch this test ran).
+    for _ in range(3):
+        calls.clear()
+        ids = _ids(lazy)
+        assert len(calls) == len(ids)  # each batch collated exactly once
+        assert _ids(inline) == ids  # the same batches as the batch thread's own collates give
+        if True in calls:  # the training thread collated some
+            break
+    assert True in calls
 
 
 def test_batch_pipeline_finishes_each_item_once_on_either_thread():
