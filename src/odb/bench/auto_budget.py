@@ -31,10 +31,9 @@ Arms, all under that cap, all trained the same way (a fresh model from one seed,
 * ``odb_at_oracle``: odb's planner at the oracle's budget (does odb's online plan at that
   budget stay under the cap?).
 * ``auto``: odb's ``token_budget="auto"``: ``ODBDataLoader(..., token_budget="auto",
-  memory_cap_bytes=cap, memory_meter=ActivationMeter(model))`` when the loader has that
-  option; otherwise ``odb.plan.auto_budget.AutoBudget`` driven by this script between the
-  windows odb's planner plans (propose -> plan the next window -> train, measure -> observe),
-  which the output says.
+  memory_cap_bytes=cap, memory_meter=ActivationMeter(model))`` at its defaults (``--auto-mode manual``:
+  ``odb.plan.auto_budget.AutoBudget`` driven by this script between the windows odb's planner plans,
+  propose -> plan the next window -> train, measure -> observe: the model without the loader's threads).
 
 Reported per workload x attention: real and padded tokens per step (over the epoch, and real
 after the first ``WARMUP`` = 50 steps), steps over the cap (in the first 50 steps and after
@@ -283,19 +282,6 @@ def odb_groups(lengths: np.ndarray, budget: int) -> Any:
         yield from ([int(i)] for i in w.oversize)
 
 
-def _config_fields() -> set:
-    return {f.name for f in dataclasses.fields(ODBConfig)}
-
-
-def auto_wired() -> bool:
-    """Whether the loader runs token_budget="auto": ODBConfig has its options and the loader's core
-    reads the memory meter (the config may land before the loader uses it)."""
-    import inspect
-
-    import odb.loader.core as core
-    return "memory_cap_bytes" in _config_fields() and "memory_meter" in inspect.getsource(core)
-
-
 class ManualAuto:
     """AutoBudget driven by hand between odb's windows (the loader's "auto" wiring, reproduced)."""
 
@@ -311,12 +297,10 @@ class ManualAuto:
         """The next window's config and its cost model (the plan's CostModel: budget, quadratic
         length, sample cost)."""
         plan = self.ab.propose()
-        kw: Dict[str, Any] = {"token_budget": int(plan.token_budget), "quadratic_length": plan.quadratic_length}
-        if "sample_cost" in _config_fields():
-            kw["sample_cost"] = plan.sample_cost
         self.budget = plan.token_budget
         self.plans.append(dataclasses.asdict(plan))
-        return ODBConfig(**kw), plan.cost_model()
+        return ODBConfig(token_budget=int(plan.token_budget), quadratic_length=plan.quadratic_length,
+                         sample_cost=plan.sample_cost), plan.cost_model()
 
     def groups(self, lengths: np.ndarray) -> Any:
         """plan_stream's loop, with the budget re-proposed before every window."""
@@ -404,7 +388,7 @@ def summarize(log: EpochLog, cap: float) -> Dict[str, Any]:
 
 
 def run_case(name: str, lengths: np.ndarray, attn: str, repeats: int, seed: int = 0,
-             progress: Callable[[str], None] = print, mode: str = "manual") -> Dict[str, Any]:
+             progress: Callable[[str], None] = print, mode: str = "loader") -> Dict[str, Any]:
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(lengths))
     lengths = lengths[order]                        # arrival order of the epoch (one shuffle, every arm)
@@ -452,13 +436,7 @@ def run_case(name: str, lengths: np.ndarray, attn: str, repeats: int, seed: int 
                 log = run_groups(model, meter, samples, lengths, auto.groups(lengths), lambda: auto.budget,
                                  auto.observe)
                 if r == 0:
-                    auto_plans = auto.plans
-                    metrics = getattr(auto.ab, "metrics", None)
-                    if callable(metrics):
-                        try:
-                            auto_plans = auto_plans + [{"metrics": json.loads(json.dumps(metrics(), default=str))}]
-                        except (TypeError, ValueError):
-                            pass
+                    auto_plans = auto.plans + [{"metrics": json.loads(json.dumps(auto.ab.metrics(), default=str))}]
             if hasattr(meter, "close"):
                 meter.close()
             runs[arm].append(summarize(log, cap))
@@ -572,7 +550,7 @@ def goal_lines(cases: List[Dict[str, Any]]) -> List[str]:
 
 def run_auto_budget(quick: bool = False, samples: Optional[int] = None, repeats: Optional[int] = None,
                     max_len: int = MAX_LEN, workload_names: Optional[Sequence[str]] = None,
-                    attentions: Sequence[str] = ATTENTIONS, auto_mode: str = "best",
+                    attentions: Sequence[str] = ATTENTIONS, auto_mode: str = "loader",
                     progress: Callable[[str], None] = print, command: str = "python -m odb.bench") -> Dict[str, Any]:
     """Every workload x attention kind (``SIZES`` by ``quick``); the results ``make demo`` stores under
     ``auto_budget`` (cases, goals, settings)."""
@@ -583,16 +561,14 @@ def run_auto_budget(quick: bool = False, samples: Optional[int] = None, repeats:
     if workload_names:
         wl = {k: wl[k] for k in workload_names}
     t0 = time.perf_counter()
-    run_mode = auto_mode if auto_mode != "best" else ("loader" if auto_wired() else "manual")
     mode = "ODBDataLoader(token_budget='auto', memory_cap_bytes=cap, memory_meter=ActivationMeter(model))" \
-        if run_mode == "loader" else ("AutoBudget driven by this script between odb's windows" + (
-            "" if auto_wired() else " (the loader's token_budget='auto' is not wired yet)"))
+        if auto_mode == "loader" else "AutoBudget driven by this script between odb's windows"
     progress(f"auto budget benchmark: {n} samples per workload, {repeats} repeat(s), {torch.get_num_threads()} "
              f"torch threads; auto arm: {mode}")
     cases = []
     for name, (lengths, _) in wl.items():
         for attn in attentions:
-            cases.append(run_case(name, lengths, attn, repeats, mode=run_mode, progress=progress))
+            cases.append(run_case(name, lengths, attn, repeats, mode=auto_mode, progress=progress))
     return {"command": command, "quick": bool(quick), "samples": n, "repeats": repeats, "max_len": max_len,
             "cap_rule": f"{CAP_FRACTION} x memory of {GENEROUS_B} padded copies of the longest sample",
             "warmup_steps": WARMUP, "auto_margin": AUTO_MARGIN, "model": MODEL, "torch": torch.__version__,
@@ -628,9 +604,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--workloads", default=None, help="comma-separated subset")
     ap.add_argument("--attention", default=",".join(ATTENTIONS))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--auto-mode", default="best", choices=["best", "loader", "manual"],
-                    help="auto arm through ODBDataLoader (loader), AutoBudget driven by this script (manual), "
-                         "or the loader when it is wired (best, the default)")
+    ap.add_argument("--auto-mode", default="loader", choices=["loader", "manual"],
+                    help="auto arm through ODBDataLoader (loader, the default), or AutoBudget driven by this "
+                         "script between odb's windows (manual: the model without the loader's threads)")
     ap.add_argument("--out", default="out/auto_budget.json")
     args = ap.parse_args(argv)
     if args.threads:

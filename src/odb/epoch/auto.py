@@ -148,11 +148,15 @@ class AutoControl:
                 self.frozen = {k: v for k, v in self.frozen.items() if k >= keep}
             return entry[0]
 
+    def _frozen_model(self, mark: Optional[int]) -> Any:
+        """The AutoBudget copy frozen at ``mark`` for time balance (None: none frozen there)."""
+        entry = self.frozen.get(mark) if mark is not None else None
+        return None if entry is None else entry[1]
+
     def time_cost(self, mark: Optional[int], lengths: np.ndarray) -> Optional[float]:
         """Predicted seconds of a batch of ``lengths`` under the model frozen at ``mark`` (None: unfitted)."""
         with self.lock:
-            entry = self.frozen.get(mark) if mark is not None else None
-            model = entry[1] if entry is not None and entry[1] is not None else None
+            model = self._frozen_model(mark)
             if model is None:
                 return None
             lengths = np.asarray(lengths)
@@ -289,8 +293,8 @@ class AutoControl:
     def time_fitted(self, mark: Optional[int]) -> bool:
         """Whether the time model frozen at ``mark`` predicts (balance="time")."""
         with self.lock:
-            entry = self.frozen.get(mark) if mark is not None else None
-            return entry is not None and entry[1] is not None and entry[1].time.coefficients() is not None
+            model = self._frozen_model(mark)
+            return model is not None and model.time.coefficients() is not None
 
 
 def merged_state(states: List[Optional[Dict[str, Any]]], step: int) -> Optional[Dict[str, Any]]:

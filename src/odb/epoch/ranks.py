@@ -77,7 +77,6 @@ class RankAligner:
         # Every header has room for a plan proposal (zeros without token_budget="auto"), so that ranks with
         # and without "auto" exchange messages of one shape and the options check names the difference.
         self._auto = bool(auto_plans)
-        self._plan_size = AUTO_SIZE
         self.proposal: Optional[np.ndarray] = None  # this rank's encoded proposal, sent with the next header
         self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (auto only)
         # balance="time": predicted seconds of a group's batch (None before the time model is fitted), and whether
@@ -181,13 +180,13 @@ class RankAligner:
         at once; nothing when no exchange is left or the exchange already failed."""
         if self.finished:
             return
-        shape = self._body if self._body is not None else (4 + self._plan_size + len(self._fingerprint),)
+        shape = self._body if self._body is not None else (4 + AUTO_SIZE + len(self._fingerprint),)
         self.exchange.announce(shape, f"epoch {self.epoch}, after step {self._steps_done()}", error)
 
     def _exchange(self, fields: List[int], where: str, plan: Optional[np.ndarray] = None) -> np.ndarray:
         """A header-sized message (4 fields, the encoded plan proposal with token_budget="auto", and the
         options' fingerprint) of every rank; refuses ranks whose loaders plan under other options."""
-        p = self._plan_size
+        p = AUTO_SIZE
         sent = np.zeros(p, dtype=np.int64)
         if plan is not None:
             sent[:PLAN_SIZE] = np.asarray(plan, dtype=np.int64)
