@@ -153,3 +153,32 @@ def test_check_packed_model_names_the_faster_attention_once_for_a_dense_mask() -
         warnings.simplefilter("error")
         odb.check_packed_model(model)  # once per model
         odb.check_packed_model(_llama(odb.register_varlen_attention()))  # no dense mask: nothing to say
+
+
+def _kernel_2_10(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=None, return_aux=None):
+    """A CPU stand-in with torch 2.10's ``varlen_attn`` signature ((T, H, D) tensors, no grouped heads)."""
+    assert is_causal and q.shape == k.shape, "torch 2.10's kernel: causal by is_causal, equal heads"
+    bounds = cu_q.tolist()
+    return _alone(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), bounds).transpose(0, 1)
+
+
+def _kernel_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+    """A CPU stand-in with the later signature: causal as window_size=(-1, 0), grouped heads by enable_gqa."""
+    assert tuple(window_size) == (-1, 0) and enable_gqa == (k.shape[1] != q.shape[1])
+    return _alone(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu_q.tolist()).transpose(0, 1)
+
+
+@pytest.mark.parametrize("kernel", [_kernel_2_10, _kernel_2_11], ids=["torch-2.10", "torch-2.11+"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_native_kernel_is_called_as_its_torch_release_takes_it(kernel, kv_heads: int) -> None:
+    """torch.nn.attention.varlen.varlen_attn changed its keywords between releases (is_causal in 2.10;
+    window_size and enable_gqa later): each is called with its own, grouped heads repeated for 2.10's.
+    The CUDA kernel itself runs in tests/cuda (on a GPU machine)."""
+    from odb.packed.attention import _native_call
+
+    torch.manual_seed(0)
+    bounds = [0, 5, 6, 19, 30]
+    q = torch.randn(1, 4, 30, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, kv_heads, 30, 8, dtype=torch.float64) for _ in range(2))
+    assert torch.allclose(_native_call(kernel, q, k, v, bounds, None, None), _alone(q, k, v, bounds), atol=1e-12)

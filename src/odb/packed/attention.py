@@ -23,6 +23,8 @@ or the attention weights is refused with the fix.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -66,7 +68,7 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if window is not None and window < 1:
         raise ValueError(f"varlen_causal_attention: window={window} must be at least 1 (or None: no window).")
     native = native_varlen(query, dropout_p)
-    if native is not None:
+    if native is not None and (window is None or "window_size" in _varlen_params(native)):
         return _native_call(native, query, key, value, bounds, scale, window)
     gqa = {"enable_gqa": True} if key.shape[-3] != query.shape[-3] else {}
 
@@ -110,13 +112,37 @@ def native_varlen(query: torch.Tensor, dropout_p: float = 0.0) -> Optional[Calla
 
 def _native_call(varlen_attn: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, bounds: List[int], scale: Optional[float], window: Optional[int]) -> torch.Tensor:
-    """One ``varlen_attn`` call over the row: (H, T, D) in, as (T, H, D) the kernel takes, and back."""
+    """One ``varlen_attn`` call over the row: (H, T, D) in, as (T, H, D) the kernel takes, and back.
+
+    torch 2.10's ``varlen_attn`` takes ``is_causal`` and no window or grouped heads; later ones take
+    ``window_size`` (``(-1, 0)`` is causal) and ``enable_gqa``. Grouped key/value heads are repeated for
+    a kernel without ``enable_gqa``; a sliding window never reaches a kernel without ``window_size``.
+    """
+    params = _varlen_params(varlen_attn)
     q, k, v = (x.reshape(x.shape[-3:]).transpose(0, 1).contiguous() for x in (query, key, value))
+    kwargs: dict = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if window is None else (window - 1, 0)
+    else:  # torch 2.10: causal only (varlen_causal_attention sends a window to the per-sample path)
+        kwargs["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
-                      window_size=(-1, 0) if window is None else (window - 1, 0))
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
     return out.transpose(0, 1).reshape(query.shape)
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_params(varlen_attn: Callable[..., torch.Tensor]) -> frozenset:
+    """The keyword names the installed ``varlen_attn`` takes (its signature changed between releases)."""
+    try:
+        return frozenset(inspect.signature(varlen_attn).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+        return frozenset()
 
 
 def register_varlen_attention() -> str:
