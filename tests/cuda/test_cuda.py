@@ -9,6 +9,7 @@ a budget over its cap or an inexact OOM split fails.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Dict, List
 
 import pytest
@@ -38,11 +39,7 @@ def test_packed_rows_use_the_native_kernel_and_equal_each_sample_alone(kv_heads:
     q = torch.randn(1, 8, 1024, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, kv_heads, 1024, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, kv_heads, 1024, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    try:
-        import torch.nn.attention.varlen  # noqa: F401
-        has_kernel = True
-    except ImportError:
-        has_kernel = False
+    has_kernel = importlib.util.find_spec("torch.nn.attention.varlen") is not None
     assert (native_varlen(q) is not None) == has_kernel  # bf16 on CUDA takes the kernel where torch has it
     out = odb.varlen_causal_attention(q, k, v, bounds)
     ref = _alone(q, k, v, bounds)
@@ -52,6 +49,32 @@ def test_packed_rows_use_the_native_kernel_and_equal_each_sample_alone(kv_heads:
     want = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for g, r in zip(got, want):
         assert ((g.float() - r).norm() / r.norm()).item() < 2e-2
+
+
+def test_float32_queries_under_bf16_autocast_take_the_native_kernel() -> None:
+    """A Llama's rotary embedding hands float32 queries to attention under bf16 autocast; odb_varlen casts
+    them as autocast casts sdpa's inputs, so the row takes the kernel (bf16 out) and equals each sample."""
+    torch.manual_seed(0)
+    bounds = [0, 100, 101, 512]
+    q, k, v = (torch.randn(1, 4, 512, 64, device=DEV) for _ in range(3))
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        out = odb.varlen_causal_attention(q, k, v, bounds)
+    has_kernel = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    assert out.dtype == torch.bfloat16
+    ref = _alone(q.bfloat16(), k.bfloat16(), v.bfloat16(), bounds)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    if has_kernel:
+        from odb.packed import attention
+
+        calls = []
+        real = attention.native_varlen
+        try:
+            attention.native_varlen = lambda x, p=0.0: calls.append(x.dtype) or real(x, p)
+            with torch.autocast(DEV, dtype=torch.bfloat16):
+                odb.varlen_causal_attention(q, k, v, bounds)
+        finally:
+            attention.native_varlen = real
+        assert calls == [torch.bfloat16]
 
 
 def _llama(attn: str) -> torch.nn.Module:

@@ -67,6 +67,11 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                          f"the row (cu_seq_lens_q of PackedCollate(return_flash_attn_kwargs=True)).")
     if window is not None and window < 1:
         raise ValueError(f"varlen_causal_attention: window={window} must be at least 1 (or None: no window).")
+    if query.is_cuda and torch.is_autocast_enabled("cuda"):
+        # As autocast casts scaled_dot_product_attention's inputs: under bf16 autocast a Llama's rotary
+        # embedding hands over float32 queries, which would miss the half-precision kernel.
+        dtype = torch.get_autocast_dtype("cuda")
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     native = native_varlen(query, dropout_p)
     if native is not None and (window is None or "window_size" in _varlen_params(native)):
         return _native_call(native, query, key, value, bounds, scale, window)
