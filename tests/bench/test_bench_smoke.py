@@ -260,7 +260,9 @@ def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
     shutil.copy(os.path.join(ROOT, "README.md"), readme)
     shutil.copy(os.path.join(ROOT, "docs", "benchmarks.md"), docs)
     script = os.path.join(ROOT, "scripts", "update_readme.py")
-    args = [sys.executable, script, str(out / "results.json"), "--readme", str(readme), "--docs", str(docs)]
+    gpu = os.path.join(ROOT, "docs", "results", "bench_gpu.json")  # the published GPU run (scripts/gpu_check.sh)
+    args = [sys.executable, script, str(out / "results.json"), "--readme", str(readme), "--docs", str(docs),
+            "--gpu", gpu]
     refused = subprocess.run(args, capture_output=True, text=True)
     assert refused.returncode == 2  # quick results are not for the README
     done = subprocess.run(args + ["--allow-quick"], capture_output=True, text=True)
@@ -276,7 +278,12 @@ def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
     check = args + ["--allow-quick", "--check"]
     assert subprocess.run(check, capture_output=True, text=True).returncode == 0
     # --check must catch a generated figure edited by hand, in either file, and write nothing
-    for path, begin in ((readme, "<!-- odb-bench:begin"), (docs, "<!-- odb-bench-tables:begin")):
+    gpu_results = json.load(open(gpu))
+    assert "NVIDIA" in gpu_results["meta"]["machine"]["gpu"] and gpu_results["training"]["device"] == "cuda"
+    for name in gpu_results["training"]["ranks1"]["workloads"]:
+        assert f"| {name} (" in text.split("<!-- odb-bench-gpu:begin")[1], name
+    for path, begin in ((readme, "<!-- odb-bench:begin"), (docs, "<!-- odb-bench-tables:begin"),
+                        (readme, "<!-- odb-bench-gpu:begin"), (docs, "<!-- odb-bench-gpu-tables:begin")):
         good = path.read_text()
         at = good.index(begin)
         digit = re.compile(r"\d\.\d").search(good, at)  # the first decimal figure of the generated section

@@ -273,8 +273,11 @@ def training_table(training: Dict[str, Any], markdown: bool = False) -> str:
     m = training["model"]
     parts = [f"Llama {m['num_hidden_layers']} layers x {m['hidden_size']} hidden, vocabulary {m['vocab_size']} "
              f"(byte tokens of real text), AdamW, {training['device']}; real tokens/s = non-pad tokens trained "
-             "(all ranks) / epoch wall time, loading included; saved MiB = bytes autograd saves for backward on the "
-             "largest step (parameters excluded); loader s = rank 0's seconds in next(loader); other threads CPU s = "
+             "(all ranks) / epoch wall time, loading included; "
+             + ("peak MiB = torch.cuda.max_memory_allocated over the arm's first epoch (parameters, gradients, "
+                "optimizer state and activations)" if str(training["device"]).startswith("cuda") else
+                "saved MiB = bytes autograd saves for backward on the largest step (parameters excluded)")
+             + "; loader s = rank 0's seconds in next(loader); other threads CPU s = "
              "rank 0's CPU seconds outside the training thread (odb's batch thread, gloo)", ""]
     for key, title in (("ranks2", "2 gloo DDP ranks"), ("ranks1", "1 process")):
         if key in training:
