@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import odb
+from odb.bench.loader_speed import pad_collate  # right-padded ids, attention_mask, labels -100 on padding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
 DEV = "cuda"
@@ -69,7 +70,7 @@ def test_float32_queries_under_bf16_autocast_take_the_native_kernel() -> None:
         calls = []
         real = attention.native_varlen
         try:
-            attention.native_varlen = lambda x, p=0.0: calls.append(x.dtype) or real(x, p)
+            attention.native_varlen = lambda x, *rest: calls.append(x.dtype) or real(x, *rest)
             with torch.autocast(DEV, dtype=torch.bfloat16):
                 odb.varlen_causal_attention(q, k, v, bounds)
         finally:
@@ -116,17 +117,6 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.items[i], "labels": self.items[i].clone()}
 
 
-def _pad(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
-    width = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), -100, dtype=torch.long)
-    mask = torch.zeros(len(samples), width, dtype=torch.long)
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = s["input_ids"], s["labels"], 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-
 @pytest.mark.timeout(300)
 def test_pinned_batches_from_workers_give_the_whole_data_gradient_on_cuda() -> None:
     """num_workers=2, pin_memory=True: batches arrive pinned, and the scaled micro-batch losses of an epoch
@@ -140,9 +130,9 @@ def test_pinned_batches_from_workers_give_the_whole_data_gradient_on_cuda() -> N
         logits = model(batch["input_ids"].to(DEV, non_blocking=True))
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].to(DEV).flatten(), reduction=reduction)
 
-    full = _pad([data[i] for i in range(len(data))])
+    full = pad_collate([data[i] for i in range(len(data))])
     want = torch.autograd.grad(token_loss(full, "mean"), list(model.parameters()))
-    loader = odb.ODBDataLoader(data, token_budget=1024, num_workers=2, pin_memory=True, collate_fn=_pad,
+    loader = odb.ODBDataLoader(data, token_budget=1024, num_workers=2, pin_memory=True, collate_fn=pad_collate,
                                shift_labels=False, gradient_accumulation_steps=10**6, shuffle=True, seed=3)
     seen: List[int] = []
     for batch in loader:
@@ -170,7 +160,7 @@ def test_auto_budget_learns_the_cuda_peak_and_keeps_every_step_under_its_cap() -
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    probe = _pad([_Tokens([512])[0]])
+    probe = pad_collate([_Tokens([512])[0]])
     step(probe)  # optimizer state exists: what stays allocated between steps
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
@@ -180,7 +170,7 @@ def test_auto_budget_learns_the_cuda_peak_and_keeps_every_step_under_its_cap() -
     cap = resident + 6 * one
     torch.manual_seed(0)
     data = _Tokens([int(n) for n in torch.randint(16, 512, (1500,))])
-    loader = odb.ODBDataLoader(data, token_budget="auto", memory_cap_bytes=cap, collate_fn=_pad, shuffle=True,
+    loader = odb.ODBDataLoader(data, token_budget="auto", memory_cap_bytes=cap, collate_fn=pad_collate, shuffle=True,
                                shift_labels=True)
     peaks, padded = [], []
     for batch in loader:

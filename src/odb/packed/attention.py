@@ -72,8 +72,8 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         # embedding hands over float32 queries, which would miss the half-precision kernel.
         dtype = torch.get_autocast_dtype("cuda")
         query, key, value = (x.to(dtype) for x in (query, key, value))
-    native = native_varlen(query, dropout_p)
-    if native is not None and (window is None or "window_size" in _varlen_params(native)):
+    native = native_varlen(query, dropout_p, window)
+    if native is not None:
         return _native_call(native, query, key, value, bounds, scale, window)
     gqa = {"enable_gqa": True} if key.shape[-3] != query.shape[-3] else {}
 
@@ -95,12 +95,14 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return torch.cat(parts, dim=-2)
 
 
-def native_varlen(query: torch.Tensor, dropout_p: float = 0.0) -> Optional[Callable[..., torch.Tensor]]:
+def native_varlen(query: torch.Tensor, dropout_p: float = 0.0,
+                  window: Optional[int] = None) -> Optional[Callable[..., torch.Tensor]]:
     """PyTorch's ``torch.nn.attention.varlen.varlen_attn`` where it applies to ``query``, else None.
 
     It runs one flash-attention kernel over the whole row, but only on CUDA tensors in
-    float16/bfloat16 and without dropout (and only in a torch that has it); everything
-    else takes the per-sample ``scaled_dot_product_attention`` path.
+    float16/bfloat16 and without dropout (and only in a torch that has it, with a sliding
+    ``window`` only in one whose kernel takes ``window_size``: torch 2.10's does not);
+    everything else takes the per-sample ``scaled_dot_product_attention`` path.
 
     Example:
         >>> native_varlen(torch.randn(2, 5, 4)) is None  # a CPU tensor: the per-sample path
@@ -111,6 +113,8 @@ def native_varlen(query: torch.Tensor, dropout_p: float = 0.0) -> Optional[Calla
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # an older torch has no varlen_attn
+        return None
+    if window is not None and "window_size" not in _varlen_params(varlen_attn):
         return None
     return varlen_attn  # type: ignore[no-any-return]
 
@@ -128,7 +132,7 @@ def _native_call(varlen_attn: Callable[..., torch.Tensor], query: torch.Tensor, 
     kwargs: dict = {"scale": scale}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0) if window is None else (window - 1, 0)
-    else:  # torch 2.10: causal only (varlen_causal_attention sends a window to the per-sample path)
+    else:  # torch 2.10: causal only (native_varlen sends a window to the per-sample path)
         kwargs["is_causal"] = True
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
