@@ -121,7 +121,17 @@ class ODBConfig:
             at every supervised position (a causal LM's unshifted labels), naming the fix.
         loss_tokens_fn: ``fn(sample) -> int``, overrides the label count.
         gradient_accumulation_steps: micro-batches per optimizer step, for the
-            denominator of exact loss scaling.
+            denominator of exact loss scaling (budget-filled steps: ``global_batch_size=None``).
+        global_batch_size: samples per optimizer step, all ranks together (the user's
+            ``batch_size x accumulation x world size``). Each optimizer step then holds exactly the
+            next ``global_batch_size / world_size`` samples of each rank's sampler order (what a plain
+            DataLoader loop with that accumulation would give it), split into as many micro-batches
+            under ``token_budget`` as they need; every rank runs the same number of micro-batches in
+            each step, ``ODBStepInfo.is_last_micro_step`` marks the step's end and ``loss_scale`` is
+            exact over the whole step. An epoch's last step may hold fewer (none with ``drop_last``).
+            Windows, carry and the ramp do not apply: each step is planned on its own. None (default):
+            budget-filled steps, ``gradient_accumulation_steps`` micro-batches filled to the budget
+            each (fewer, larger optimizer steps than a fixed batch size gives: docs/algorithm.md).
         join: keep finished ranks in the exchange and emit ghost batches until all
             ranks are done (True), or stop a rank when its data ends (False).
         exchange_timeout_s: how long a rank waits for the others in one exchange.
@@ -190,6 +200,7 @@ class ODBConfig:
     shift_labels: Optional[bool] = None
     loss_tokens_fn: Optional[Callable[[Any], int]] = None
     gradient_accumulation_steps: int = 1
+    global_batch_size: Optional[int] = None
     join: bool = True
     exchange_timeout_s: float = 1800.0
     transfer_chunk_size: int = 16
@@ -260,6 +271,7 @@ class ODBConfig:
             _fail("loss_scaling", self.loss_scaling, f"must be one of {_LOSS_SCALING}", 'use "exact" (default)')
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1,
                    "pass the trainer's accumulation steps, 1 or more")
+        self._check_global_batch()
         if isinstance(self.exchange_timeout_s, bool) or not isinstance(self.exchange_timeout_s, (int, float)):
             _fail("exchange_timeout_s", self.exchange_timeout_s, "must be a number of seconds", "pass e.g. 1800",
                   TypeError)
@@ -333,6 +345,41 @@ class ODBConfig:
         if self.memory_meter is None and not cuda:
             _fail("token_budget", self.token_budget, "needs a memory meter: CUDA's allocator peak is the default, and "
                   "no CUDA device is available here", "pass memory_meter=odb.train.memory.ActivationMeter(model)")
+
+    def _check_global_batch(self) -> None:
+        """``global_batch_size``: a count of samples; the micro-batch count is then planned per step."""
+        _check_int("global_batch_size", self.global_batch_size, 1,
+                   "pass None (budget-filled steps) or the samples of one optimizer step, all ranks together "
+                   "(batch_size x accumulation x world size), e.g. 64", optional=True)
+        if self.global_batch_size is not None and self.gradient_accumulation_steps != 1:
+            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps,
+                  f"must be 1 with global_batch_size={self.global_batch_size}: odb then plans each optimizer "
+                  f"step's micro-batches itself, as many as its samples need under token_budget",
+                  "drop gradient_accumulation_steps and fold the accumulation into global_batch_size (batch_size "
+                  "x accumulation x world size), or pass global_batch_size=None for budget-filled steps of "
+                  "gradient_accumulation_steps micro-batches")
+
+    def step_samples(self, world_size: int) -> Optional[int]:
+        """Samples of one optimizer step on each of ``world_size`` ranks (None: budget-filled steps).
+
+        Example:
+            >>> ODBConfig(token_budget=64, global_batch_size=32).step_samples(4)
+            8
+        """
+        g = self.global_batch_size
+        if g is None:
+            return None
+        if g < world_size or g % world_size:
+            raise ValueError(f"ODBConfig.global_batch_size={g}: must be a multiple of the world size "
+                             f"({world_size} ranks), so that every rank's share of an optimizer step is a whole "
+                             f"number of samples. Fix: pass global_batch_size=batch_size x accumulation x "
+                             f"{world_size}, e.g. {max(1, g // world_size) * world_size}.")
+        return g // world_size
+
+    def micro_steps_capacity(self, world_size: int) -> int:
+        """The most micro-batches one optimizer step can hold (the size of per-step messages)."""
+        g = self.step_samples(world_size)
+        return self.gradient_accumulation_steps if g is None else g
 
     def _check_shape_buckets(self) -> None:
         value = self.shape_buckets
@@ -440,7 +487,7 @@ CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ODBConfig))
 PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_size", "max_carry",
                 "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
                 "quadratic_length",
-                "max_image_patches", "oversize", "gradient_accumulation_steps", "join", "loss_scaling",
+                "max_image_patches", "oversize", "gradient_accumulation_steps", "global_batch_size", "join", "loss_scaling",
                 "budget_schedule", "probe_worst_case", "layout", "sample_cost", "auto_start_budget", "auto_margin",
                 "balance")
 

@@ -103,9 +103,9 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
     if totals is not None:
         world, total, local_total = (exchange.world_size if exchange is not None else 1), *map(int, totals)
     elif exchange is not None:
-        # Always gradient_accumulation_steps entries (a partial last step pads), so a rank that fails
-        # before it knows its next step's size can still announce it (odb.comm.dist.RankExchange.announce).
-        message = np.zeros(cfg.gradient_accumulation_steps, dtype=np.int64)
+        # Always as many entries as a step can hold (a shorter step pads), so a rank that fails before it
+        # knows its next step's size can still announce it (odb.comm.dist.RankExchange.announce).
+        message = np.zeros(cfg.micro_steps_capacity(exchange.world_size), dtype=np.int64)
         message[:len(local)] = local
         gathered = exchange.all_gather(message, f"epoch {micro[0][1].epoch}, step {micro[0][1].step}")
         world, total = exchange.world_size, int(gathered.sum())
@@ -137,7 +137,8 @@ def known_epoch(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBCo
         yield from _known_steps(batches, sampler, cfg, exchange, on_batch, resume_totals)
     except BaseException as err:
         error = None if isinstance(err, GeneratorExit) else err
-        shape, where = (cfg.gradient_accumulation_steps,), "the next step exchange"
+        world = exchange.world_size if exchange is not None else 1
+        shape, where = (cfg.micro_steps_capacity(world),), "the next step exchange"
         try:
             announce_in_background(exchange, shape, where, error, watch.failure if watch is not None else None)
         except Exception as late:  # raised meanwhile by a signal handler (torch's, for a worker that died)

@@ -63,8 +63,10 @@ class RankAligner:
 
     def __init__(self, exchange: Any, planner: WindowPlanner, pool: SamplePool, *, epoch: int, seed: int,
                  shuffle: bool, steps_done: Callable[[], int] = lambda: 0, options: Any = None,
-                 auto_plans: bool = False) -> None:
+                 auto_plans: bool = False, whole_windows: bool = False) -> None:
         self.exchange = exchange
+        # global_batch_size: a window is an optimizer step, emitted whole (nothing deferred to a later one)
+        self.whole_windows = whole_windows
         self.planner, self.pool = planner, pool
         self.epoch, self.seed, self.shuffle = epoch, seed, shuffle
         self._steps_done = steps_done
@@ -131,7 +133,7 @@ class RankAligner:
         if self._auto:
             self.agreed_plan = agree(self._plans[:, :PLAN_SIZE])
             self._time_ready_all = bool((self._plans[:, PLAN_SIZE] == 1).all())
-        window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join)
+        window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join, self.whole_windows)
         if window.go_local:
             self.local_only = True
             self.all_done = planned_final
@@ -220,7 +222,7 @@ class RankAligner:
     def _fit(self, groups: List[np.ndarray], n_steps: int, planned_final: bool) -> List[Optional[np.ndarray]]:
         """Exactly n_steps groups (odb.plan.fitting decides): defer the least costly to the carry; or
         re-cut the last window, take groups from the carry, split the largest, then add ghosts (None)."""
-        trim = decide_trim([self.cost(g) for g in groups], n_steps, planned_final)
+        trim = decide_trim([self.cost(g) for g in groups], n_steps, planned_final or self.whole_windows)
         for k in trim.defer.tolist():
             g = groups[k]
             self.planner.defer(g, self.pool.lengths(g), self.pool.patches(g) if self.planner.cfg.image_patches_key

@@ -105,12 +105,14 @@ class EpochRun:
         exchange = exchange if exchange is not None and exchange.world_size > 1 else None
         self.rank = exchange.rank if exchange is not None else 0
         self.world_size = exchange.world_size if exchange is not None else 1
+        # global_batch_size: each window is one optimizer step's samples on this rank, planned whole
+        self.step_samples = cfg.step_samples(self.world_size)
         self.stats = EpochStats()
         self.pool = SamplePool()
         self.planner = WindowPlanner(cfg)
         self.aligner = RankAligner(exchange, self.planner, self.pool, epoch=epoch, seed=seed, shuffle=shuffle,
                                    steps_done=lambda: self.stats.steps, options=options,
-                                   auto_plans=auto is not None)
+                                   auto_plans=auto is not None, whole_windows=self.step_samples is not None)
         self.arrived = 0  # samples taken from the source into windows
         self.window_index = 0
         self.planned_final = False
@@ -279,16 +281,26 @@ class EpochRun:
 
     def _follow_schedule(self) -> None:
         schedule = self.cfg.budget_schedule
-        if schedule is not None:
-            planned = self.step + len(self.step_batches) - self.step_pos + len(self.pending)
-            self.set_token_budget(budget_at(schedule, planned // self.cfg.gradient_accumulation_steps))
+        if schedule is None:
+            return
+        if self.step_samples is not None:  # one window per optimizer step
+            self.set_token_budget(budget_at(schedule, self.window_index))
+            return
+        planned = self.step + len(self.step_batches) - self.step_pos + len(self.pending)
+        self.set_token_budget(budget_at(schedule, planned // self.cfg.gradient_accumulation_steps))
 
     def _remaining(self) -> Optional[int]:
         return None if self.total is None else max(self.total - self.arrived, 0)
 
     def _read_window(self) -> Tuple[List[int], bool]:
-        records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining(),
-                                                          len(self.planner.carried_ids)))
+        if self.step_samples is not None:  # the next optimizer step's samples, exactly (fewer at the end)
+            records, ended = [], False
+            while len(records) < self.step_samples and not ended:
+                more, ended = self.source.take(self.step_samples - len(records), None)
+                records.extend(more)
+        else:
+            records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining(),
+                                                              len(self.planner.carried_ids)))
         ids = []
         for sid, index, sample, meta in records:
             self.register(int(sid), int(index), sample, meta)
@@ -326,12 +338,18 @@ class EpochRun:
             self._note_one_length(lengths)
         # The probe's window emits all it holds: its longest samples must not wait in the carry for a fuller batch.
         probe = cfg.probe_worst_case and self.stats.windows == 0
-        planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final or probe)
+        step = self.step_samples is not None
+        if step and final and self.drop_last and 0 < len(ids) < self.step_samples:
+            self.stats.dropped_samples += len(ids)  # a partial last optimizer step, as drop_last drops a batch
+            self.pool.forget(ids)
+            ids, lengths = [], lengths[:0]
+            patches = None if patches is None else patches[:0]
+        planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final or probe or step)
         self.stats.windows += 1
         groups = list(planned.groups)
         for sid in planned.oversize.tolist():
             groups.extend(self._oversize(sid))
-        if final and self.drop_last:
+        if final and self.drop_last and not step:
             keep = [g for g in groups if self.aligner.cost(g) >= 0.5 * sum(cfg.token_budgets)]
             kept = {id(g) for g in keep}
             for g in groups:
@@ -399,20 +417,22 @@ class EpochRun:
 
     # ---- emitting ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Tuple[Any, Cursor]]:
-        k = self.cfg.gradient_accumulation_steps
+        # global_batch_size: an optimizer step is one window's steps, however many; else k micro-batches
+        k = self.cfg.gradient_accumulation_steps if self.step_samples is None else None
         held: List[Tuple[Any, Cursor]] = []  # batches made, not yet confirmed by every rank
         while True:
             if self.step_pos >= len(self.step_batches):
                 yield from self._confirmed(held)  # before planning: the next exchange may be a header
                 planned = False
-                while len(self.pending) < k and not self.aligner.all_done:
+                while (len(self.pending) < k if k is not None else not self.pending) and not self.aligner.all_done:
                     self.pending.extend(self._plan_next_window())
                     planned = True
                 if planned:
                     self.take_snapshot()
                 if not self.pending:
                     break
-                self.step_batches = [self.pending.popleft() for _ in range(min(k, len(self.pending)))]
+                take = len(self.pending) if k is None else min(k, len(self.pending))
+                self.step_batches = [self.pending.popleft() for _ in range(take)]
                 self.step_pos = 0
             j = self.step_pos
             self.step_pos += 1
@@ -436,7 +456,8 @@ class EpochRun:
 
     def _warn_at_end(self) -> None:
         fill = self.stats.padded_tokens / max(self.stats.steps * sum(self.cfg.token_budgets), 1)
-        if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5 and self.auto is None:  # (auto: it moves)
+        if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5 and self.auto is None and \
+                self.step_samples is None:  # (auto: it moves; global_batch_size: a step's samples set the fill)
             warnings.warn(f"odb rank {self.rank}: batches filled only {fill:.0%} of token_budget on "
                           f"average in epoch {self.epoch} (split groups: {self.stats.split_groups}, ghost steps: "
                           f"{self.stats.ghost_steps}): this rank's shard holds far fewer tokens than others'. "

@@ -41,7 +41,7 @@ from odb.config import ODBConfig
 from odb.data.bucket_collate import PadToBucket
 from odb.data.collate_check import PaddingHint
 from odb.data.lengths import LabelBudgetCheck, check_length_dims
-from odb.data.sampling import EpochShuffleSampler
+from odb.data.sampling import EpochShuffleSampler, ShardSampler
 from odb.data.source import SampleMeter, SampleSource, WorkerWatch, stream_records, unpack_records
 from odb.data.stream_state import StreamMarks
 from odb.epoch.known import known_epoch, known_records
@@ -219,6 +219,7 @@ class LoaderCore:
         # (epoch, the sampler's epoch, source, stream marks).
         self.prepared: Optional[Tuple[int, Any, SampleSource, Optional[StreamMarks]]] = None
         self.known_lengths()  # refuses lengths that do not match the dataset, now
+        cfg.step_samples(self.world()[1])  # refuses a global_batch_size that the ranks cannot share, now
 
     @property
     def user_cfg(self) -> ODBConfig:
@@ -373,11 +374,31 @@ class LoaderCore:
         batches = watch.follow(iter(inner))  # workers start here (a persistent inner loader's, the first time)
         return mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch))
 
+    def accumulation(self) -> Optional[int]:
+        """Micro-batches per optimizer step: fixed, or None where ``global_batch_size`` plans them per step."""
+        return None if self.cfg.global_batch_size is not None else self.cfg.gradient_accumulation_steps
+
+    def optimizer_steps(self) -> Optional[int]:
+        """Optimizer steps of an epoch with ``global_batch_size``: ceil(samples / global_batch_size), floor
+        with ``drop_last`` (None: budget-filled steps, or a sampler without a length)."""
+        rank, world_size = self.world()
+        g = self.cfg.step_samples(world_size)
+        if g is None or self.iterable:
+            return None
+        sampler = self.loader.sampler
+        try:
+            n = len(sampler)
+            if isinstance(sampler, ShardSampler):  # ranks differ by one sample at most: the largest share counts
+                n = -(-len(sampler.data_source) // sampler.num_replicas)
+        except TypeError:
+            return None
+        return n // g if self.loader.drop_last else -(-n // g)
+
     def state_dict(self) -> Dict[str, Any]:
         """``state_dict``: where the loader is, as plain data (odb.resume.loader_state.saved_state)."""
         rank, world_size = self.world()
         return saved_state(self.run, self.cursor, finished_epoch=self.last_steps_epoch, next_epoch=self.next_epoch,
-                           seed=self.seed, wait_s=self.wait_s(), accumulation=self.cfg.gradient_accumulation_steps,
+                           seed=self.seed, wait_s=self.wait_s(), accumulation=self.accumulation(),
                            rank=rank, world_size=world_size, fields=self._fields(),
                            auto=self.auto.state_dict() if self.auto is not None else None)
 

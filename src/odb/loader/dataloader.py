@@ -133,8 +133,23 @@ class ODBLoaderMixin(DataLoader):
         return self._odb.iterate()
 
     def __len__(self) -> int:
-        """Batches per epoch: exact after a full epoch, else an estimate from sample lengths."""
+        """Batches (micro-batches) per epoch: exact after a full epoch, else an estimate from sample lengths."""
         return len(self._odb)
+
+    @property
+    def odb_optimizer_steps(self) -> Optional[int]:
+        """Optimizer steps per epoch with ``global_batch_size``, exact: ceil(samples / global_batch_size)
+        (floor with ``drop_last``); None with budget-filled steps or a sampler without a length. With
+        ``global_batch_size`` the micro-batches of a step vary, so ``len(loader)`` (batches) is an estimate
+        until an epoch has run, and this is the count a learning-rate schedule needs.
+
+        Example:
+            >>> import torch, odb
+            >>> data = [{"input_ids": torch.ones(n, dtype=torch.long)} for n in (5, 3, 8, 2, 4)]
+            >>> odb.ODBDataLoader(data, token_budget=8, global_batch_size=2, collate_fn=list).odb_optimizer_steps
+            3
+        """
+        return self._odb.optimizer_steps()
 
     def state_dict(self) -> Dict[str, Any]:
         """Where this loader is, as plain data: ``load_state_dict`` on a fresh loader built with the

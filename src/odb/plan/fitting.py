@@ -42,19 +42,25 @@ class WindowDecision:
 
 
 def decide_window(n_groups: Sequence[int], must_emit: Sequence[int], exhausted: Sequence[bool],
-                  join: bool) -> WindowDecision:
+                  join: bool, whole: bool = False) -> WindowDecision:
     """The window's step count over every rank's header (groups, groups it cannot defer, data ended).
+
+    ``whole``: the window is one optimizer step (``global_batch_size``), which no rank may defer
+    from: the count is the largest rank's, as at the data's end.
 
     Example:
         >>> decide_window([3, 2], [0, 0], [False, False], join=True)
         WindowDecision(steps=2, go_local=False, all_done=False)
         >>> decide_window([3, 2], [0, 0], [False, True], join=False).go_local
         True
+        >>> decide_window([3, 2], [0, 0], [False, False], join=True, whole=True).steps
+        3
     """
     ended = np.asarray(exhausted, dtype=bool)
     if not join and ended.any():
         return WindowDecision(0, True, False)
-    return WindowDecision(decide_steps(n_groups, must_emit, ended), False, bool(ended.all()))
+    steps = int(max(n_groups)) if whole else decide_steps(n_groups, must_emit, ended)
+    return WindowDecision(steps, False, bool(ended.all()))
 
 
 def must_emit(costs: Sequence[int], sizes: Sequence[int], tokens: Sequence[int], room: int,

@@ -59,7 +59,7 @@ def loader_fields(dataset: Any, sampler: Any, num_workers: int, options: Dict[st
 
 
 def saved_state(run: Any, cursor: Any, *, finished_epoch: Optional[int], next_epoch: int, seed: int,
-                wait_s: float, accumulation: int, rank: int, world_size: int, fields: Dict[str, Any],
+                wait_s: float, accumulation: Optional[int], rank: int, world_size: int, fields: Dict[str, Any],
                 auto: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The loader's state (see ``ODBDataLoader.state_dict``): ``run``/``cursor`` are the current epoch's
     EpochRun and the Cursor of the last batch the training loop received (None before any epoch),

@@ -38,16 +38,18 @@ TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset
 OPTIONAL_KEYS = {"auto"}  # token_budget="auto": the AutoBudget's state and the plans (odb.loader.core)
 
 
-def cursor_state(cursor: Cursor, accumulation: int) -> Dict[str, Any]:
+def cursor_state(cursor: Cursor, accumulation: Optional[int]) -> Dict[str, Any]:
     """The epoch state once the cursor's batch was consumed: its snapshot advanced by the steps
-    emitted since, as EpochRun forms optimizer steps (no window was planned in between).
+    emitted since, as EpochRun forms optimizer steps (no window was planned in between):
+    ``accumulation`` micro-batches each, or (None: ``global_batch_size``) all the planned ones.
 
     O(planned steps + samples held) list copies: the state shares nothing mutable with the loader."""
     snap = cursor.snapshot  # its "chunk": the micro-batches of the optimizer step being emitted
     micro, pos, pending = snap["chunk"], int(snap["chunk_pos"]), snap["pending"]
     for _ in range(cursor.since):
         if pos >= len(micro):
-            micro, pending, pos = pending[:accumulation], pending[accumulation:], 0
+            take = len(pending) if accumulation is None else accumulation
+            micro, pending, pos = pending[:take], pending[take:], 0
         pos += 1
     out = dict(snap)
     out.pop("auto", None)  # token_budget="auto": saved beside the epoch's state (odb.resume.loader_state)

@@ -1,0 +1,256 @@
+"""global_batch_size: odb keeps the user's optimizer steps and only makes their micro-batches dynamic.
+
+The proof: in float64, after K optimizer steps the parameters equal those of a plain DataLoader loop
+with the same sampler, ``batch_size x accumulation`` samples per rank and step, and the token mean of
+the whole optimizer step as its loss (HF's ``num_items_in_batch`` rule): 1 and 2 ranks (ranks as
+threads exchanging through odb.comm.threads; the DDP mean of the gradients taken by hand), accumulation
+1 and 4, padded and packed rows, lengths known up front or measured online.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import odb
+from helpers import IGNORE, LengthDataset, known_lengths, pad_collate
+from test_thread_ranks import ok, run_ranks
+
+VOCAB = 50
+N = 70  # not a multiple of any global batch below: every run ends with a partial step
+LENGTHS = known_lengths(N, 2, 40, seed=11)
+BUDGET = 96  # a few samples per micro-batch: each optimizer step needs several
+
+
+def model_of(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 6), torch.nn.Linear(6, VOCAB)).double()
+
+
+def token_loss(model: torch.nn.Module, batch: Dict[str, Any], reduction: str = "mean") -> torch.Tensor:
+    """A causal LM's loss: logits at t predict labels at t + 1 (packed rows mask each sample's first label)."""
+    logits = model(batch["input_ids"])[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE,
+                                             reduction=reduction)
+
+
+def sampler_of(ds: Any, rank: int, world: int) -> odb.ShardSampler:
+    return odb.ShardSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=5)
+
+
+def reference(world: int, batch_size: int, accumulation: int, steps: int,
+              drop_last: bool = False) -> Tuple[List[List[int]], List[torch.Tensor]]:
+    """A plain loop: every rank's DataLoader(batch_size) over its shard, ``accumulation`` batches per step,
+    the loss of a step the token mean over all its ranks' batches. Each step's samples, and the parameters."""
+    ds = LengthDataset(LENGTHS)
+    per_rank = [list(DataLoader(ds, batch_size=batch_size, sampler=sampler_of(ds, r, world), collate_fn=pad_collate,
+                                drop_last=drop_last)) for r in range(world)]
+    model = model_of()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step_ids = []
+    for k in range(steps):
+        batches = [b for r in range(world) for b in per_rank[r][k * accumulation:(k + 1) * accumulation]]
+        total = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
+        opt.zero_grad()
+        loss = sum(token_loss(model, b, "sum") for b in batches) / total
+        loss.backward()
+        opt.step()
+        step_ids.append(sorted(i for b in batches for i in b["idx"]))
+    return step_ids, [p.detach().clone() for p in model.parameters()]
+
+
+def collate_for(layout: str) -> Any:
+    return odb.PackedCollate(backend="torch") if layout == "packed" else pad_collate
+
+
+def odb_batches(world: int, global_batch: int, layout: str = "padded", known: bool = False,
+                **options: Any) -> List[List[Tuple[Dict[str, Any], odb.ODBStepInfo]]]:
+    """Every rank's (batch, step info) of one epoch of odb with ``global_batch_size``."""
+    def one(rank: int, exchanges: Any) -> List[Tuple[Dict[str, Any], odb.ODBStepInfo]]:
+        ds = LengthDataset(LENGTHS)
+        loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=global_batch, layout=layout,
+                                   sampler=sampler_of(ds, rank, world), collate_fn=collate_for(layout), seed=0,
+                                   shift_labels=True, lengths=LENGTHS if known else None, exchange=exchanges,
+                                   **options)
+        out = []
+        for batch in loader:
+            info = odb.pop_step_info(batch)
+            out.append((batch, info))
+        return out
+
+    if world == 1:
+        return [one(0, None)]
+    return ok(run_ranks(world, one))
+
+
+def ids_of(batch: Dict[str, Any], info: odb.ODBStepInfo) -> List[int]:
+    return [] if info.is_ghost else list(info.sample_ids)
+
+
+def train(per_rank: List[List[Tuple[Dict[str, Any], odb.ODBStepInfo]]]
+          ) -> Tuple[List[List[int]], List[torch.Tensor]]:
+    """Each optimizer step: every rank's micro-batches, loss x loss_scale, the gradients' mean over ranks (as
+    DDP takes it), one SGD step. Each step's samples, and the parameters."""
+    world = len(per_rank)
+    steps = [split_steps(batches) for batches in per_rank]
+    assert len({len(s) for s in steps}) == 1, "ranks ran different numbers of optimizer steps"
+    model = model_of()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step_ids = []
+    for k in range(len(steps[0])):
+        micro = [steps[r][k] for r in range(world)]
+        assert len({len(m) for m in micro}) == 1, f"step {k}: ranks ran different numbers of micro-batches"
+        opt.zero_grad()
+        for rank_micro in micro:
+            for batch, info in rank_micro:
+                (token_loss(model, batch) * info.loss_scale / world).backward()
+        opt.step()
+        step_ids.append(sorted(i for m in micro for b, info in m for i in ids_of(b, info)))
+    return step_ids, [p.detach().clone() for p in model.parameters()]
+
+
+def split_steps(batches: List[Tuple[Dict[str, Any], odb.ODBStepInfo]]) -> List[List[Tuple[Any, odb.ODBStepInfo]]]:
+    out: List[List[Tuple[Any, odb.ODBStepInfo]]] = [[]]
+    for batch, info in batches:
+        assert info.micro_step == len(out[-1])
+        out[-1].append((batch, info))
+        if info.is_last_micro_step:
+            out.append([])
+    assert out[-1] == [], "an epoch ended inside an optimizer step"
+    return out[:-1]
+
+
+def relative_error(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    num = max(float((x - y).abs().max()) for x, y in zip(a, b))
+    return num / max(float(y.abs().max()) for y in b)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize("layout,known", [("padded", False), ("padded", True), ("packed", False), ("packed", True)])
+def test_same_updates_as_a_plain_loop(world: int, accumulation: int, layout: str, known: bool) -> None:
+    batch_size = 3
+    global_batch = batch_size * accumulation * world
+    got = odb_batches(world, global_batch, layout, known)
+    odb_ids, odb_params = train(got)
+    steps = -(-N // global_batch)
+    ref_ids, ref_params = reference(world, batch_size, accumulation, steps)
+    assert odb_ids == ref_ids  # optimizer step k holds exactly the plain loop's samples of step k
+    assert relative_error(odb_params, ref_params) < 1e-9
+    infos = [info for rank in got for _, info in rank]
+    assert all(info.padded_tokens <= BUDGET for info in infos if info.local_samples > 1)
+    # the micro-batches vary with the samples' lengths (else this test would not show dynamic micro-steps)
+    assert len({info.micro_steps for info in infos}) > 1 or global_batch // world == 3
+
+
+def test_every_step_holds_global_batch_size_samples_and_len_counts_optimizer_steps() -> None:
+    got = odb_batches(2, 12)
+    counts = [sum(info.local_samples for rank in got for _, info in rank if info.step in steps)
+              for steps in _step_members(got[0])]
+    assert counts == [12] * (N // 12) + [N % 12]
+    ds = LengthDataset(LENGTHS)
+    loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=12, collate_fn=pad_collate,
+                               sampler=sampler_of(ds, 0, 2), exchange=odb.comm.threads.ThreadRanks(2).exchanges(0))
+    assert loader.odb_optimizer_steps == -(-N // 12)
+    loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=12, collate_fn=pad_collate, drop_last=True,
+                               shift_labels=True)
+    assert loader.odb_optimizer_steps == N // 12
+    steps = split_steps([(b, odb.pop_step_info(b)) for b in loader])
+    assert [sum(i.local_samples for _, i in s) for s in steps] == [12] * (N // 12)
+    assert loader.odb_stats["dropped_samples"] == N % 12
+
+
+def _step_members(batches: List[Tuple[Any, odb.ODBStepInfo]]) -> List[set]:
+    return [{info.step for _, info in step} for step in split_steps(batches)]
+
+
+@pytest.mark.filterwarnings("ignore:.*does not shard the dataset")  # each rank's list of indices is its shard
+def test_uneven_ranks_run_the_same_micro_steps_with_ghosts() -> None:
+    """Ranks whose shares differ (one runs out first) still run equal micro-steps per optimizer step: the
+    short rank's last step is ghosts, and the gradient stays the exact token mean."""
+    world, g = 2, 8
+    shards = [list(range(0, 40)), list(range(40, 52))]  # rank 1 has 12 samples: steps 2-4 are empty there
+
+    def one(rank: int, exchanges: Any) -> List[Tuple[Dict[str, Any], odb.ODBStepInfo]]:
+        ds = LengthDataset(LENGTHS)
+        loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=g, sampler=shards[rank],
+                                   collate_fn=pad_collate, seed=0, shift_labels=True, exchange=exchanges)
+        return [(b, odb.pop_step_info(b)) for b in loader]
+
+    got = ok(run_ranks(world, one))
+    steps = [split_steps(r) for r in got]
+    assert len(steps[0]) == len(steps[1]) == 10
+    assert any(info.is_ghost for step in steps[1] for _, info in step)
+    for k in range(10):
+        assert len(steps[0][k]) == len(steps[1][k])
+        held = [sorted(i for _, info in steps[r][k] for i in ids_of(None, info)) for r in range(world)]
+        assert held[0] == shards[0][4 * k:4 * k + 4]
+        assert held[1] == shards[1][4 * k:4 * k + 4]
+
+
+def test_resume_mid_step_and_between_steps() -> None:
+    """A state saved inside an optimizer step or between two resumes with exactly the batches not yet
+    emitted, with the same loss scales."""
+    ds = LengthDataset(LENGTHS)
+
+    def loader() -> odb.ODBDataLoader:
+        return odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=9, collate_fn=pad_collate, seed=1,
+                                 shuffle=True, shift_labels=True)
+
+    full = [odb.pop_step_info(b) for b in loader()]
+    cuts = [k for k, info in enumerate(full) if 0 < info.micro_step][:1] + \
+        [k + 1 for k, info in enumerate(full) if info.is_last_micro_step][:1]
+    assert len(cuts) == 2
+    for cut in cuts:
+        first = loader()
+        it = iter(first)
+        for _ in range(cut):
+            odb.pop_step_info(next(it))
+        state = json.loads(json.dumps(first.state_dict()))
+        fresh = loader()
+        fresh.load_state_dict(state)
+        rest = [odb.pop_step_info(b) for b in fresh]
+        key = lambda i: (i.sample_ids, i.micro_step, i.micro_steps, i.loss_scale)  # noqa: E731
+        assert [key(i) for i in rest] == [key(i) for i in full[cut:]]
+
+
+def test_bad_values_are_refused_with_the_rule_and_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"global_batch_size=0.*Fix"):
+        odb.ODBConfig(token_budget=64, global_batch_size=0)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4.*must be 1 with global_batch_size=32"):
+        odb.ODBConfig(token_budget=64, global_batch_size=32, gradient_accumulation_steps=4)
+    ds = LengthDataset(LENGTHS)
+    ranks = odb.comm.threads.ThreadRanks(2)
+    with pytest.raises(ValueError, match=r"global_batch_size=9.*multiple of the world size \(2 ranks\).*Fix"):
+        odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=9, collate_fn=pad_collate,
+                          sampler=sampler_of(ds, 0, 2), exchange=ranks.exchanges(0))
+    with pytest.raises(ValueError, match=r"global_batch_size=1.*multiple of the world size"):
+        odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=1, collate_fn=pad_collate,
+                          sampler=sampler_of(ds, 0, 2), exchange=ranks.exchanges(0))
+
+
+def test_auto_budget_schedule_and_balance_keep_the_steps() -> None:
+    """token_budget="auto" and a budget schedule move the micro-batches, never the optimizer steps' samples."""
+    from odb.train.memory import ActivationMeter
+
+    model = model_of()
+    ds = LengthDataset(LENGTHS)
+    for options in ({"budget_schedule": ((0, 48), (3, BUDGET))},
+                    {"token_budget": "auto", "memory_cap_bytes": 200_000, "memory_meter": ActivationMeter(model)}):
+        options = {"token_budget": BUDGET, **options}
+        loader = odb.ODBDataLoader(ds, global_batch_size=10, collate_fn=pad_collate, seed=0, shuffle=False,
+                                   shift_labels=True, **options)
+        infos = []
+        for batch in loader:
+            info = odb.pop_step_info(batch)
+            infos.append(info)
+            (token_loss(model, batch) * info.loss_scale).backward()
+        steps = split_steps([(None, i) for i in infos])
+        assert [sorted(j for _, i in s for j in i.sample_ids) for s in steps] == \
+            [list(range(k, min(k + 10, N))) for k in range(0, N, 10)]
