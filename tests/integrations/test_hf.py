@@ -52,6 +52,38 @@ def test_one_step_equals_single_process_reference(tmp_path, model, ga, avg):
     assert rel_error(r["delta"], W.reference_delta(p, r["ids"])) < (EXACT if model != "t5" else 1e-10)
 
 
+# ---- the Trainer's own optimizer steps (the default: global_batch_size from TrainingArguments) -------------
+
+
+@pytest.mark.parametrize("ga,per_device", [(1, 8), (3, 4)])
+def test_default_keeps_the_trainers_samples_per_step(tmp_path, ga, per_device):
+    """Each optimizer step holds per_device x accumulation samples, in as many micro-batches as they need (more
+    than the Trainer's slots too: several then share a slot), the gradient is the step's exact token mean,
+    and the epoch has ceil(n / that) steps, as the plain Trainer's."""
+    p = params(ga=ga, same_updates=True, max_steps=-1, budget=60, out=str(tmp_path),
+               args=dict(per_device_train_batch_size=per_device))
+    r = W.train_ranks(0, 1, p)
+    per_step = per_device * ga
+    counts = [len(ids) for (_, _, ids, _) in r["steps"]]
+    assert counts == [per_step] * (24 // per_step) + ([24 % per_step] if 24 % per_step else [])
+    assert r["global_step"] == -(-24 // per_step)
+    assert sorted(i for (_, _, ids, _) in r["steps"] for i in ids) == list(range(24))
+    one = params(ga=ga, same_updates=True, max_steps=1, budget=60, out=str(tmp_path / "one"),
+                 args=dict(per_device_train_batch_size=per_device))
+    first = W.train_ranks(0, 1, one)
+    assert len(first["ids"]) == per_step
+    assert len(first["infos"]) > ga  # more micro-batches than slots: the StepBundle path ran
+    assert rel_error(first["delta"], W.reference_delta(one, first["ids"])) < EXACT
+
+
+def test_budget_filled_steps_stay_an_explicit_choice(tmp_path):
+    trainer = W.build_trainer(params(ga=2, same_updates=True, odb={"global_batch_size": None}), str(tmp_path))
+    assert trainer.odb_config.global_batch_size is None and trainer.odb_config.gradient_accumulation_steps == 2
+    trainer = W.build_trainer(params(ga=2, same_updates=True, args=dict(per_device_train_batch_size=3)),
+                              str(tmp_path))
+    assert trainer.odb_config.global_batch_size == 6 and trainer.odb_config.gradient_accumulation_steps == 1
+
+
 def test_batch_without_supervised_tokens_adds_nothing(tmp_path):
     # T5 averages with CrossEntropyLoss: a batch whose labels are all -100 gives NaN (0/0) unless odb
     # replaces its loss by a zero that keeps the graph.
@@ -78,9 +110,14 @@ def test_two_ranks_exact_and_resumable(tmp_path):
                    args=dict(logging_strategy="steps", logging_steps=1)),
             params(ga=2, max_steps=-1, epochs=2, n=32, lr=1e-2, out=full, args=resume_args),
             params(ga=2, max_steps=-1, epochs=2, n=32, lr=1e-2, out=resumed, args=resume_args,
-                   resume=os.path.join(full, "checkpoint-2"))]
-    exact, whole_run, resumed_run = [0, 1, 2, 3], 4, 5
+                   resume=os.path.join(full, "checkpoint-2")),
+            # the default: the Trainer's 2 x 3 x 2 ranks = 12 samples per step, micro-batches as they need
+            params(ga=3, same_updates=True, out=str(tmp_path / "s"), args=dict(per_device_train_batch_size=2))]
+    exact, whole_run, resumed_run = [0, 1, 2, 3, 6], 4, 5
     ranks = run_ranks("hf_workers:suite_ranks", 2, {"runs": runs}, tmp_path / "h", deadline_s=240)
+    same = [r[6] for r in ranks]
+    assert sum(len(r["ids"]) for r in same) == 12
+    assert len({len(r["infos"]) for r in same}) == 1  # equal micro-steps on both ranks
     for k in exact:
         ids = sorted(i for r in ranks for i in r[k]["ids"])
         assert len(ids) == len(set(ids)) >= 3

@@ -167,6 +167,8 @@ def build_trainer(p: Dict[str, Any], out: str) -> Any:
 
     model = make_model(p)
     odb_options = dict(token_budget=p["budget"], buffer_size=p.get("buffer", 16))
+    if not p.get("same_updates"):  # these runs test budget-filled steps, the explicit choice
+        odb_options["global_batch_size"] = None
     odb_options.update(p.get("odb", {}))
     data = dataset_for(p)
     if p["model"] == "t5":

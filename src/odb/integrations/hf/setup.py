@@ -215,14 +215,26 @@ class BannerLines(logging.Filter):
         super().__init__("odb-banner")
         cost = "the sum of its samples' lengths: one packed row" if cfg.layout == "packed" else \
             "its samples x its longest sample, padded"
-        how = (f"as many samples as fit token_budget={cfg.token_budget} tokens per process (a batch costs {cost}), "
-               f"so the batch size varies from step to step; per_device_train_batch_size={per_device} is not used "
-               f"(the logs' odb_mean_batch_size is the real one)")
+        g = cfg.global_batch_size
+        if g is not None:  # the Trainer's optimizer steps, micro-batches planned inside each
+            how = (f"each optimizer step's samples split into micro-batches of as many samples as fit "
+                   f"token_budget={cfg.token_budget} tokens per process (a batch costs {cost}), as many micro-batches "
+                   f"as the step's samples need (the logs' odb_mean_batch_size is the real batch size)")
+        else:
+            how = (f"as many samples as fit token_budget={cfg.token_budget} tokens per process (a batch costs "
+                   f"{cost}), so the batch size varies from step to step; per_device_train_batch_size={per_device} "
+                   f"is not used (the logs' odb_mean_batch_size is the real one)")
         self.batch_line = f"  {BANNER_BATCH} = set by odb: {how}"
         self.fallback_line = f"  odb: each batch holds {how}"
-        self.total_line = None if mean_per_step is None else \
-            (f"  {BANNER_TOTAL} (w. parallel, distributed & accumulation) = about {mean_per_step:,} samples per "
-             f"optimizer step on average (odb: it varies)")
+        if g is not None:
+            self.total_line: Optional[str] = (f"  {BANNER_TOTAL} (w. parallel, distributed & accumulation) = {g:,} "
+                                              f"(odb: global_batch_size, the samples of every optimizer step)")
+        elif mean_per_step is None:
+            self.total_line = None
+        else:
+            self.total_line = (f"  {BANNER_TOTAL} (w. parallel, distributed & accumulation) = about {mean_per_step:,} "
+                               f"samples per optimizer step on average (odb: budget-filled steps, global_batch_size="
+                               f"None; it varies)")
         self.epochs_line = None if max_steps is None else f"  Num Epochs = as many as max_steps={max_steps:,} takes"
         self.rewritten = False
 

@@ -1,18 +1,20 @@
 """One optimizer step of odb batches for the HF Trainer, and the checks that keep its loss exact.
 
 The Trainer pulls ``gradient_accumulation_steps`` batches per optimizer step and steps
-the optimizer after every ``gradient_accumulation_steps``-th micro-batch. odb emits
-steps of exactly that many micro-batches except the last of an epoch, which may hold
-fewer; ``pad_step`` puts inert ``StepFiller`` entries in front of such a step so the
-Trainer's count stays aligned and the optimizer steps after the step's last real
-micro-batch (the fillers run no forward or backward).
+the optimizer after every ``gradient_accumulation_steps``-th micro-batch. With budget-filled
+steps odb emits exactly that many micro-batches per step except the last of an epoch; with
+``global_batch_size`` (the integration's default: the Trainer's own samples per step) a step
+holds as many micro-batches as its samples need. ``pad_step`` fits a step into the Trainer's
+slots: inert ``StepFiller`` entries in front of a shorter step (no forward or backward), or
+``StepBundle`` slots of several micro-batches for a longer one, so the optimizer steps after
+the step's last micro-batch either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +25,39 @@ from odb.step_info import ODBStepInfo, loss_scale, pop_step_info
 
 class StepFiller(dict):
     """A placeholder micro-batch: no samples, no forward, no backward, zero loss."""
+
+
+class StepBundle(dict):
+    """Several micro-batches of one optimizer step in one of the Trainer's slots (``parts``), trained one
+    after the other by ``ODBTrainerMixin.training_step``. A dict so that the Trainer's loop takes it."""
+
+    def __init__(self, parts: List[Any]) -> None:
+        super().__init__()
+        self.parts = parts
+
+
+def trainer_steps(args: Any, config: Optional[ODBConfig], options: Dict[str, Any]) -> Dict[str, Any]:
+    """The options that make odb's optimizer steps the Trainer's: by default ``global_batch_size =
+    per_device_train_batch_size x gradient_accumulation_steps x world_size`` (each step holds the samples the
+    Trainer would have put in it); ``global_batch_size=None`` passed explicitly keeps budget-filled steps of
+    ``gradient_accumulation_steps`` micro-batches (fewer, larger updates).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=8, world_size=2)
+        >>> trainer_steps(args, None, {})
+        {'global_batch_size': 64, 'gradient_accumulation_steps': 1}
+        >>> trainer_steps(args, None, {"global_batch_size": None})
+        {'global_batch_size': None, 'gradient_accumulation_steps': 8}
+    """
+    accumulation = args.gradient_accumulation_steps
+    if "global_batch_size" in options:
+        g = options["global_batch_size"]
+    elif config is not None and config.global_batch_size is not None:
+        g = config.global_batch_size
+    else:
+        g = args.per_device_train_batch_size * accumulation * args.world_size
+    return {"global_batch_size": g, "gradient_accumulation_steps": 1 if g is not None else accumulation}
 
 
 def make_filler(main_input_name: str) -> StepFiller:
@@ -54,8 +89,24 @@ def next_step(iterator: Iterator[Any], key: str) -> Optional[Tuple[List[Any], Li
 
 
 def pad_step(batches: List[Any], accumulation: int, main_input_name: str) -> List[Any]:
-    """``batches`` preceded by fillers up to ``accumulation`` entries."""
-    return [make_filler(main_input_name) for _ in range(accumulation - len(batches))] + batches
+    """``batches`` in exactly ``accumulation`` slots: preceded by fillers when fewer, else in consecutive
+    bundles of as equal sizes as they split into (a bundle of one is the batch itself).
+
+    Example:
+        >>> [type(s).__name__ for s in pad_step([{"a": 1}], 3, "input_ids")]
+        ['StepFiller', 'StepFiller', 'dict']
+        >>> [len(s.parts) if isinstance(s, StepBundle) else 1 for s in pad_step([{}] * 5, 2, "input_ids")]
+        [3, 2]
+    """
+    if len(batches) <= accumulation:
+        return [make_filler(main_input_name) for _ in range(accumulation - len(batches))] + batches
+    sizes = [len(batches) // accumulation + (k < len(batches) % accumulation) for k in range(accumulation)]
+    out, start = [], 0
+    for size in sizes:
+        part = batches[start:start + size]
+        out.append(part[0] if size == 1 else StepBundle(part))
+        start += size
+    return out
 
 
 def batch_loss_tokens(batch: Any, shift: bool, ignore_index: int) -> Optional[int]:

@@ -27,6 +27,7 @@ What changes in the Trainer (training only; evaluation and prediction are untouc
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -48,7 +49,8 @@ from odb.integrations.hf.progress import SampleProgress, schedule_by_samples
 from odb.integrations.memory import auto_meter_options, measure_auto_explicitly
 from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, log_batching,
                        loss_shifts_labels, prepare_packed_rows)
-from odb.integrations.hf.steps import SampleView, StepFiller, check_loss_tokens, next_step, pad_step, recount_loss_tokens
+from odb.integrations.hf.steps import (SampleView, StepBundle, StepFiller, check_loss_tokens, next_step, pad_step,
+                                       recount_loss_tokens, trainer_steps)
 from odb.integrations.trl_rules import sft_options
 
 __all__ = ["ODBTrainer", "ODBTrainerMixin", "collator_options", "configure_trainer", "enable_odb"]
@@ -105,7 +107,7 @@ class ODBTrainerMixin:
             raise ValueError(f"odb got gradient_accumulation_steps={given} but the Trainer accumulates "
                              f"{accumulation} micro-batches (args.gradient_accumulation_steps). Rule: odb follows the "
                              f"Trainer's value. Fix: set it only in TrainingArguments.")
-        options["gradient_accumulation_steps"] = accumulation
+        options.update(trainer_steps(args, config, options))
         if "seed" not in options and (config is None or config.seed is None):
             options["seed"] = args.data_seed if args.data_seed is not None else args.seed
         shift = loss_shifts_labels(self)
@@ -151,6 +153,9 @@ class ODBTrainerMixin:
         dataset = dataloader.dataset
         n = len(dataset) if micro is not None else None
         updates = max(1, -(-micro // accumulation)) if micro is not None else None
+        exact = dataloader.odb_optimizer_steps  # global_batch_size: the user's optimizer steps, counted exactly
+        if exact is not None:
+            updates = max(1, exact)
         if args.max_steps > 0:
             max_steps, epochs, target = args.max_steps, sys.maxsize, None
         elif updates is None:
@@ -160,6 +165,8 @@ class ODBTrainerMixin:
             max_steps = max(1, math.ceil(args.num_train_epochs * updates))
             epochs, target = math.ceil(args.num_train_epochs), float(args.num_train_epochs)
         per_step = max(1, round(n / updates)) if n else accumulation * args.world_size
+        if run.cfg.global_batch_size is not None:
+            per_step = run.cfg.global_batch_size
         run.progress = SampleProgress(target, n or 1)
         run.window.reset()
         log_batching(run, args.per_device_train_batch_size, per_step if n else None,
@@ -246,6 +253,10 @@ class ODBTrainerMixin:
         name = getattr(self.model, "main_input_name", "input_ids")
         return pad_step(batches, self.args.gradient_accumulation_steps, name), None
 
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        for part in (inputs.parts if isinstance(inputs, StepBundle) else (inputs,)):
+            super()._track_num_input_tokens(part)
+
     def _odb_sum(self, value: int) -> int:
         """``value`` summed over the ranks (one all-reduce; the value itself on one process)."""
         if self.args.world_size <= 1:
@@ -258,6 +269,13 @@ class ODBTrainerMixin:
         run = self._odb
         if isinstance(inputs, StepFiller):
             return torch.zeros((), device=self.args.device)
+        if isinstance(inputs, StepBundle):  # more micro-batches than the Trainer's slots: several in one slot
+            loss = torch.zeros((), device=self.args.device)
+            for k, part in enumerate(inputs.parts):
+                last = k == len(inputs.parts) - 1  # the slot's own sync context holds for its last part
+                with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                    loss = loss + self.training_step(model, part, num_items_in_batch)
+            return loss
         info = run.infos.pop(id(inputs), None)
         if info is None:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -288,6 +306,8 @@ class ODBTrainerMixin:
         return (loss, outputs) if return_outputs else loss
 
     def floating_point_ops(self, inputs: Any) -> int:
+        if isinstance(inputs, StepBundle):
+            return sum(self.floating_point_ops(part) for part in inputs.parts)
         return 0 if isinstance(inputs, StepFiller) else super().floating_point_ops(inputs)
 
     # ---- schedule, logs, checkpoints --------------------------------------------------------
