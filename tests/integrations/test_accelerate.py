@@ -86,6 +86,21 @@ def test_prepare_keeps_odb_batches_and_the_gradient_is_exact_with_accumulation(t
         "no epoch ended in a shorter accumulation window: the data does not test it"
 
 
+def test_global_batch_size_keeps_the_users_samples_per_step(tmp_path):
+    """global_batch_size = 3 x accumulation x 2 ranks: accelerator.accumulate steps exactly where odb's steps
+    end (configure_accelerator raised its count to what a step can hold), every step holds those samples,
+    and the parameters follow the single-process reference."""
+    p = dict(TRAIN, same_updates=True)
+    results = run_ranks("integration_workers:accelerate_train", 2, p, tmp_path, deadline_s=120)
+    check_training(results, p)
+    for k in p["accumulation"]:
+        for epoch in range(p["epochs"]):
+            sizes = [len(a["ids"]) + len(b["ids"]) for a, b in zip(results[0]["runs"][k]["epochs"][epoch]["steps"],
+                                                                    results[1]["runs"][k]["epochs"][epoch]["steps"])]
+            g = 3 * k * 2
+            assert sizes == [g] * (len(LENGTHS) // g) + ([len(LENGTHS) % g] if len(LENGTHS) % g else [])
+
+
 def run_one_process(worker: str, p: Dict[str, Any], tmp: Path) -> Any:
     """``integration_workers.<worker>(0, 1, p)`` in a fresh interpreter with no process group and no launcher
     variables, as ``python train.py`` runs."""

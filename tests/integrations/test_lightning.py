@@ -151,6 +151,18 @@ def test_misconfigurations_raise_with_a_fix(tmp_path):
         ODBLightningLoader(torch.utils.data.DataLoader(list(range(4))))
 
 
+def test_global_batch_size_needs_manual_optimization_and_then_keeps_the_users_steps(tmp_path):
+    with pytest.raises(ValueError, match="global_batch_size=6 under automatic optimization.*Fix: use manual"):
+        fit_here(tmp_path, global_batch=6)
+    module, trainer = fit_here(tmp_path, global_batch=6, manual=True)
+    n = len(LENGTHS)
+    assert [len(s["ids"]) for s in module.steps] == [6] * (n // 6) + ([n % 6] if n % 6 else [])
+    assert any(m["last"] is False for m in module.micro)  # steps of several micro-batches
+    reference = iw.reference_run(LENGTHS, [sorted(s["ids"]) for s in module.steps], 4, 0.5)
+    for got, ref in zip([s["params"] for s in module.steps], reference):
+        assert max(float((g - r).abs().max()) for g, r in zip(got, ref)) < 1e-9
+
+
 def test_loader_state_is_the_first_untrained_batch_while_one_batch_is_fetched_ahead():
     import odb
     from helpers import LengthDataset, pad_collate

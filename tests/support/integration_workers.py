@@ -66,9 +66,11 @@ def accelerate_train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]
                            "distributed_type": accelerator.distributed_type.value}
     for k in p["accumulation"]:
         accelerator.gradient_accumulation_steps = k
+        # same_updates: the user's batch (3 per micro-batch, k micro-batches, every rank) in odb's micro-batches
+        steps_of = {"global_batch_size": 3 * k * world} if p.get("same_updates") else \
+            {"gradient_accumulation_steps": k}
         loader = odb.ODBDataLoader(ds, token_budget=p["budget"], sampler=odb.ShardSampler(ds, seed=3),
-                                   buffer_size=p["buffer"], collate_fn=pad_collate, seed=0,
-                                   gradient_accumulation_steps=k)
+                                   buffer_size=p["buffer"], collate_fn=pad_collate, seed=0, **steps_of)
         model = lm_model(p["seed"])
         opt = torch.optim.SGD(model.parameters(), lr=p["lr"])
         wrapped = configure_accelerator(accelerator, loader)
@@ -178,8 +180,12 @@ class LitLM(pl.LightningModule if pl is not None else object):  # type: ignore[m
 
             self.recording = Recording(ActivationMeter(self.model))
             budget.update(memory_cap_bytes=p["cap"], memory_meter=self.recording, auto_start_budget=p["start"])
-        loader = odb.ODBDataLoader(data, buffer_size=p["buffer"], collate_fn=pad_collate, seed=0,
-                                   gradient_accumulation_steps=p["accumulation"], **budget, **sharding)
+        steps_of = {"global_batch_size": p["global_batch"]} if p.get("global_batch") else \
+            {"gradient_accumulation_steps": p["accumulation"]}
+        if p.get("manual"):  # global_batch_size under Lightning: the module steps at odb's step ends
+            self.automatic_optimization = False
+        loader = odb.ODBDataLoader(data, buffer_size=p["buffer"], collate_fn=pad_collate, seed=0, **steps_of,
+                                   **budget, **sharding)
         return loader if p.get("raw_loader") else ODBLightningLoader(loader, p.get("snapshot_every", 16))
 
     def training_step(self, batch, batch_idx):
@@ -192,6 +198,13 @@ class LitLM(pl.LightningModule if pl is not None else object):  # type: ignore[m
                                "ghost": info.is_ghost, "last": info.is_last_micro_step, "local": info.local_samples,
                                "padding": info.padding_ratio, "padded": info.padded_tokens})
             self._ids += ids
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            self.manual_backward(scale_loss(self, lm_loss(self.model, batch)))
+            if info.is_last_micro_step:
+                opt.step()
+                opt.zero_grad()
+            return None
         return scale_loss(self, lm_loss(self.model, batch))
 
     def on_train_batch_end(self, outputs, batch, batch_idx):

@@ -34,6 +34,7 @@ Example (run with ``accelerate launch`` or ``torchrun``)::
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Iterator, Optional
 
 import torch
@@ -46,6 +47,8 @@ from odb.train.loss import scale_loss as exact_scale
 from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
 from odb.integrations.checks import check_accumulation, check_odb_loader, check_sharding
 from odb.integrations.states import gather_states, restore_rank_state
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ODBAcceleratedLoader", "configure_accelerator", "scale_loss", "skip_first_batches"]
 
@@ -140,7 +143,10 @@ def configure_accelerator(accelerator: Any, loader: ODBLoaderMixin, *,
                           device_placement: Optional[bool] = None) -> ODBAcceleratedLoader:
     """Make an odb loader ready for ``accelerator`` (pass the result to ``prepare`` or iterate it).
 
-    Checks that the loader plans the accelerator's ``gradient_accumulation_steps`` and that,
+    Checks that the loader plans the accelerator's ``gradient_accumulation_steps`` (with
+    ``global_batch_size``, where odb plans each step's micro-batches, it sets the accelerator's
+    ``gradient_accumulation_steps`` to the most micro-batches a step can hold, logged, so that
+    ``accelerator.accumulate`` steps exactly where odb's steps end) and that,
     on several processes, its sampler does not shard for another number of processes
     (Accelerate will not shard it; a ``ShardSampler()`` built before ``Accelerator()`` sees
     one process). Batches go to ``accelerator.device`` unless
@@ -161,6 +167,15 @@ def configure_accelerator(accelerator: Any, loader: ODBLoaderMixin, *,
                          "Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False)).")
     check_sharding(loader, accelerator.num_processes, "build the loader after Accelerator() with "
                    "sampler=odb.ShardSampler(dataset) (or DistributedSampler(dataset)).")
+    capacity = loader.odb_config.micro_steps_capacity(accelerator.num_processes)
+    if loader.odb_config.global_batch_size is not None and accelerator.gradient_accumulation_steps != capacity:
+        # odb's steps hold up to `capacity` micro-batches: Accelerate must not sync (and step) before odb's step
+        # ends, which end_of_dataloader tells it; scale_loss undoes backward's division by this count.
+        logger.info("odb: global_batch_size=%d: Accelerator.gradient_accumulation_steps %d -> %d, so that "
+                    "accelerator.accumulate steps at the end of each of odb's optimizer steps (their micro-batches "
+                    "vary) and never inside one", loader.odb_config.global_batch_size,
+                    accelerator.gradient_accumulation_steps, capacity)
+        accelerator.gradient_accumulation_steps = capacity
     place = accelerator.device_placement if device_placement is None else device_placement
     wrapped = ODBAcceleratedLoader(loader, accelerator.device if place else None,
                                    non_blocking=bool(getattr(accelerator, "non_blocking", False)))

@@ -27,7 +27,11 @@ def check_odb_loader(loader: Any, who: str) -> ODBLoaderMixin:
 
 
 def check_accumulation(loader: ODBLoaderMixin, accumulation: int, trainer: str) -> None:
-    """The loader must plan the trainer's gradient accumulation (exact scaling normalises over it)."""
+    """The loader must plan the trainer's gradient accumulation (exact scaling normalises over it); with
+    ``global_batch_size`` the loader plans each step's micro-batches and the integration follows
+    ``is_last_micro_step`` instead (nothing to compare)."""
+    if loader.odb_config.global_batch_size is not None:
+        return
     planned = loader.odb_config.gradient_accumulation_steps
     if planned != accumulation:
         raise ValueError(

@@ -246,6 +246,16 @@ class ODBCallback(pl.Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.loader = _find_loader(trainer.train_dataloader)
         check_accumulation(self.loader.loader, trainer.accumulate_grad_batches, "the Trainer")
+        g = self.loader.loader.odb_config.global_batch_size
+        if g is not None and pl_module.automatic_optimization:
+            raise ValueError(f"ODBCallback got a loader with global_batch_size={g} under automatic optimization: "
+                             f"Lightning then steps the optimizer every accumulate_grad_batches="
+                             f"{trainer.accumulate_grad_batches} batches, and odb's optimizer steps hold as many "
+                             f"micro-batches as their samples need. Fix: use manual optimization "
+                             f"(self.automatic_optimization = False; backward every batch with "
+                             f"self.manual_backward(scale_loss(self, loss)), opt.step() and opt.zero_grad() when "
+                             f"self.odb_step_info.is_last_micro_step), or build the loader with "
+                             f"global_batch_size=None (budget-filled steps of accumulate_grad_batches batches).")
         check_sharding(self.loader.loader, trainer.world_size,
                        "build the loader inside train_dataloader() (torch.distributed is up there) with "
                        "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "
