@@ -320,8 +320,9 @@ def test_configure_trainer_returns_an_odb_ready_copy(tmp_path):
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=8,
                              train_sampling_strategy="group_by_length")
     ready = configure_trainer(args, num_train_epochs=2)
+    # the per-device batch stays: it sets the samples of each optimizer step (global_batch_size)
     assert (ready.per_device_train_batch_size, ready.train_sampling_strategy, ready.num_train_epochs) == \
-        (1, "random", 2)
+        (8, "random", 2)
     assert args.per_device_train_batch_size == 8 and args.train_sampling_strategy == "group_by_length"
 
 

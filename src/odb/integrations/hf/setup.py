@@ -86,20 +86,21 @@ class ProgressCallback(TrainerCallback):
 def configure_trainer(args: TrainingArguments, **changes: Any) -> TrainingArguments:
     """A copy of ``args`` set up for odb training, with ``changes`` applied on top.
 
-    odb decides each batch's size from the token budget, so the copy has
-    ``per_device_train_batch_size=1`` (the Trainer's logged batch sizes then count
-    micro-batches), ``auto_find_batch_size=False`` (lower ``token_budget`` instead) and
+    ``per_device_train_batch_size`` stays: with odb's default it sets the samples of each
+    optimizer step (``per_device_train_batch_size x gradient_accumulation_steps x world size``),
+    which odb splits into micro-batches under the token budget. The copy has
+    ``auto_find_batch_size=False`` (lower ``token_budget`` instead) and
     ``train_sampling_strategy="random"`` in place of the length-grouping strategies that
     odb replaces, and ``dataloader_in_order=True`` (odb reads samples in sampler order).
     ``enable_odb`` refuses those settings rather than changing them.
 
     Example:
-        >>> args = configure_trainer(TrainingArguments("out", per_device_train_batch_size=8),
+        >>> args = configure_trainer(TrainingArguments("out", train_sampling_strategy="group_by_length"),
         ...                          num_train_epochs=2)               # doctest: +SKIP
-        >>> args.per_device_train_batch_size                          # doctest: +SKIP
-        1
+        >>> args.train_sampling_strategy                              # doctest: +SKIP
+        'random'
     """
-    fixed: Dict[str, Any] = {"per_device_train_batch_size": 1, "auto_find_batch_size": False}
+    fixed: Dict[str, Any] = {"auto_find_batch_size": False}
     if getattr(args, "train_sampling_strategy", None) in _GROUPING:
         fixed["train_sampling_strategy"] = "random"
     if getattr(args, "dataloader_in_order", True) is False:
