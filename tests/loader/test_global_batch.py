@@ -9,6 +9,7 @@ threads exchanging through odb.comm.threads; the DDP mean of the gradients taken
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -254,3 +255,37 @@ def test_auto_budget_schedule_and_balance_keep_the_steps() -> None:
         steps = split_steps([(None, i) for i in infos])
         assert [sorted(j for _, i in s for j in i.sample_ids) for s in steps] == \
             [list(range(k, min(k + 10, N))) for k in range(0, N, 10)]
+
+
+@pytest.mark.parametrize("cut_micro", [False, True])
+def test_elastic_resume_from_two_ranks_onto_one(cut_micro: bool) -> None:
+    """States saved by 2 ranks (between steps or inside one), loaded on 1: every sample exactly once, and the
+    resumed run's steps hold global_batch_size samples again."""
+    g = 8
+
+    def first_part(rank: int, exchanges: Any) -> Tuple[List[int], Dict[str, Any]]:
+        ds = LengthDataset(LENGTHS)
+        loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=g, sampler=sampler_of(ds, rank, 2),
+                                   collate_fn=pad_collate, seed=0, shift_labels=True, exchange=exchanges)
+        seen, steps = [], 0
+        for batch in loader:
+            info = odb.pop_step_info(batch)
+            seen += ids_of(batch, info)
+            steps += info.is_last_micro_step
+            if steps == 3 and (info.is_last_micro_step or (cut_micro and info.micro_step == 0)):
+                if not cut_micro or not info.is_last_micro_step:
+                    break
+        return seen, json.loads(json.dumps(loader.state_dict()))
+
+    parts = ok(run_ranks(2, first_part))
+    ds = LengthDataset(LENGTHS)
+    resumed = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=g, sampler=sampler_of(ds, 0, 1),
+                                collate_fn=pad_collate, seed=0, shift_labels=True)
+    with pytest.warns(UserWarning, match="inside an optimizer step") if cut_micro else contextlib.nullcontext():
+        resumed.load_state_dict([p[1] for p in parts])
+    rest = [(b, odb.pop_step_info(b)) for b in resumed]
+    before = [i for p in parts for i in p[0]]
+    after = [i for b, info in rest for i in ids_of(b, info)]
+    assert sorted(before + after) == list(range(N))
+    full_steps = [sum(info.local_samples for _, info in s) for s in split_steps(rest)]
+    assert all(n == g for n in full_steps[1:-1])
