@@ -289,3 +289,37 @@ def test_elastic_resume_from_two_ranks_onto_one(cut_micro: bool) -> None:
     assert sorted(before + after) == list(range(N))
     full_steps = [sum(info.local_samples for _, info in s) for s in split_steps(rest)]
     assert all(n == g for n in full_steps[1:-1])
+
+
+def test_oom_split_keeps_the_steps_exact() -> None:
+    """A micro-batch that runs out of memory (simulated: over 2 rows) is split by the OOM fallback; the
+    parameters after every step still equal the plain loop's (its model never runs out)."""
+    from odb.train.oom import train_step_with_oom_fallback
+    from oom_workers import OOMLM, token_mean_loss
+
+    ds = LengthDataset(LENGTHS)
+    loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=8, collate_fn=pad_collate, seed=0,
+                               shuffle=False, shift_labels=False)
+    model = OOMLM(0, 2, "forward")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    steps, ids = [], []
+    for batch in loader:
+        info = odb.pop_step_info(batch)
+        ids += list(info.sample_ids)
+        train_step_with_oom_fallback(lambda b: token_mean_loss(model, b), batch, info, model=model,
+                                     counters=loader.odb_oom_counters)
+        if info.is_last_micro_step:
+            opt.step()
+            opt.zero_grad()
+            steps.append(ids)
+            ids = []
+    assert loader.odb_stats["oom_split_micro_batches"] > 0
+    assert [sorted(s) for s in steps] == [list(range(k, min(k + 8, N))) for k in range(0, N, 8)]
+    ref = OOMLM(0, 10**6, "forward")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in steps:
+        batch = pad_collate([ds[i] for i in step])
+        ref_opt.zero_grad()
+        token_mean_loss(ref, batch).backward()  # the step's token mean over all its samples
+        ref_opt.step()
+    assert relative_error([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()]) < 1e-9
