@@ -323,3 +323,37 @@ def test_oom_split_keeps_the_steps_exact() -> None:
         token_mean_loss(ref, batch).backward()  # the step's token mean over all its samples
         ref_opt.step()
     assert relative_error([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()]) < 1e-9
+
+
+def test_apply_takes_global_batch_size() -> None:
+    ds = LengthDataset(LENGTHS)
+    plain = DataLoader(ds, batch_size=1, collate_fn=pad_collate)
+    odb.apply(plain, token_budget=BUDGET, global_batch_size=10, shift_labels=True)
+    steps = split_steps([(b, odb.pop_step_info(b)) for b in plain])
+    assert [sorted(j for _, i in s for j in i.sample_ids) for s in steps] == \
+        [list(range(k, min(k + 10, N))) for k in range(0, N, 10)]
+
+
+def test_balance_time_with_auto_on_two_ranks_keeps_the_steps() -> None:
+    """balance="time" (pairing by predicted seconds once the time model is fitted) and token_budget="auto"
+    change which micro-batches ranks pair, never which samples a step holds."""
+    from odb.train.memory import ActivationMeter
+
+    def one(rank: int, exchanges: Any) -> List[Tuple[Dict[str, Any], odb.ODBStepInfo]]:
+        ds = LengthDataset(LENGTHS)
+        model = model_of()
+        loader = odb.ODBDataLoader(ds, token_budget="auto", memory_cap_bytes=200_000, auto_start_budget=BUDGET,
+                                   memory_meter=ActivationMeter(model), balance="time", global_batch_size=8,
+                                   sampler=sampler_of(ds, rank, 2), collate_fn=pad_collate, seed=0,
+                                   shift_labels=True, exchange=exchanges)
+        out = []
+        for batch in loader:
+            info = odb.pop_step_info(batch)
+            (token_loss(model, batch) * info.loss_scale).backward()
+            out.append((batch, info))
+        return out
+
+    got = ok(run_ranks(2, one))
+    odb_ids, _ = train(got)
+    ref_ids, _ = reference(2, 4, 1, -(-N // 8))
+    assert odb_ids == ref_ids
