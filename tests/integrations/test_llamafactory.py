@@ -190,7 +190,9 @@ def test_custom_seq2seq_trainer_trains_on_odb_batches(setup):
     trainer.add_callback(recorder)
     assert odb_lf.enable_odb(trainer=trainer, token_budget=BUDGET, buffer_size=16) is trainer
     assert trainer.odb_config.pad_to_multiple_of == 8  # from the collator
-    assert trainer.odb_config.gradient_accumulation_steps == 2
+    # the Trainer's batch: per-device batch x accumulation 2 samples per optimizer step, micro-batches by odb
+    assert trainer.odb_config.global_batch_size == trainer.args.per_device_train_batch_size * 2
+    assert trainer.odb_config.gradient_accumulation_steps == 1
     result = trainer.train()
 
     assert math.isfinite(result.training_loss)
@@ -208,7 +210,8 @@ def test_run_exp_runs_llamafactorys_sft_workflow_with_odb(setup):
     original = workflow.CustomSeq2SeqTrainer
     recorder = BatchRecorder()
     args = sft_args(setup, "run_exp", num_train_epochs=1)
-    odb_lf.run_exp(args, callbacks=[recorder], token_budget=BUDGET, buffer_size=16)
+    # budget-filled steps (the explicit choice): the batches below are sized by the budget alone
+    odb_lf.run_exp(args, callbacks=[recorder], token_budget=BUDGET, buffer_size=16, global_batch_size=None)
 
     assert workflow.CustomSeq2SeqTrainer is original
     with open(os.path.join(args["output_dir"], "train_results.json")) as f:
@@ -259,8 +262,9 @@ def test_own_loop_with_llamafactorys_collator_has_exact_gradients(setup):
     handle = odb_lf.enable_odb(train_dataloader=loader, training_args=parts["args"], token_budget=BUDGET,
                                buffer_size=16)
     assert handle.loader is loader
-    assert (handle.config.pad_to_multiple_of, handle.config.gradient_accumulation_steps, handle.config.seed,
-            handle.config.shift_labels) == (8, 2, 3, True)
+    per_step = parts["args"].per_device_train_batch_size * 2  # the Trainer's samples per optimizer step
+    assert (handle.config.pad_to_multiple_of, handle.config.global_batch_size, handle.config.seed,
+            handle.config.shift_labels) == (8, per_step, 3, True)
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(parts["model"].config).double()
@@ -268,6 +272,7 @@ def test_own_loop_with_llamafactorys_collator_has_exact_gradients(setup):
     reference.load_state_dict(model.state_dict())
     step_ids: List[int] = []
     seen: List[int] = []
+    sizes: List[int] = []
     worst = 0.0
     for batch in loader:
         info = odb.pop_step_info(batch)
@@ -286,8 +291,11 @@ def test_own_loop_with_llamafactorys_collator_has_exact_gradients(setup):
                 worst = max(worst, float((p.grad - q.grad / total).abs().max() / (q.grad / total).abs().max()))
                 p.grad, q.grad = None, None
             seen += step_ids
+            sizes.append(len(step_ids))
             step_ids = []
     assert sorted(seen) == list(range(len(dataset)))
+    assert sizes == [per_step] * (len(dataset) // per_step) + ([len(dataset) % per_step] if len(dataset) % per_step
+                                                               else [])
     assert worst < 1e-5, worst  # transformers' causal-LM loss runs in float32 (logits.float()) even for a
     # float64 model; averaging the micro-batch means instead (scale 1/micro_steps) is off by ~10 here
 

@@ -92,6 +92,8 @@ def build_trainer(p: Dict[str, Any], out: str) -> Any:
                              train_dataset=raw_dataset(p["kind"], p["n"], p.get("data_seed", 0)),
                              processing_class=tokenizer())
     options = dict(token_budget=p["budget"], buffer_size=p.get("buffer", 16))
+    if not p.get("same_updates"):  # these runs test budget-filled steps, the explicit choice
+        options["global_batch_size"] = None
     options.update(p.get("odb", {}))
     if p.get("known_lengths"):
         options["lengths"] = [len(ids) for ids in trainer.train_dataset["input_ids"]]

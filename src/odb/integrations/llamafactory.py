@@ -342,7 +342,10 @@ def _enable_loader(loader: DataLoader, training_args: Any, token_budget: Any, co
     options = _packed_options(options) if packed else _collator_options(collator, config, options)
     if training_args is not None:
         if "gradient_accumulation_steps" not in options and config is None:
-            options["gradient_accumulation_steps"] = int(training_args.gradient_accumulation_steps)
+            # the Trainer's samples per optimizer step (global_batch_size), as enable_odb(trainer) takes them
+            from odb.integrations.hf.steps import trainer_steps
+
+            options.update(trainer_steps(training_args, config, options))
         if "seed" not in options and (config is None or config.seed is None):
             data_seed = getattr(training_args, "data_seed", None)
             options["seed"] = int(data_seed if data_seed is not None else training_args.seed)
