@@ -92,7 +92,8 @@ def test_causal_lm_collator_trains_exactly(tmp_path, pad_is_eos):
     trainer = enable_odb(Trainer(model=W.llama(), args=args(tmp_path), train_dataset=data, data_collator=collator),
                          token_budget=96, buffer_size=16)
     delta, ids, infos = one_step(trainer)
-    assert len(ids) >= 4 and [i.micro_step for i in infos] == [0, 1]
+    per_step = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+    assert len(ids) == per_step and [i.micro_step for i in infos] == list(range(len(infos)))
     ref, tokens = causal_reference(W.llama(), collator, data, ids, 1e-3)
     assert sum(i.local_loss_tokens for i in infos) == tokens
     assert rel_error(delta, ref) < EXACT
@@ -331,12 +332,12 @@ def test_the_trainer_banner_says_odb_sizes_the_batches(tmp_path):
     banner = lines.index("***** Running training *****")
     [batch] = [line for line in lines if "Instantaneous batch size per device" in line]
     assert lines.index(batch) < banner + 8, "the line stays in the banner"
-    assert batch.startswith("  Instantaneous batch size per device = set by odb: as many samples as fit "
-                            "token_budget=64 tokens per process")
-    assert "batch size varies from step to step" in batch and "per_device_train_batch_size=8 is not used" in batch
+    assert batch.startswith("  Instantaneous batch size per device = set by odb: each optimizer step's samples split "
+                            "into micro-batches of as many samples as fit token_budget=64 tokens per process")
     assert not any(line.endswith("per device = 8") for line in lines)
     [total] = [line for line in lines if "Total train batch size" in line]
-    assert re.search(r"= about \d+ samples per optimizer step on average \(odb: it varies\)$", total), total
+    # the Trainer's own step: 8 per device x accumulation 1 x 1 process
+    assert total.endswith("= 8 (odb: global_batch_size, the samples of every optimizer step)"), total
     assert len([line for line in lines if "token_budget=64" in line]) == 1
     assert "  Num Epochs = as many as max_steps=1 takes" in lines  # not 9,223,372,036,854,775,807
     # the filter that rewrote the banner is gone once training began: a plain Trainer's banner is its own
@@ -357,5 +358,16 @@ def test_a_banner_worded_otherwise_gets_odbs_line_under_it(tmp_path, monkeypatch
     banner = lines.index("***** Running training *****")
     [odb_line] = [k for k, line in enumerate(lines) if "token_budget=64" in line]
     assert banner < odb_line < banner + 14
-    assert lines[odb_line].startswith("  odb: each batch holds as many samples as fit token_budget=64 tokens")
-    assert "per_device_train_batch_size=8 is not used" in lines[odb_line]
+    assert lines[odb_line].startswith("  odb: each batch holds each optimizer step's samples split into micro-batches "
+                                      "of as many samples as fit token_budget=64 tokens")
+
+
+def test_the_banner_of_budget_filled_steps_says_what_they_change(tmp_path):
+    trainer = enable_odb(Trainer(model=W.llama(), args=args(tmp_path, ga=1), train_dataset=W.causal_dataset(8),
+                                 data_collator=W.pad_collate), token_budget=64, global_batch_size=None)
+    lines = trainer_log(trainer)
+    [batch] = [line for line in lines if "Instantaneous batch size per device" in line]
+    assert "batch size varies from step to step" in batch and "per_device_train_batch_size=8 is not used" in batch
+    [total] = [line for line in lines if "Total train batch size" in line]
+    assert re.search(r"= about \d+ samples per optimizer step on average \(odb: budget-filled steps, "
+                     r"global_batch_size=None; it varies\)$", total), total

@@ -304,4 +304,7 @@ def test_hf_trainer_torch_compile_with_odb(static: bool, tmp_path: Any, monkeypa
         assert 3 <= graphs == len(set(collate.shapes)) <= 8, sorted(set(collate.shapes))
         assert {w for _, w in collate.shapes} <= set(buckets)
     else:
-        assert graphs <= 3
+        # the first shape, the second (its differing dimensions turn dynamic), B = 1 (specialised), and with
+        # global_batch_size (the default) one more: a step's first micro-batches often share B, so B turns
+        # dynamic only at the next shape (measured: 4 graphs; 2 with budget-filled steps)
+        assert graphs <= 4
