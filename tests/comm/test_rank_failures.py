@@ -18,8 +18,8 @@ import torch
 import odb
 from dist_harness import free_port, run_ranks
 from odb.comm.agreement import agreed_values, check_agreement, fingerprint
-from odb.comm.dist import (FAILED, REASON_BYTES, STOPPED, ODBExchangeError, ODBOptionMismatch, ODBRankFailed,
-                      decode_reason, encode_reason, failure_of, peer_error)
+from odb.comm.protocol import (FAILED, REASON_BYTES, STOPPED, ODBExchangeError, ODBOptionMismatch, ODBRankFailed,
+                                 decode_reason, encode_reason, failure_of, peer_error)
 from odb.epoch.pipeline import BatchPipeline
 
 DEADLINE_S = 60.0

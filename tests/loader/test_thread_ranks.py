@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import odb
 from helpers import IGNORE, LengthDataset, known_lengths, pad_collate
-from odb.comm.dist import ODBRankFailed
+from odb.comm.protocol import ODBRankFailed
 from odb.comm.threads import ThreadExchanges, ThreadRanks
 
 N = 160
@@ -185,7 +185,7 @@ def test_a_rank_with_token_budget_auto_beside_one_with_an_int_budget_is_named():
     """Ranks with and without token_budget="auto" send headers of one shape, so the options check names
     token_budget on both (the auto rank's longer header failed in numpy: 'all input arrays must have the
     same shape')."""
-    from odb.comm.dist import ODBOptionMismatch
+    from odb.comm.protocol import ODBOptionMismatch
 
     def rank_run(rank: int, exchanges: ThreadExchanges) -> List[Dict[str, Any]]:
         auto = {"token_budget": "auto", "memory_cap_bytes": 10**7, "memory_meter": lambda: None} if rank == 0 else {}

@@ -9,8 +9,9 @@ A module may import modules of its own layer or of lower layers. ``odb/__init__.
 exempt: it re-exports the public API from every layer. What the tests check:
 
 - ``odb.plan`` and each of its modules import without torch (planning is numpy only);
-- only ``odb.comm`` imports ``torch.distributed``, in any form, anywhere in a module (the benchmark,
-  ``odb.bench``, trains with DDP as a user's script does and is exempt);
+- only ``odb.comm.dist`` (the transport) imports ``torch.distributed``, in any form, anywhere in a module
+  (the benchmark, ``odb.bench``, trains with DDP as a user's script does and is exempt); the exchange
+  protocol (``odb.comm.protocol``) imports no torch at all;
 - no import circle among odb's modules (imports inside ``if TYPE_CHECKING:`` excepted);
 - no import runs up the stack;
 - ``import odb`` loads no training framework.
@@ -269,10 +270,10 @@ def _distributed_imports(node: ast.stmt) -> List[str]:
     return []
 
 
-def test_only_comm_imports_torch_distributed():
+def test_only_the_transport_imports_torch_distributed():
     found = []
     for name, path in modules().items():
-        if name == "odb.comm" or name.startswith("odb.comm."):
+        if name == "odb.comm.dist":  # the gloo transport and its groups; the protocol is numpy only
             continue
         if name.startswith("odb.bench."):  # the benchmark trains with DDP as a user's script does (its own
             continue  # process group, DistributedDataParallel): a user of odb, not a layer of it
@@ -281,8 +282,15 @@ def test_only_comm_imports_torch_distributed():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 found += [f"{path.relative_to(SRC.parent)}:{node.lineno}: {what}"
                           for what in _distributed_imports(node)]
-    assert not found, ("torch.distributed is odb.comm's alone (the exchange's transport); imported elsewhere:\n  "
-                       + "\n  ".join(sorted(found)) + "\nFix: go through odb.comm.")
+    assert not found, ("torch.distributed is odb.comm.dist's alone (the exchange's transport); imported elsewhere:"
+                       "\n  " + "\n  ".join(sorted(found)) + "\nFix: go through odb.comm.dist.")
+
+
+def test_the_exchange_protocol_imports_no_torch():
+    tree = ast.parse((SRC / "odb" / "comm" / "protocol.py").read_text(encoding="utf-8"))
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+        [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")], imported
 
 
 def test_no_import_circles():

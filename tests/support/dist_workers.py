@@ -21,7 +21,7 @@ from torch.utils.data import DistributedSampler, IterableDataset, get_worker_inf
 
 import odb
 from helpers import IGNORE, LengthDataset, known_lengths, make_sample, pad_collate
-from odb.comm.dist import ODBExchangeError
+from odb.comm.protocol import ODBExchangeError
 
 VOCAB = 50  # helpers.make_sample draws ids below 50
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from odb.config import PLAN_OPTIONS, ODBConfig
-from odb.comm.dist import ODBOptionMismatch
+from odb.comm.protocol import ODBOptionMismatch
 
 # PLAN_OPTIONS change which batches come out; these change how steps are ordered or counted.
 AGREED_OPTIONS = tuple(dict.fromkeys(PLAN_OPTIONS + ("image_patches_key", "seed", "label_key", "ignore_index",

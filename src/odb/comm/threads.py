@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from odb.comm.dist import RankExchange, exchange_failed
+from odb.comm.protocol import RankExchange, exchange_failed
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -91,7 +91,7 @@ class ThreadRanks:
     """``world_size`` ranks that are threads of this process (see the module's docstring).
 
     ``timeout_s`` bounds every wait at a barrier (a rank that never arrives: every other
-    rank raises ``odb.comm.dist.ODBExchangeError``); the loader's ``exchange_timeout_s`` is
+    rank raises ``odb.comm.protocol.ODBExchangeError``); the loader's ``exchange_timeout_s`` is
     not used here.
     """
 

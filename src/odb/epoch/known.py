@@ -21,7 +21,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from odb.config import ODBConfig
-from odb.comm.dist import announce_in_background
+from odb.comm.protocol import announce_in_background
 from odb.epoch.cursor import Cursor
 from odb.data.lengths import batch_loss_tokens
 from odb.data.source import Record, WorkerWatch
@@ -104,7 +104,7 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
         world, total, local_total = (exchange.world_size if exchange is not None else 1), *map(int, totals)
     elif exchange is not None:
         # Always as many entries as a step can hold (a shorter step pads), so a rank that fails before it
-        # knows its next step's size can still announce it (odb.comm.dist.RankExchange.announce).
+        # knows its next step's size can still announce it (odb.comm.protocol.RankExchange.announce).
         message = np.zeros(cfg.micro_steps_capacity(exchange.world_size), dtype=np.int64)
         message[:len(local)] = local
         gathered = exchange.all_gather(message, f"epoch {micro[0][1].epoch}, step {micro[0][1].step}")

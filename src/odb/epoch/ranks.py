@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from odb.comm.agreement import agreed_values, check_agreement, fingerprint
-from odb.comm.dist import ODBOptionMismatch
+from odb.comm.protocol import ODBOptionMismatch
 from odb.epoch.pool import SamplePool
 from odb.plan.align import StepPlan, global_steps, local_steps, shared_step_order
 from odb.plan.auto_budget import agree

@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from odb.comm.dist import RankExchange, world
+from odb.comm.dist import GroupExchanges, world
+from odb.comm.protocol import RankExchange
 from odb.loader.dataloader import ODBLoaderMixin
 
 
@@ -34,7 +35,7 @@ def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[st
     if world()[1] == 1:
         return [state]
     raw = json.dumps(state).encode()
-    exchange = RankExchange(loader.odb_config.exchange_timeout_s)  # new_group: every rank is past the last gather
+    exchange = GroupExchanges()(loader.odb_config.exchange_timeout_s)  # new_group: every rank is past the last gather
     if _previous is not None:
         _previous.release()
     _previous = exchange

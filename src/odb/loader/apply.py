@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from torch.utils.data import BatchSampler, DataLoader, default_collate
 
-from odb.comm.dist import ExchangeFactory
+from odb.comm.protocol import ExchangeFactory
 from odb.config import ODBConfig
 from odb.loader.core import LoaderCore, exchange_factory
 from odb.loader.dataloader import ODBLoaderMixin, check_inputs, draw_seed, group_collate_for, make_config, shuffles

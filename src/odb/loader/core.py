@@ -36,7 +36,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from odb.arguments import check_in_order
-from odb.comm.dist import ExchangeFactory, GroupExchanges, RankExchange
+from odb.comm.dist import GroupExchanges
+from odb.comm.protocol import ExchangeFactory, RankExchange
 from odb.config import ODBConfig
 from odb.data.bucket_collate import PadToBucket
 from odb.data.collate_check import PaddingHint

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from odb.arguments import check_in_order, check_options
-from odb.comm.dist import ExchangeFactory
+from odb.comm.protocol import ExchangeFactory
 from odb.config import CONFIG_FIELDS, ODBConfig
 from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler
@@ -97,7 +97,7 @@ class ODBLoaderMixin(DataLoader):
 
     def odb_abort(self, reason: "BaseException | str") -> None:
         """Stop this epoch because of ``reason`` (an exception or a message) found on the training thread,
-        and tell the other ranks: they raise ``odb.comm.dist.ODBRankFailed`` naming this rank and the reason at
+        and tell the other ranks: they raise ``odb.comm.protocol.ODBRankFailed`` naming this rank and the reason at
         their next exchange, instead of waiting for this rank. Then raise your error as usual.
 
         odb's integrations call it for their own checks; call it yourself when you catch an error of

@@ -26,7 +26,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from odb.train.batch_split import BatchSplitter, PaddedBatchSplitter
-from odb.comm.dist import RankExchange, world
+from odb.comm.dist import GroupExchanges, world
+from odb.comm.protocol import RankExchange
 from odb.train.loss import zero_loss
 from odb.step_info import ODBStepInfo
 
@@ -171,7 +172,7 @@ class _Run:
         self.backward = backward or torch.Tensor.backward
         self.no_sync, self.sync_step, self.sync_pass = no_sync, sync_step, sync_pass
         if exchange is None and world()[1] > 1:
-            exchange = RankExchange(_EXCHANGE_TIMEOUT_S)
+            exchange = GroupExchanges()(_EXCHANGE_TIMEOUT_S)
         self.exchange = exchange if exchange is not None and exchange.world_size > 1 else None
         self.splitter = splitter or PaddedBatchSplitter()
         self.n_rows = self.splitter.rows(batch)
