@@ -1,10 +1,12 @@
-"""The benchmark of ``make demo``: planner quality, ranks, loader cost, training speed, end to end.
+"""The benchmark of ``make demo``: convergence at the user's settings, planner quality, ranks, loader cost,
+training speed, end to end.
 
-    python -m odb.bench --out out/bench            # the full run (about 5 minutes on 2 cores)
+    python -m odb.bench --out out/bench            # the full run (about 20 minutes on 2 cores)
     python -m odb.bench --out /tmp/b --quick       # tiny sizes, for the smoke test
 
-Writes ``results.json``, ``bench.png``, ``step_metrics.png`` and ``summary.md`` under
-``--out`` and prints the tables and every goal, met or not. Offline: the model is built
+Writes ``results.json``, ``bench.png``, ``training_loss.png``, ``step_metrics.png`` and ``summary.md``
+under ``--out`` and prints the tables and every goal, met or not; a line on stderr as each section
+starts and ends (and the sections' own progress lines), also when the output goes to a log. Offline: the model is built
 from a config, nothing is downloaded. ``scripts/update_readme.py`` turns results.json
 into the README's benchmark table.
 """
@@ -40,10 +42,26 @@ SIZES: Dict[str, tuple] = {
 }
 
 
+def _lines(it: Any, desc: str = "", total: Optional[int] = None, **_: Any) -> Any:
+    """Progress as plain lines (about 5 per loop), for a log: no bar redraws."""
+    if total is None:
+        try:
+            total = len(it)
+        except TypeError:
+            total = None
+    every = max(1, (total or 0) // 5) if total else 0
+    t0 = time.perf_counter()
+    for i, x in enumerate(it, 1):
+        yield x
+        if every and (i % every == 0 or i == total):
+            print(f"[bench] {desc or 'progress'}: {i}/{total} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+
 def _progress() -> Callable[..., Any]:
-    """tqdm bars on a terminal; none when stderr is a file or a pipe (a log would fill with redraws)."""
+    """tqdm bars on a terminal; plain lines when stderr is a file or a pipe (a log would fill with redraws)."""
     if not sys.stderr.isatty():
-        return lambda it, **kw: it
+        return _lines
     try:
         from tqdm.auto import tqdm
     except ImportError:
@@ -98,6 +116,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default="out/bench", help="output folder (default: out/bench)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for smoke tests")
     p.add_argument("--device", default="cpu", help="device of the training benchmark, e.g. cpu or cuda")
+    p.add_argument("--skip-convergence", action="store_true", help="skip the convergence section (the first table)")
+    p.add_argument("--only-convergence", action="store_true",
+                   help="the convergence section alone (its results.json, summary.md and training_loss.png)")
     p.add_argument("--skip-train", action="store_true", help="skip the training benchmark")
     p.add_argument("--skip-loader", action="store_true", help="skip the loader-cost benchmark")
     p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end benchmark")
@@ -122,12 +143,27 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                         "load_average_start": _load()},
                                "wall_s": {}}
 
+    def section(name: str) -> None:
+        print(f"[bench] {name} ({(time.perf_counter() - t_all) / 60:.1f} min so far)", file=sys.stderr, flush=True)
+
+    if not args.skip_convergence:
+        from odb.bench.convergence import run_convergence_section
+
+        section("convergence at the user's settings: 2 ranks, 7 arms, A = 1 and 8, 3 rounds (about 6 min)")
+        t0 = time.perf_counter()
+        results["convergence"] = run_convergence_section(quick=args.quick, device="cpu", out_dir=args.out)
+        results["wall_s"]["convergence"] = time.perf_counter() - t0
+    if args.only_convergence:
+        return _finish(args, results, t_all)
+
+    section("planning")
     t0 = time.perf_counter()
     workloads = load_workloads(size["planning_samples"], real=not args.no_real,
                                log=lambda m: print(m, file=sys.stderr))
     results["planning"] = run_planning(workloads, budget=16384, buffer_sizes=BUFFER_SIZES, progress=progress)
     results["wall_s"]["planning"] = time.perf_counter() - t0
 
+    section("ranks")
     t0 = time.perf_counter()
     try:  # the rank simulation drives odb's internals, which may change under it: report, do not stop
         from odb.bench.ranks_bench import run_ranks
@@ -141,6 +177,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     results["wall_s"]["ranks"] = time.perf_counter() - t0
 
     if not args.skip_loader:
+        section("loader cost")
         from odb.bench.loader_speed import run_loader_speed
 
         t0 = time.perf_counter()
@@ -150,6 +187,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["wall_s"]["loader"] = time.perf_counter() - t0
 
     if not args.skip_train:
+        section("training speed (2 ranks, then 1 process)")
         from odb.bench.training import run_training
 
         t0 = time.perf_counter()
@@ -157,6 +195,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["wall_s"]["training"] = time.perf_counter() - t0
 
     if not args.skip_packing:
+        section("packed layout")
         from odb.bench.packing import run_packing
 
         t0 = time.perf_counter()
@@ -164,6 +203,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["wall_s"]["packing"] = time.perf_counter() - t0
 
     if not args.skip_auto:
+        section("token_budget='auto'")
         from odb.bench.auto_budget import run_auto_budget
 
         t0 = time.perf_counter()
@@ -171,6 +211,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["wall_s"]["auto_budget"] = time.perf_counter() - t0
 
     if not args.skip_e2e:
+        section("end to end")
         from odb.bench.e2e import run_e2e
 
         t0 = time.perf_counter()
@@ -178,18 +219,29 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                  warm_up_samples=min(128, size["e2e_samples"]), progress=progress)
         results["wall_s"]["e2e"] = time.perf_counter() - t0
 
+    return _finish(args, results, t_all)
+
+
+def _finish(args: argparse.Namespace, results: Dict[str, Any], t_all: float) -> Dict[str, Any]:
     results["wall_s"]["total"] = time.perf_counter() - t_all
     results["meta"]["load_average_end"] = _load()
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    plot(results, os.path.join(args.out, "bench.png"))
+    wrote = ["results.json"]
+    if "planning" in results:
+        plot(results, os.path.join(args.out, "bench.png"))
+        wrote.append("bench.png")
+    if "convergence" in results:
+        wrote.append("training_loss.png")
     if "loader" in results:
         plot_step_metrics(results["loader"], os.path.join(args.out, "step_metrics.png"))
+        wrote.append("step_metrics.png")
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(render(results, markdown=True) + "\n")
+    wrote.append("summary.md")
     print(render(results))
     print("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in results["wall_s"].items()))
-    print(f"wrote {args.out}/results.json, bench.png, step_metrics.png, summary.md")
+    print(f"wrote {args.out}/" + ", ".join(wrote))
     return results
 
 

@@ -247,23 +247,89 @@ def _training_part(part: Dict[str, Any], cap: int, rounds: int, markdown: bool) 
     return out
 
 
-def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
-    """Held-out loss and time to the target loss per arm (the target: the highest final loss of any arm)."""
-    first = next(iter(conv["arms"]))
-    header = ["arm", "lr", "tokens/step (planned)", "epochs", "steps", "train s", "held-out loss: start", "final",
-              f"s to {conv['target_loss']:.3f}", "x fixed"]
-    ref = conv["arms"].get("fixed", {}).get("time_to_target_s")
+def _ms(t: Optional[Dict[str, float]], spec: str = "{:.1f}") -> str:
+    """median (min-max) of a spread, or '-' (an arm that did not get there in some round)."""
+    if not t:
+        return "-"
+    return f"{spec.format(t['median'])} ({spec.format(t['min'])}-{spec.format(t['max'])})"
+
+
+def convergence_intro(conv: Dict[str, Any]) -> str:
+    m = conv.get("model") or {}
+    return (f"Real text ({conv['workload']} lengths: {conv['samples']} samples, mean {conv['mean_length']:.0f} / max "
+            f"{conv['max_length']} tokens), {conv['world']} gloo DDP ranks on CPU, a Llama of "
+            f"{m.get('num_hidden_layers', '?')} layers x {m.get('hidden_size', '?')} hidden, memory cap "
+            f"{conv['cap']:,} padded tokens per micro-batch, so the user's micro-batch is B = {conv['fixed_batch_size']} "
+            f"(the largest whose longest sample fits) and an optimizer step holds G = B x A x {conv['world']} samples. "
+            f"Every arm: the same samples per optimizer step (TRL packing as near as its rows allow), AdamW at the "
+            f"same constant learning rate {conv['base_lr']:g}, the same initial weights, the loss of a step its token "
+            f"mean over all micro-batches and ranks. {conv['epochs']} epochs each (+{conv['extra_epochs']} for an arm "
+            f"not yet at the target); target = the fixed arm's final held-out loss in the same round; "
+            f"{conv['rounds']} interleaved rounds (seeds 0-{conv['rounds'] - 1}): median (min-max). Held-out: "
+            f"{conv['held_out']['samples']} x {conv['held_out']['length']} tokens of unseen text; seconds exclude "
+            "evaluation.")
+
+
+def convergence_rows(part: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
+    header = ["arm", "samples / step", "optimizer steps", "micro-steps / step", "padding share", "real tokens/s",
+              f"s to target", "x fixed", "x group_by_length", f"loss at {part['equal_time_s']['median']:.1f} s",
+              "loader wait s"]
     rows = []
-    for arm, m in conv["arms"].items():
-        t = m.get("time_to_target_s")
-        rows.append([TRAIN_ARM_LABELS.get(arm, arm), f"{m['lr']:.2e}", f"{m['tokens_per_step_planned']:.0f}",
-                     str(m.get("epochs", "-")), str(m["steps"]), f"{m['train_s']:.1f}", f"{m['curve'][0]['loss']:.3f}", f"{m['final_loss']:.3f}",
-                     _fmt(t, "{:.1f}"), "-" if not (t and ref) else f"x{ref / t:.2f}"])
-    return (f"{conv['workload']}, {conv['samples']} samples, 2 ranks; {TRAIN_ARM_LABELS.get(first, first)} trains "
-            f"{conv['epochs']} epochs, every other arm as many epochs as fit in the same training time; learning rate = "
-            f"{conv['base_lr']:g} x sqrt(tokens per step / {conv['base_tokens_per_step']:.0f}, the fixed arm's); "
-            f"held-out: {conv['held_out']['samples']} x {conv['held_out']['length']} tokens of unseen text; "
-            "x fixed = fixed's time to the target / the arm's\n\n" + _table(header, rows, markdown))
+    for arm, m in part["arms"].items():
+        reached = m["reached"]
+        ttt = _ms(m["time_to_target_s"]) if m["time_to_target_s"] else (
+            f"not reached ({reached} of {len(part['rounds'])})" if "rounds" in part else "not reached")
+        rows.append([CONVERGENCE_LABELS.get(arm, arm), f"{m['samples_per_step']:.1f}", str(m["steps"]),
+                     f"{m['micro_steps_per_step']:.2f}", f"{m['padding_share']:.3f}", _ms(m["tokens_per_s"], "{:,.0f}"),
+                     ttt, _fmt(m.get("time_vs_fixed"), "x{:.2f}"), _fmt(m.get("time_vs_group_by_length"), "x{:.2f}"),
+                     _ms(m["loss_at_equal_time"], "{:.3f}"), _ms(m["loader_wait_s"], "{:.2f}")])
+    return header, rows
+
+
+CONVERGENCE_LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
+                      "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
+                      "odb_budget_filled": "odb budget-filled (not the same updates)"}
+
+
+def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
+    """The first table of ``make demo``: every arm at the user's samples per step, per accumulation A."""
+    h = "### " if markdown else "-- "
+    parts = [convergence_intro(conv), ""]
+    for acc, part in conv["accumulations"].items():
+        tgt = part["target_loss"]
+        parts += [f"{h}A = {acc}: G = {part['global_batch_size']} samples per optimizer step; target loss "
+                  f"{_ms(tgt, '{:.3f}')}, loss compared at {part['equal_time_s']['median']:.1f} s (the shortest arm's "
+                  "training time)", ""]
+        header, rows = convergence_rows(part)
+        parts += [_table(header, rows, markdown), ""]
+    first = next(iter(conv["accumulations"].values()))
+    parts += ["settings: " + "; ".join(f"{CONVERGENCE_LABELS.get(a, a)}: {m['settings']}"
+                                      for a, m in first["arms"].items()), ""]
+    for g in conv.get("goals", []):
+        line = f"goal: {g['goal']}: {_goal_measured(g)} (target {_goal_target(g)}): {_met(g['met'])}"
+        if not g["met"] and "gap" not in g:
+            line += "; breakdown: " + "; ".join(
+                f"{CONVERGENCE_LABELS.get(a, a)}: padding share {b['padding_share']:.3f}, "
+                f"{b['micro_steps_per_step']:.2f} micro-steps per step at {b['ms_per_micro_step']:.0f} ms each, "
+                f"loader wait {_fmt(b['loader_wait_s'], '{:.2f}')} s of {_fmt(b['train_s'], '{:.1f}')} s"
+                for a, b in ((a, conv.get("breakdown", {}).get(a)) for a in g.get("arms", [])) if b)
+        parts.append(line)
+    return "\n".join(parts)
+
+
+def _goal_measured(g: Dict[str, Any]) -> str:
+    if g.get("gap") is not None:
+        return f"largest |loss gap| {g['gap']['max_gap']:.4f} over {g['gap']['steps_compared']} evaluated steps"
+    return _fmt(g["measured"], "{:.2f}")
+
+
+def _goal_target(g: Dict[str, Any]) -> str:
+    if "gap" in g:
+        gap = g.get("gap")
+        return "<= fixed's spread over rounds at each step + 1e-4" + (
+            "" if not gap else f" (worst step {gap['step']}: gap {gap['worst_gap']:.4f}, spread "
+                               f"{gap['spread_there']:.4f})")
+    return f"<= {g['target']}"
 
 
 def training_table(training: Dict[str, Any], markdown: bool = False) -> str:
@@ -283,31 +349,48 @@ def training_table(training: Dict[str, Any], markdown: bool = False) -> str:
         if key in training:
             parts += [f"{'### ' if markdown else '== '}{title}", ""] + _training_part(training[key], cap, rounds,
                                                                                      markdown)
-    if training.get("convergence"):
-        parts += [f"{'### ' if markdown else '== '}Convergence on real text (loss vs wall time)",
-                  convergence_table(training["convergence"], markdown), ""]
     return "\n".join(parts)
 
 
 def plot_convergence(conv: Dict[str, Any], path: str) -> None:
-    """Held-out loss against training seconds, one line per arm."""
+    """Held-out loss against optimizer step and against training seconds (medians over rounds), per A."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm, m in conv["arms"].items():
-        ax.plot([p["s"] for p in m["curve"]], [p["loss"] for p in m["curve"]], marker=".",
-                label=f"{TRAIN_ARM_LABELS.get(arm, arm)} (lr {m['lr']:.1e})")
-    ax.axhline(conv["target_loss"], color="k", lw=0.8, ls="--", label="target")
-    ax.set_xlabel("training seconds (2 ranks, evaluation excluded)")
-    ax.set_ylabel("held-out loss (nats per byte)")
-    ax.set_title(f"Convergence: {conv['workload']}, {conv['samples']} samples, every arm as long as "
-                 f"{conv['epochs']} epochs of the first", fontsize=10)
-    ax.legend(fontsize=8)
+    accs = list(conv["accumulations"])
+    fig, axes = plt.subplots(len(accs), 2, figsize=(12, 4.2 * len(accs)), squeeze=False)
+    arms = list(next(iter(conv["accumulations"].values()))["arms"])
+    colors = {a: f"C{k}" for k, a in enumerate(arms)}
+    for row, acc in enumerate(accs):
+        part = conv["accumulations"][acc]
+        for arm, m in part["arms"].items():
+            pts = m["loss_by_step"]
+            style = dict(color=colors[arm], marker=".", lw=1.2, ls="--" if arm == "odb_budget_filled" else "-",
+                         label=CONVERGENCE_LABELS.get(arm, arm))
+            axes[row][0].plot([p["step"] for p in pts], [p["median"] for p in pts], **style)
+            axes[row][0].fill_between([p["step"] for p in pts], [p["min"] for p in pts], [p["max"] for p in pts],
+                                      color=colors[arm], alpha=0.12)
+            rounds = part.get("rounds") or []
+            if rounds:  # the median round's curve against seconds (the round of the median time to target)
+                curves = [r["arms"][arm]["curve"] for r in rounds]
+                curve = sorted(curves, key=lambda c: c[-1]["s"])[len(curves) // 2]
+                axes[row][1].plot([p["s"] for p in curve], [p["loss"] for p in curve], **style)
+        tgt = part["target_loss"]["median"]
+        for ax in axes[row]:
+            ax.axhline(tgt, color="k", lw=0.8, ls=":", label=f"target {tgt:.3f} (fixed's final)")
+            ax.set_ylabel("held-out loss (nats per byte)")
+        axes[row][0].set_xlabel(f"optimizer step (A = {acc}, G = {part['global_batch_size']} samples per step)")
+        axes[row][1].set_xlabel("training seconds (2 ranks, evaluation excluded; the median round)")
+        axes[row][0].set_title(f"A = {acc}: loss per optimizer step (median, band: min-max of "
+                               f"{conv['rounds']} rounds)", fontsize=10)
+        axes[row][1].set_title(f"A = {acc}: loss against time", fontsize=10)
+        axes[row][0].legend(fontsize=7)
+    fig.suptitle(f"Convergence at the user's settings: {conv['workload']}, {conv['samples']} samples, "
+                 f"cap {conv['cap']:,}, B = {conv['fixed_batch_size']}, same learning rate", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -414,6 +497,8 @@ def ranks_table(ranks: Dict[str, Any], markdown: bool) -> str:
 def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]:
     """(goal, measured, target, met) for every goal the results hold."""
     out: List[Tuple[str, str, str, Optional[bool]]] = []
+    for g in (results.get("convergence") or {}).get("goals", []):
+        out.append((g["goal"], _goal_measured(g), _goal_target(g), g["met"]))
     e2e = results.get("e2e")
     if e2e:
         g = e2e["goals"]
@@ -521,11 +606,15 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
     parts = []
     if goals(results):
         parts += [f"{h}Goals", goals_table(results, markdown), ""]
-    parts += [f"{h}Planner quality (token efficiency and tokens per step, every sampler)",
-              summary_table(results["planning"], markdown=markdown), "",
-              f"{h}Short epochs (the first windows' ramp-up)", short_epoch_table(results["planning"], markdown), "",
-              f"{h}odb buffers and planning cost", buffer_table(results["planning"], markdown), "",
-              f"{h}Planner details", planning_tables(results["planning"], markdown)]
+    if results.get("convergence"):
+        parts += [f"{h}Convergence at the user's settings (time to a model)",
+                  convergence_table(results["convergence"], markdown), ""]
+    if "planning" in results:
+        parts += [f"{h}Planner quality (token efficiency and tokens per step, every sampler)",
+                  summary_table(results["planning"], markdown=markdown), "",
+                  f"{h}Short epochs (the first windows' ramp-up)", short_epoch_table(results["planning"], markdown),
+                  "", f"{h}odb buffers and planning cost", buffer_table(results["planning"], markdown), "",
+                  f"{h}Planner details", planning_tables(results["planning"], markdown)]
     if "ranks" in results:
         r = results["ranks"]
         parts += [f"{h}Ranks ({r.get('world', '?')} simulated, buffer {r.get('buffer_size', '?')})",

@@ -5,10 +5,9 @@ nothing downloaded) on real text (``text_data``: Python's documentation, byte to
 on 2 gloo DDP ranks and on 1 process (one CPU thread each), every arm under the
 same memory cap of padded tokens per micro-batch (``training_arms``). Three workloads
 (short pairs, a heavy-tailed instruction mix, long chat), ``rounds`` interleaved rounds
-(arm order rotated, same seeds), medians with min-max spread (``training_run``). Then
-each arm trains several epochs on 2 ranks, its held-out loss recorded against training
-time, its learning rate scaled with the square root of its tokens per step
-(``convergence``). On ``--device cuda``: one process, bf16 autocast, an ~85M-parameter
+(arm order rotated, same seeds), medians with min-max spread (``training_run``). Each
+micro-batch is its own optimizer step here: this section measures tokens/s only; time to a
+model at the user's samples per step is ``convergence`` (the first section). On ``--device cuda``: one process, bf16 autocast, an ~85M-parameter
 Llama, full-length samples and a 4x larger cap; memory from
 ``torch.cuda.max_memory_allocated``.
 
@@ -33,17 +32,14 @@ CAP = {"cpu": 4096, "cuda": 16384}
 # What each part trains: samples per workload on 2 ranks and on 1 process (the heavy-tailed workload only, with the
 # samples of one rank: 2 cores run 2 ranks or 1 process in the same time), rounds, convergence run.
 SIZES: Dict[str, Dict[str, Any]] = {
-    "full": {"workloads": {"short-pairs": 1200, "heavy-tailed": 640, "long-chat": 320},
-             "ranks1": {"heavy-tailed": 320}, "rounds": 3,
-             "convergence": {"workload": "heavy-tailed", "samples": 480, "epochs": 2, "evals": 8}},
+    "full": {"workloads": {"short-pairs": 960, "heavy-tailed": 480, "long-chat": 256},
+             "ranks1": {"heavy-tailed": 192}, "rounds": 3},
     # one process on a GPU: the first round of each workload pays each new shape's kernel setup (cuDNN
     # attention plans), so the medians come from the later rounds; sized to fit a 15-minute GPU lease
     "cuda": {"workloads": {"short-pairs": 1200, "heavy-tailed": 320, "long-chat": 128}, "rounds": 3},
     "quick": {"workloads": {"short-pairs": 64, "heavy-tailed": 32, "long-chat": 16}, "ranks1": {"heavy-tailed": 16},
-              "rounds": 1, "convergence": {"workload": "heavy-tailed", "samples": 32, "epochs": 1, "evals": 2}},
+              "rounds": 1},
 }
-CONVERGENCE_ARMS = ("fixed", "group_by_length", "odb_padded", "odb_packed", "odb_padded_same_lr")
-BASE_LR = 2e-3  # the fixed arm's learning rate; the others scale from it (convergence.lr_for)
 # (name, odb arm, baseline, workloads or None for every one, minimum ratio of real tokens/s)
 GOALS = [
     ("odb padded / group_by_length", "odb_padded", "group_by_length", ("heavy-tailed", "short-pairs"), 1.45),
@@ -80,22 +76,14 @@ def run_training(*, quick: bool = False, device: str = "cpu", out_dir: Optional[
                            "arms": list(ARMS), "wall_s": {}}
     t0 = time.perf_counter()
     if kind == "cpu":
-        conv = {**size["convergence"], "base_lr": BASE_LR,
-                "arms": list(CONVERGENCE_ARMS[:-1] if quick else CONVERGENCE_ARMS)}
-        both = launch({**base, "threads": 1, "workloads": size["workloads"], "convergence": conv}, world=2,
-                      timeout_s=timeout_s)
-        out["ranks2"], out["convergence"] = {**both["workloads_meta"], "workloads": both["workloads"]}, \
-            both["convergence"]
-        out["wall_s"]["ranks2_and_convergence"] = time.perf_counter() - t0
+        both = launch({**base, "threads": 1, "workloads": size["workloads"]}, world=2, timeout_s=timeout_s)
+        out["ranks2"] = {**both["workloads_meta"], "workloads": both["workloads"]}
+        out["wall_s"]["ranks2"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         one = launch({**base, "threads": 1, "workloads": size["ranks1"]}, world=1, timeout_s=timeout_s)
         out["ranks1"] = {**one["workloads_meta"], "workloads": one["workloads"]}
         out["wall_s"]["ranks1"] = time.perf_counter() - t0
         out["goals"] = training_goals(out["ranks2"])
-        if out_dir:
-            from odb.bench.report import plot_convergence
-
-            plot_convergence(out["convergence"], os.path.join(out_dir, "training_loss.png"))
     else:
         one = launch({**base, "threads": 1, "workloads": size["workloads"]}, world=1, timeout_s=timeout_s)
         out["ranks1"] = {**one["workloads_meta"], "workloads": one["workloads"]}
