@@ -84,7 +84,7 @@ def training_section(tr: Dict[str, Any]) -> List[str]:
     r2 = tr["ranks2"]
     lines = speed_table(r2)
     fixed_b = ", ".join(f"{w['fixed_batch_size']}" for w in r2["workloads"].values())
-    out = [f"**Training speed**: real (supervised) tokens per second of a small Llama trained on real text, "
+    out = [f"**Training speed** (each micro-batch its own optimizer step: tokens/s only, not the same updates): real (supervised) tokens per second of a small Llama trained on real text, "
            f"{r2['world']} DDP ranks (gloo, {tr['device']}, {r2['threads']} thread each), every arm under the same "
            f"memory cap of {tr['cap']:,} padded tokens per micro-batch; median of {tr['rounds']} interleaved rounds "
            f"(spread in docs/benchmarks.md). Fixed-size arms use the largest batch whose longest sample fits the cap "
@@ -97,13 +97,6 @@ def training_section(tr: Dict[str, Any]) -> List[str]:
             o = w["odb_over"].get("odb_padded", {})
             out.append(f"On 1 process ({name}, {w['samples']:,} samples): odb " + ", ".join(
                 f"{v:.2f}x {k}" for k, v in o.items() if k != "odb_packed") + ".")
-    conv = tr.get("convergence")
-    if conv:
-        arms = conv["arms"]
-        ttl = ", ".join(f"{k} {_num(a.get('time_to_target_s'), '{:.0f} s') if a.get('time_to_target_s') is not None else 'not reached'}"
-                        for k, a in arms.items())
-        out.append(f"Convergence ({conv['workload']}, held-out loss against training time, learning rate scaled with "
-                   f"the {conv['lr_rule']} of tokens per step): time to loss {conv['target_loss']:.2f}: {ttl}.")
     return out
 
 
@@ -183,10 +176,65 @@ def _load_text(meta: Dict[str, Any]) -> str:
             f"(15 min: {end[2]:.1f}); more than the cores means other work shared them.")
 
 
+def _spread(t: Optional[Dict[str, float]], spec: str = "{:.1f}") -> str:
+    if not t:
+        return "-"
+    return f"{spec.format(t['median'])} ({spec.format(t['min'])}-{spec.format(t['max'])})"
+
+
+CONV_LABELS = {"fixed": "fixed batch", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
+               "trl_packing": "TRL packing", "odb_padded": "**odb padded**", "odb_packed": "**odb packed**",
+               "odb_budget_filled": "odb budget-filled (not the same updates)"}
+
+
+def convergence_section(conv: Dict[str, Any]) -> List[str]:
+    """The headline: time to a held-out loss, every arm at the user's samples per optimizer step, A = 8 then 1."""
+    m = conv.get("model") or {}
+    out = [f"**Time to a model at your settings**: a Llama of {m.get('num_hidden_layers', '?')} layers x "
+           f"{m.get('hidden_size', '?')} hidden trained on real text ({conv['workload']} lengths, {conv['samples']} "
+           f"samples, mean {conv['mean_length']:.0f} / max {conv['max_length']} tokens), {conv['world']} DDP ranks "
+           f"(gloo, CPU), a memory cap of {conv['cap']:,} padded tokens per micro-batch: micro-batch B = "
+           f"{conv['fixed_batch_size']} (the largest whose longest sample fits), accumulation A, so an optimizer step "
+           f"holds G = B x A x {conv['world']} samples in every arm (TRL packing: as near as its rows allow), at the "
+           f"same learning rate ({conv['base_lr']:g}, AdamW, constant) from the same weights. Time to the target = "
+           f"seconds until the held-out loss reaches the fixed arm's final loss ({conv['epochs']} epochs); median "
+           f"(min-max) of {conv['rounds']} interleaved rounds; loss at equal time = at the shortest arm's training "
+           "time. odb: `ODBDataLoader(token_budget=cap, global_batch_size=G)`; budget-filled odb (no "
+           "`global_batch_size`, today's default) puts more samples in each update and is not the same run."]
+    for acc in sorted(conv["accumulations"], key=lambda a: -int(a)):
+        part = conv["accumulations"][acc]
+        header = ["arm", "samples / step", "optimizer steps", "micro-steps / step", "real tokens/s",
+                  "s to target", "time / fixed's", f"held-out loss at {part['equal_time_s']['median']:.1f} s"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        for arm, a in part["arms"].items():
+            ttt = _spread(a["time_to_target_s"]) if a["time_to_target_s"] else (
+                f"not reached in {a['reached']} of {len(part.get('rounds', [])) or conv['rounds']} rounds"
+                if a["reached"] else "not reached")
+            lines.append("| " + " | ".join([
+                CONV_LABELS.get(arm, arm), f"{a['samples_per_step']:.1f}", str(a["steps"]),
+                f"{a['micro_steps_per_step']:.2f}", _spread(a["tokens_per_s"], "{:,.0f}"), ttt,
+                _num(a.get("time_vs_fixed"), "{:.2f}x"), _spread(a["loss_at_equal_time"], "{:.3f}")]) + " |")
+        out += ["", f"A = {acc} (G = {part['global_batch_size']} samples per step), target loss "
+                f"{part['target_loss']['median']:.3f}:", "", *lines]
+    goals = conv.get("goals") or []
+    if goals:
+        from_goal = []
+        for g in goals:
+            what = g["goal"].split("): ", 1)[-1]
+            fig = (f"{g['measured']:.2f} (target <= {g['target']})" if g.get("gap") is None and g["measured"] is not None
+                   else f"largest gap {g['gap']['max_gap']:.3f}" if g.get("gap") else "-")
+            from_goal.append(f"{what}: {fig}, {_met(g['met'])}")
+        out += ["", "Goals (A = 8): " + "; ".join(from_goal) + ". Each missed goal's measured breakdown (padding "
+                "share, micro-steps per step, loader waits): docs/benchmarks.md."]
+    return out
+
+
 def section(results: Dict[str, Any]) -> str:
     intro = (_run_line(results) + "; published with `make publish` into docs/results/bench.json. Method, definitions "
              "and every table: [docs/benchmarks.md](docs/benchmarks.md).")
     body = [intro, ""]
+    if results.get("convergence"):
+        body += [*convergence_section(results["convergence"]), ""]
     if results.get("training", {}).get("ranks2"):
         body += [*training_section(results["training"]), ""]
     body += headline_section(results)
@@ -227,7 +275,8 @@ def gpu_section(results: Dict[str, Any]) -> str:
     fixed_b = ", ".join(f"{w['fixed_batch_size']}" for w in part["workloads"].values())
     body = [_gpu_run_line(results) + "; results file docs/results/bench_gpu.json.", "",
             f"**On a GPU**: 1 process, bf16 autocast, a Llama of {m['num_hidden_layers']} layers x {m['hidden_size']} "
-            f"hidden (about 85M parameters) on full-length samples, every arm under a cap of {tr['cap']:,} padded "
+            f"hidden (about 85M parameters; too small to saturate this GPU, so the number of steps, not the padding, "
+            f"dominates its time) on full-length samples, every arm under a cap of {tr['cap']:,} padded "
             f"tokens per micro-batch (fixed B = {fixed_b}); real tokens/s, median of {tr['rounds']} interleaved rounds "
             f"(the first round of each arm pays its new shapes' kernel setup; spread and peak memory in "
             f"docs/benchmarks.md).", "", *speed_table(part), "", _slower(part)]

@@ -70,7 +70,7 @@ def bench(tmp_path_factory):
     paths = [os.path.join(copy or ROOT, "src"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))  # the copy's odb
     proc = subprocess.run([sys.executable, "-m", "odb.bench", "--out", str(out), "--quick"], env=env,
-                          capture_output=True, timeout=300, cwd=copy or ROOT)  # where `make demo` runs
+                          capture_output=True, timeout=1200, cwd=copy or ROOT)  # where `make demo` runs
     # bytes, decoded here: text=True would read each '\r' of a progress bar as a newline
     stdout, stderr = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
     status = git("status", "--porcelain", "--untracked-files=all", cwd=copy) if copy else None
@@ -82,15 +82,32 @@ def bench(tmp_path_factory):
 
 def test_outputs_written(bench):
     out, results, stdout = bench
-    assert set(results) >= {"meta", "planning", "ranks", "loader", "training", "e2e", "packing", "auto_budget",
-                            "wall_s"}
+    assert set(results) >= {"meta", "convergence", "planning", "ranks", "loader", "training", "e2e", "packing",
+                            "auto_budget", "wall_s"}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
-    for heading in ("Goals", "Planner quality", "odb buffers", "Loader cost", "Training", "End to end",
+    for heading in ("Goals", "Convergence at the user's settings", "Planner quality", "odb buffers", "Loader cost", "Training", "End to end",
                     'token_budget="auto" under a memory cap'):
         assert heading in summary and heading in stdout, heading
     assert "useful fill" in stdout and "odb padded x" in stdout and "overlap" in stdout
     assert (out / "training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the closing line names every file written, every plot among them (training_loss.png was missing)
+    wrote = [line for line in stdout.splitlines() if line.startswith("wrote ")][-1]
+    for name in ("results.json", "bench.png", "training_loss.png", "step_metrics.png", "summary.md"):
+        assert name in wrote and (out / name).exists(), name
+    # the first table: convergence at the user's settings, every arm, A = 1 and 8
+    assert summary.index("Convergence at the user's settings") < summary.index("Planner quality")
+    conv = results["convergence"]
+    assert set(conv["accumulations"]) == {"1", "8"}
+    for part in conv["accumulations"].values():
+        assert set(part["arms"]) == {"fixed", "group_by_length", "batch_rebalance", "trl_packing", "odb_padded",
+                                     "odb_packed", "odb_budget_filled"}
+        for m in part["arms"].values():
+            assert m["steps"] >= 1 and m["samples_per_step"] > 0 and m["loss_by_step"]
+    assert [g["goal"].split(": ")[-1] for g in conv["goals"]][:3] == [
+        "time to target, odb padded / fixed", "time to target, odb padded / group_by_length",
+        "time to target, odb packed / group_by_length"]
+    assert "[bench] convergence" in CHECKOUT["stderr"] and "[bench] end to end" in CHECKOUT["stderr"]
     # The printed goals table holds every goal of the results, in order, with its figure, target and verdict.
     expected = goals(results)
     for part in ("end to end, ", "window ", "short epoch ", "order ", "planning ", "loader (", "packed ", "training (",
@@ -238,7 +255,6 @@ def test_loader_training_and_e2e_figures(bench):
             assert odb_tokens == w["arms"]["odb_packed"]["real_tokens"] == w["tokens"]  # each sample once
             assert all(v > 0.0 for v in w["odb_over"]["odb_padded"].values())
     assert training["goals"] and all(isinstance(g["met"], bool) for g in training["goals"])
-    assert set(training["convergence"]["arms"]) >= {"fixed", "group_by_length", "odb_padded", "odb_packed"}
     e2e = results["e2e"]
     assert set(e2e["settings"]) == {"compute-bound", "data-bound", "compute-bound, GIL-holding step",
                                     "data-bound, GIL-holding step"}

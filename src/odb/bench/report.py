@@ -25,7 +25,7 @@ _PLAN_KEYS = {"steps": "steps", "tokens/step / cap": "useful_fill", "useful fill
 METHOD_ORDER = ["fixed", "length_grouped", "batch_rebalance", "odb-256", "odb-512", "odb-1024", "odb-2048",
                 "odb-default", "oracle"]
 SUMMARY_ODB = ("odb-512", "odb-2048", "odb-default")
-_SHORT_NAMES = {"fixed": "fixed", "length_grouped": "LengthGrouped", "batch_rebalance": "BatchRebalance",
+_SHORT_NAMES = {"fixed": "fixed", "length_grouped": "group_by_length", "batch_rebalance": "BatchRebalance",
                 "odb-default": "odb-default", "oracle": "oracle"}
 PLANNING_LEGEND = (
     "token eff. = real / padded tokens (what share of the computed tokens is data); tokens/step / cap = mean real "
@@ -34,6 +34,11 @@ PLANNING_LEGEND = (
     "their tokens/step are equal by construction; they differ in token efficiency. useful fill / oracle = "
     "odb's tokens/step / the oracle's (the oracle knows every length, sorts them and cuts greedily under the "
     "budget: odb.bench.planning.oracle_batches, not odb's planner); it is shown for odb only.")
+
+
+# One name per arm in every table and plot (results keys stay as they were: length_grouped, length-grouped).
+ARM_NAMES = {"length_grouped": "group_by_length", "length-grouped": "group_by_length", "plain_replay": "plain replay",
+             "batch_rebalance": "BatchRebalance", "oracle": "oracle"}
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -401,7 +406,7 @@ def e2e_table(e2e: Dict[str, Any], markdown: bool = False) -> str:
              f"max {e2e['lengths']['max']}), sample cost {e2e['sample_cost']['mean_ms']:.2f} ms CPU on average, "
              f"{e2e['num_workers']} workers, budget {e2e['token_budget']}, {e2e.get('logical_cpus')} logical CPUs; "
              f"data time {e2e['data_s']:.2f} s (= {e2e['data_cpu_s']:.2f} CPU s measured in one process / "
-             f"{e2e['num_workers']} workers); plain-fit and length-grouped B={e2e['plain_fit_batch_size']}, "
+             f"{e2e['num_workers']} workers); plain-fit and group_by_length B={e2e['plain_fit_batch_size']}, "
              f"plain-mean B={e2e['plain_mean_batch_size']}; every arm at its defaults; medians of {e2e['repeats']} "
              "(arms interleaved). compute s: the steps' nominal cost (seconds per padded token x padded tokens); "
              "step s: what they took; ideal = max(data time, compute s); overlap = epoch / ideal; "
@@ -412,7 +417,7 @@ def e2e_table(e2e: Dict[str, Any], markdown: bool = False) -> str:
     for name, st in e2e["settings"].items():
         rows = []
         for arm, m in st["median"].items():
-            rows.append([arm, f"{m['epoch_s']:.2f}", _fmt(m.get("ideal_s"), "{:.2f}"), f"{m['overlap']:.2f}",
+            rows.append([ARM_NAMES.get(arm, arm), f"{m['epoch_s']:.2f}", _fmt(m.get("ideal_s"), "{:.2f}"), f"{m['overlap']:.2f}",
                          f"{m['loader_wait_s']:.2f}", _fmt(m.get("wait_after_first_s"), "{:.2f}"),
                          f"{m['first_batch_s']:.3f}", f"{m['compute_s']:.2f}", _fmt(m.get("step_s"), "{:.2f}"),
                          f"{m['loader_cpu_s']:.2f}", _fmt(m.get("main_cpu_s"), "{:.2f}"),
@@ -425,7 +430,7 @@ def e2e_table(e2e: Dict[str, Any], markdown: bool = False) -> str:
         line = (f"odb overlap {o['overlap']:.2f} (goal <= {g['overlap_max']}: {_met(met['overlap'])}); "
                 f"odb epoch / plain-fit x{st['odb_vs_plain_fit']:.3f}, / plain-mean x{st['odb_vs_plain_mean']:.3f}")
         if "odb_vs_length_grouped" in st:
-            line += f", / length-grouped x{st['odb_vs_length_grouped']:.3f}"
+            line += f", / group_by_length x{st['odb_vs_length_grouped']:.3f}"
         if "faster_than_plain_fit" in met:
             line += (f" (goal < 1 vs plain-fit: {_met(met['faster_than_plain_fit'])}; "
                      f"vs plain-mean: {_met(met['faster_than_plain_mean'])})")
@@ -675,6 +680,10 @@ def plot_step_metrics(loader: Dict[str, Any], path: str) -> None:
 
 
 def plot(results: Dict[str, Any], path: str) -> None:
+    """bench.png: planner quality, loader cost, training speed and end-to-end overlap, one panel each; one name per
+    arm, every legend below its panel (none over a bar), no tick labels drawn over each other."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -683,70 +692,65 @@ def plot(results: Dict[str, Any], path: str) -> None:
     planning = results["planning"]
     extra = [k for k in ("loader", "training", "e2e") if k in results]
     panels = 1 + len(extra)
-    fig, axes = plt.subplots(1, panels, figsize=(7 + 3.5 * panels, 4.8),
-                             gridspec_kw={"width_ratios": [3] + [1] * (panels - 1)}, squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(7 + 4.2 * panels, 6.2),
+                             gridspec_kw={"width_ratios": [2.4] + [1] * (panels - 1)}, squeeze=False)
+
+    def below(ax: Any, ncol: int) -> None:
+        ax.legend(fontsize=7, ncol=ncol, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+
+    def grouped(ax: Any, groups: List[str], series: List[Tuple[str, List[float]]]) -> None:
+        width = 0.8 / max(1, len(series))
+        for k, (label, ys) in enumerate(series):
+            ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))], ys, width, label=label,
+                   color=f"C{k}")
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(["\n".join(textwrap.wrap(g, 14, break_long_words=False)) for g in groups], fontsize=7)
+
     ax = axes[0][0]
     names = list(planning["workloads"])
     methods = [m for m in METHOD_ORDER if m != "oracle"
                and any(m in w["methods"] for w in planning["workloads"].values())]
-    width = 0.8 / len(methods)
-    for k, m in enumerate(methods):
-        ys = [planning["workloads"][n]["methods"].get(m, {}).get("ratio_to_oracle", 0.0) for n in names]
-        ax.bar([i + (k - (len(methods) - 1) / 2) * width for i in range(len(names))], ys, width, label=m)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks(range(len(names)))
+    grouped(ax, names, [(ARM_NAMES.get(m, m), [planning["workloads"][n]["methods"].get(m, {}).get(
+        "ratio_to_oracle", 0.0) for n in names]) for m in methods])
     ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_ylabel("useful fill / oracle")
-    ax.set_title(f"Planner quality (budget {planning['token_budget']})")
-    ax.set_ylim(0, 1.2)
-    ax.legend(fontsize=7, ncol=4, loc="upper center")
+    ax.set_title(f"Planner quality (budget {planning['token_budget']})", fontsize=10)
+    ax.set_ylim(0, 1.25)
+    below(ax, 4)
     for col, key in enumerate(extra, start=1):
         ax = axes[0][col]
         if key == "loader":
             regimes = _loader_regimes(results["loader"])
-            labels, values = [], []
-            for name, reg in regimes.items():
-                for arm, m in reg["median"].items():
-                    labels.append(f"{name}\n{arm}")
-                    values.append(m["samples_per_s"])
-            ax.bar(range(len(values)), values, color=["C0", "C3", "C7"] * len(regimes))
-            ax.set_xticks(range(len(values)))
-            ax.set_xticklabels(labels, fontsize=6)
+            arms = list(next(iter(regimes.values()))["median"])
+            grouped(ax, list(regimes), [(ARM_NAMES.get(a, a), [reg["median"].get(a, {}).get("samples_per_s", 0.0)
+                                                               for reg in regimes.values()]) for a in arms])
             ax.set_ylabel("samples/s")
-            ax.set_title(f"Loader ({results['loader']['num_workers']} workers)")
+            ax.set_title(f"Loader ({results['loader']['num_workers']} workers)", fontsize=10)
+            below(ax, 2)
         elif key == "training":
             part = results["training"].get("ranks2") or results["training"].get("ranks1") or {"workloads": {}}
             names = list(part["workloads"])
             arms = results["training"].get("arms", [])
-            width = 0.8 / max(1, len(arms))
-            for k, arm in enumerate(arms):
-                ys = [part["workloads"][n]["arms"].get(arm, {}).get("tokens_per_s", {}).get("median", 0.0)
-                      for n in names]
-                ax.bar([i + (k - (len(arms) - 1) / 2) * width for i in range(len(names))], ys, width,
-                       label=TRAIN_ARM_LABELS.get(arm, arm))
-            ax.set_xticks(range(len(names)))
-            ax.set_xticklabels(names, fontsize=7)
+            grouped(ax, names, [(TRAIN_ARM_LABELS.get(a, a), [part["workloads"][n]["arms"].get(a, {}).get(
+                "tokens_per_s", {}).get("median", 0.0) for n in names]) for a in arms])
             ax.set_ylabel("real tokens/s")
-            ax.set_title(f"Training ({results['training']['device']}, {part.get('world', 1)} rank(s))", fontsize=9)
-            ax.legend(fontsize=6)
+            ax.set_title(f"Training speed ({results['training']['device']}, {part.get('world', 1)} rank(s))",
+                         fontsize=10)
+            below(ax, 2)
         else:
             e2e = results["e2e"]
             settings = list(e2e["settings"])
             arms = list(e2e["settings"][settings[0]]["median"])
-            width = 0.8 / len(arms)
-            for k, arm in enumerate(arms):
-                ys = [e2e["settings"][s]["median"][arm]["overlap"] for s in settings]
-                ax.bar([i + (k - (len(arms) - 1) / 2) * width for i in range(len(settings))], ys, width, label=arm)
-            ax.axhline(e2e["goals"]["overlap_max"], color="k", lw=0.8, ls="--")
-            ax.set_xticks(range(len(settings)))
-            ax.set_xticklabels(settings, fontsize=8)
+            grouped(ax, settings, [(ARM_NAMES.get(a, a), [e2e["settings"][s_]["median"][a]["overlap"]
+                                                          for s_ in settings]) for a in arms])
+            ax.axhline(e2e["goals"]["overlap_max"], color="k", lw=0.8, ls="--", label="goal")
             ax.set_ylabel("epoch / max(data, compute)")
-            ax.set_title("End to end (overlap)")
-            ax.legend(fontsize=7)
+            ax.set_title("End to end (overlap)", fontsize=10)
+            below(ax, 3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
-
 
 if __name__ == "__main__":
     with open(sys.argv[1] if len(sys.argv) > 1 else "out/bench/results.json") as f:
