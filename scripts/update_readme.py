@@ -158,14 +158,29 @@ def _where(meta: Dict[str, Any]) -> str:
     return "" if not commit else f", odb at commit {commit[:10]}{' (with local changes)' if git.get('dirty') else ''}"
 
 
+def _loads(load: Any) -> str:
+    """'a at the start, b at the end' of 1-minute load averages ([start, end] of [1, 5, 15]-minute triples)."""
+    try:
+        return f"{load[0][0]:.1f} at the start, {load[1][0]:.1f} at the end (2 cores)"
+    except (TypeError, IndexError):
+        return "?"
+
+
 def _run_line(results: Dict[str, Any]) -> str:
     meta = results.get("meta", {})
     machine = meta.get("machine", {})
     where = _where(meta)
     wall = results.get("wall_s", {}).get("total")
-    return (f"From `make demo` (`python -m odb.bench --out out/bench`, {wall / 60:.1f} min{where}) on "
+    line = (f"From `make demo` (`python -m odb.bench --out out/bench`, {wall / 60:.1f} min{where}) on "
             f"{machine.get('logical_cpus', '?')} CPUs ({machine.get('cpu', '?')}), torch {machine.get('torch', '?')}, "
             f"transformers {machine.get('transformers', '?')}")
+    conv = meta.get("convergence_run")
+    if conv:  # the convergence section measured on its own, its results put beside the other sections' run
+        cwhere = _where(conv)
+        line = (f"Convergence section from `{conv['command']}` ({conv['wall_s'] / 60:.1f} min{cwhere}, "
+                f"{conv.get('date', 'date unknown')}, load average {_loads(conv.get('load'))}); the other sections "
+                + line[0].lower() + line[1:])
+    return line
 
 
 def _load_text(meta: Dict[str, Any]) -> str:

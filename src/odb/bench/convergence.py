@@ -523,9 +523,9 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8") -> List[Dict[str, An
 
 CAP = 4096
 BASE_LR = 3e-3  # every arm's learning rate (AdamW, constant)
-# The full run (~6 min on 2 cores) and the smoke test's (structure only, its figures mean nothing).
+# The full run (~5 min on 2 idle cores) and the smoke test's (structure only, its figures mean nothing).
 SIZES: Dict[str, Dict[str, Any]] = {
-    "full": {"workload": "heavy-tailed", "samples": 448, "epochs": 2, "evals": 7, "rounds": 3,
+    "full": {"workload": "heavy-tailed", "samples": 384, "epochs": 2, "evals": 6, "rounds": 3,
              "accumulations": [1, 8], "extra_epochs": 1},
     "quick": {"workload": "heavy-tailed", "samples": 24, "epochs": 1, "evals": 1, "rounds": 1,
               "accumulations": [1, 8], "extra_epochs": 0},
