@@ -18,7 +18,6 @@ Balance = Literal["tokens", "time"]
 _OVERSIZE = ("error", "alone", "skip")
 _LOSS_SCALING = ("exact", "approx", "sample", "none")
 _LAYOUTS = ("padded", "packed")
-_BALANCE = ("tokens", "time")
 AUTO = "auto"  # token_budget="auto": the loader sets the budget from measured steps (odb.plan.auto_budget)
 
 
@@ -175,7 +174,8 @@ class ODBConfig:
         auto_margin: ``token_budget="auto"``: the share of the cap kept free (default 0.1).
         balance: how ranks pair their batches in a step (several ranks): "tokens" (default: by
             the planner's cost) or "time" (by predicted step seconds, once the step-time model is
-            fitted; needs ``token_budget="auto"``).
+            fitted; needs ``token_budget="auto"``), or a criterion registered with
+            ``odb.plan.pairing.register_pairing``.
     """
 
     token_budget: Union[int, Tuple[int, ...], Literal["auto"]]
@@ -310,8 +310,11 @@ class ODBConfig:
                 not math.isfinite(self.sample_cost) or self.sample_cost < 0:
             _fail("sample_cost", self.sample_cost, "must be a finite number >= 0 (tokens-equivalent per sample)",
                   "pass 0.0 (none) or e.g. 16.0")
-        if self.balance not in _BALANCE:
-            _fail("balance", self.balance, f"must be one of {_BALANCE}", 'use "tokens" (default) or "time"')
+        from odb.plan.pairing import PAIRINGS
+
+        if self.balance not in PAIRINGS:
+            _fail("balance", self.balance, f"must be one of {tuple(PAIRINGS)}",
+                  'use "tokens" (default) or "time" (or register a criterion: odb.plan.pairing.register_pairing)')
         if isinstance(self.token_budget, str) and self.token_budget != AUTO:
             _fail("token_budget", self.token_budget, 'must be an int, a tuple of ints or "auto"',
                   'pass e.g. token_budget=16384, or token_budget="auto" with a memory cap', TypeError)

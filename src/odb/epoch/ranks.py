@@ -12,13 +12,13 @@ them reaches the training loop, so a rank whose batch failed stops every rank at
 step; ``announce`` joins the next exchange with a failure or a stop. The header and the
 confirmation have the same size (status, 4 header fields, the plan options'
 fingerprint), so a rank that fails anywhere but between a header and its summaries knows
-the shape the others expect. With ``token_budget="auto"`` (``auto_plans``) the header also
-carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints) and whether
-its time model predicts (1 int; zeros in a confirmation, and always zeros without "auto"), and
-``agreed_plan`` is the most conservative of every rank's (``agree``), which the epoch run applies
-to its next window; with balance="time" the ranks pair by predicted seconds only in a window where
-every rank's time model predicts (else all by the planner's cost, so no step pairs one rank's
-seconds with another's tokens).
+the shape the others expect. The header also
+carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints; zeros without
+token_budget="auto") and whether its pairing criterion (``pairing``, odb.plan.pairing: ``balance``)
+prices this window (1 int; zeros in a confirmation). With "auto" (``auto_plans``) ``agreed_plan`` is
+the most conservative of every rank's proposals (``agree``), which the epoch run applies to its next
+window; the ranks pair by the criterion's price only in a window where every rank's is ready (else
+all by the planner's cost, so no step pairs one rank's seconds with another's tokens).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from odb.epoch.pool import SamplePool
 from odb.plan.align import StepPlan, global_steps, local_steps, shared_step_order
 from odb.plan.auto_budget import agree
 from odb.plan.fitting import cost_rank_order, decide_splits, decide_trim, decide_window, must_emit
+from odb.plan.pairing import Pairing, TokenPairing
 from odb.plan.planner import balanced_partition
 from odb.plan.window import WindowPlanner
 
@@ -63,7 +64,7 @@ class RankAligner:
 
     def __init__(self, exchange: Any, planner: WindowPlanner, pool: SamplePool, *, epoch: int, seed: int,
                  shuffle: bool, steps_done: Callable[[], int] = lambda: 0, options: Any = None,
-                 auto_plans: bool = False, whole_windows: bool = False) -> None:
+                 auto_plans: bool = False, whole_windows: bool = False, pairing: Optional[Pairing] = None) -> None:
         self.exchange = exchange
         # global_batch_size: a window is an optimizer step, emitted whole (nothing deferred to a later one)
         self.whole_windows = whole_windows
@@ -81,11 +82,10 @@ class RankAligner:
         self._auto = bool(auto_plans)
         self.proposal: Optional[np.ndarray] = None  # this rank's encoded proposal, sent with the next header
         self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (auto only)
-        # balance="time": predicted seconds of a group's batch (None before the time model is fitted), and whether
-        # this rank's time model (frozen for the window) predicts: ranks pair by seconds only when every rank's does
-        self.time_cost: Optional[Callable[[np.ndarray], Optional[float]]] = None
-        self.time_ready = False
-        self._time_ready_all = False
+        # how ranks pair their groups (balance): by the criterion's price in a window where it is ready on every
+        # rank (a flag in the header), else by the planner's cost
+        self.pairing = pairing if pairing is not None else TokenPairing()
+        self._ready_all = False
         self._body: Optional[Tuple[int, int]] = None  # shape of the summaries due after a header
 
     # ---- state (odb.resume) ------------------------------------------------------------
@@ -107,12 +107,12 @@ class RankAligner:
         return self.planner.cost.group_cost(self.pool.lengths(group))
 
     def pair_cost(self, group: np.ndarray) -> int:
-        """What ranks compare to pair groups of similar cost: ``cost``, or with balance="time" the predicted
-        step time in microseconds once the time model is fitted."""
-        if self.time_cost is not None and self._time_ready_all:
-            seconds = self.time_cost(self.planner.cost.pad(self.pool.lengths(group)))
-            if seconds is not None:
-                return int(round(seconds * 1e6))
+        """What ranks compare to pair groups of similar cost: the pairing criterion's price where every rank's
+        criterion is ready this window (balance="time": predicted microseconds), else ``cost``."""
+        if self._ready_all:
+            price = self.pairing.price(self.planner.cost.pad(self.pool.lengths(group)))
+            if price is not None:
+                return price
         return self.cost(group)
 
     def local(self, groups: List[np.ndarray]) -> List[Step]:
@@ -132,7 +132,7 @@ class RankAligner:
                                 self.proposal)
         if self._auto:
             self.agreed_plan = agree(self._plans[:, :PLAN_SIZE])
-            self._time_ready_all = bool((self._plans[:, PLAN_SIZE] == 1).all())
+        self._ready_all = bool((self._plans[:, PLAN_SIZE] == 1).all())
         window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join, self.whole_windows)
         if window.go_local:
             self.local_only = True
@@ -192,7 +192,7 @@ class RankAligner:
         sent = np.zeros(p, dtype=np.int64)
         if plan is not None:
             sent[:PLAN_SIZE] = np.asarray(plan, dtype=np.int64)
-            sent[PLAN_SIZE] = int(self.time_ready)
+        sent[PLAN_SIZE] = int(self.pairing.ready())
         message = np.concatenate((np.asarray(fields, dtype=np.int64), sent, self._fingerprint))
         gathered = self.exchange.all_gather(message, where)
         self._plans = gathered[:, 4:4 + p]

@@ -27,6 +27,7 @@ from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
 from odb.epoch.run_state import retained_positions, step_from_row, step_row
+from odb.plan.pairing import make_pairing
 from odb.plan.schedule import budget_at
 from odb.data.source import SampleSource
 from odb.epoch.stats import EpochStats
@@ -112,7 +113,8 @@ class EpochRun:
         self.planner = WindowPlanner(cfg)
         self.aligner = RankAligner(exchange, self.planner, self.pool, epoch=epoch, seed=seed, shuffle=shuffle,
                                    steps_done=lambda: self.stats.steps, options=options,
-                                   auto_plans=auto is not None, whole_windows=self.step_samples is not None)
+                                   auto_plans=auto is not None, whole_windows=self.step_samples is not None,
+                                   pairing=make_pairing((options or cfg).balance, auto))
         self.arrived = 0  # samples taken from the source into windows
         self.window_index = 0
         self.planned_final = False
@@ -261,11 +263,12 @@ class EpochRun:
         self.auto_plan = plan
         self.set_plan_costs(plan.token_budget, plan.quadratic_length, plan.sample_cost)
 
-    def _auto_window(self) -> None:
-        """token_budget="auto", before planning a window: its plan (see AutoControl), and its freeze point."""
+    def _auto_window(self) -> Optional[int]:
+        """token_budget="auto", before planning a window: its plan (see AutoControl), and its freeze point
+        (returned: the steps whose measurements the window's models hold; None without "auto")."""
         auto = self.auto
         if auto is None:
-            return
+            return None
         frozen_at = 0 if self._auto_mark is None else self._auto_mark
         proposal = auto.plan_at(frozen_at)
         self._auto_mark = self.step  # the steps made before this window: the next window's freeze point
@@ -275,9 +278,7 @@ class EpochRun:
         else:  # the ranks agreed on their proposals at the last window's exchange; send this one's
             self._apply_plan(self._auto_agreed if self._auto_agreed is not None else proposal)
             self.aligner.proposal = proposal.encode()
-        if auto.time_balance:
-            self.aligner.time_cost = lambda lengths: auto.time_cost(frozen_at, lengths)
-            self.aligner.time_ready = auto.time_fitted(frozen_at)
+        return frozen_at
 
     def _follow_schedule(self) -> None:
         schedule = self.cfg.budget_schedule
@@ -309,7 +310,8 @@ class EpochRun:
         return ids, ended
 
     def _plan_next_window(self) -> List[Step]:
-        self._auto_window()
+        frozen_at = self._auto_window()
+        self.aligner.pairing.freeze(self.step if frozen_at is None else frozen_at)
         self._follow_schedule()
         groups: List[np.ndarray] = []
         if not self.planned_final:
