@@ -4,6 +4,7 @@
 
     python scripts/update_readme.py                      # docs/results/bench.json -> README.md, docs/benchmarks.md
     python scripts/update_readme.py RESULTS --readme PATH [--docs PATH | --no-docs] [--gpu PATH] [--allow-quick] [--check]
+    python scripts/update_readme.py docs/results/bench.json --merge-convergence out/conv/results.json
 
 The GPU blocks come from ``--gpu`` (default docs/results/bench_gpu.json, the results of
 ``scripts/gpu_check.sh`` on a CUDA machine), where the file and the blocks' markers exist.
@@ -332,6 +333,26 @@ def _update(path: str, new: str, check: bool, source: str) -> bool:
     return True
 
 
+def merge_convergence(results_path: str, run_path: str) -> None:
+    """Write into ``results_path`` the convergence section of the run at ``run_path`` and where it came from."""
+    with open(results_path) as f:
+        results = json.load(f)
+    with open(run_path) as f:
+        run = json.load(f)
+    if "convergence" not in run:
+        raise SystemExit(f"{run_path} has no convergence section. Fix: python -m odb.bench --only-convergence --out DIR")
+    (results.get("training") or {}).pop("convergence", None)  # the earlier loss-vs-time run, superseded
+    results["convergence"] = run["convergence"]
+    meta = run.get("meta", {})
+    results.setdefault("meta", {})["convergence_run"] = {
+        "command": meta.get("command"), "wall_s": run.get("wall_s", {}).get("total", 0.0), "git": meta.get("git"),
+        "date": meta.get("date"), "quick": meta.get("quick"),
+        "load": [meta.get("load_average_start"), meta.get("load_average_end")]}
+    with open(results_path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"{results_path}: convergence section from {run_path}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="?", default="docs/results/bench.json")
@@ -342,10 +363,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="the GPU run's results: the GPU blocks of README and docs (skipped when it does not exist)")
     p.add_argument("--allow-quick", action="store_true", help="accept results of a --quick run")
     p.add_argument("--check", action="store_true", help="exit 1 if a file is not up to date; write nothing")
+    p.add_argument("--merge-convergence", metavar="RUN",
+                   help="first put the convergence section of RUN (the results.json of `python -m odb.bench "
+                        "--only-convergence`) into the results file, beside its other sections, and record RUN's "
+                        "command, time and commit there (what a full `make demo` could not measure in one go)")
     args = p.parse_args(argv)
+    if args.merge_convergence and not args.check:
+        merge_convergence(args.results, args.merge_convergence)
     with open(args.results) as f:
         results = json.load(f)
-    if results.get("meta", {}).get("quick") and not args.allow_quick:
+    if ((results.get("meta", {}).get("quick") or (results.get("meta", {}).get("convergence_run") or {}).get("quick"))
+            and not args.allow_quick):
         print(f"{args.results} comes from a --quick run; README and docs left as they are (pass --allow-quick to use it).",
               file=sys.stderr)
         return 2
