@@ -63,6 +63,12 @@ def fresh_copy(dest: str) -> "str | None":
     return dest
 
 
+# The quick run takes about 2 minutes on 2 idle cores and 5-6 under a load of 8 (other test suites beside it);
+# the tests that use it (the first one pays for it) get 1,500 s: above the run's own limit (1,200 s), so that
+# a run too slow fails there, naming the run, not as a bare pytest timeout.
+BENCH_TIMEOUT = pytest.mark.timeout(1500)
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -80,6 +86,7 @@ def bench(tmp_path_factory):
         return out, json.load(f), stdout
 
 
+@BENCH_TIMEOUT
 def test_outputs_written(bench):
     out, results, stdout = bench
     assert set(results) >= {"meta", "convergence", "planning", "ranks", "loader", "training", "e2e", "packing",
@@ -124,6 +131,7 @@ def test_outputs_written(bench):
     assert not missing_citations(summary, str(out)), "the summary cites files that do not exist"
 
 
+@BENCH_TIMEOUT
 def test_the_bench_changes_no_file_of_the_checkout_and_draws_no_bars_into_a_log(bench):
     """`make demo` leaves `git status` clean: the benchmark writes under --out only (README.md and
     docs/benchmarks.md change by `make publish`), and with stderr piped (a log) it draws no progress bars."""
@@ -134,6 +142,7 @@ def test_the_bench_changes_no_file_of_the_checkout_and_draws_no_bars_into_a_log(
     assert "\r" not in CHECKOUT["stderr"], "a progress bar was redrawn into a piped stderr: bars belong on a terminal"
 
 
+@BENCH_TIMEOUT
 def test_planning_invariants(bench):
     _, results, _ = bench
     planning = results["planning"]
@@ -231,6 +240,7 @@ def test_order_and_displacement_figures_follow_their_definitions():
     assert batch_metrics(lengths, in_order, 16384, np.arange(len(lengths)))["mean_abs_displacement"] == 0.0
 
 
+@BENCH_TIMEOUT
 def test_loader_training_and_e2e_figures(bench):
     _, results, _ = bench
     loader = results["loader"]
@@ -270,6 +280,7 @@ def test_loader_training_and_e2e_figures(bench):
             > e2e["settings"]["data-bound"]["median"]["odb"]["compute_s"])
 
 
+@BENCH_TIMEOUT
 def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
     out, results, _ = bench
     readme, docs = tmp_path / "README.md", tmp_path / "benchmarks.md"
@@ -312,6 +323,7 @@ def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
         path.write_text(good)
 
 
+@BENCH_TIMEOUT
 def test_packing_figures(bench):
     """The packed-layout section: every sample in exactly one odb row, fills bounded by the lower bound; packed
     rows train padding-free with odb_varlen."""
