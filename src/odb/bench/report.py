@@ -306,10 +306,9 @@ def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
                   f"{_ms(tgt, '{:.3f}')}, loss compared at {part['equal_time_s']['median']:.1f} s (the shortest arm's "
                   "training time)", ""]
         header, rows = convergence_rows(part)
-        parts += [_table(header, rows, markdown), ""]
-    first = next(iter(conv["accumulations"].values()))
-    parts += ["settings: " + "; ".join(f"{CONVERGENCE_LABELS.get(a, a)}: {m['settings']}"
-                                      for a, m in first["arms"].items()), ""]
+        parts += [_table(header, rows, markdown), "",
+                  f"settings (A = {acc}): " + "; ".join(f"{CONVERGENCE_LABELS.get(a, a)}: {m['settings']}"
+                                                        for a, m in part["arms"].items()), ""]
     for g in conv.get("goals", []):
         line = f"goal: {g['goal']}: {_goal_measured(g)} (target {_goal_target(g)}): {_met(g['met'])}"
         if not g["met"] and "gap" not in g:
