@@ -57,7 +57,7 @@ from odb.plan.estimate import DEFAULT_PROBE, estimate_steps, probe_size
 from odb.resume.loader_state import (PlanOptions, loader_fields, resume_order, retained_samples, saved_state,
                                      state_to_resume)
 from odb.epoch.cursor import Cursor
-from odb.step_info import attach_step_info
+from odb.loader.epoch_modes import KnownLengthsEpoch, OnlineEpoch
 
 
 def exchange_factory(cfg: ODBConfig, process_group: Any = None, exchange: Optional[ExchangeFactory] = None
@@ -76,90 +76,6 @@ def exchange_factory(cfg: ODBConfig, process_group: Any = None, exchange: Option
     if not cfg.distributed:
         return None
     return exchange if exchange is not None else GroupExchanges(process_group)
-
-
-class OnlineEpoch:
-    """An epoch planned online: the pipeline's thread reads, plans and collates."""
-
-    def __init__(self, core: "LoaderCore", run: EpochRun, pipeline: BatchPipeline) -> None:
-        self.core, self.run, self.pipeline = core, run, pipeline
-
-    def wait_s(self) -> float:
-        """Seconds the training loop waited in next() this epoch."""
-        return self.pipeline.wait_s
-
-    def loss_tokens(self, counted: int) -> int:
-        """Supervised tokens handed out this epoch (the planner's count, ``counted``)."""
-        return counted
-
-    def batches(self) -> Iterator[Any]:
-        """The epoch's batches, each with its step info complete (``loader_wait_s`` included)."""
-        core, run, pipeline = self.core, self.run, self.pipeline
-        key, check, auto = core.cfg.step_info_key, core.checks, core.auto
-        check.reset()
-        try:
-            for batch, cursor in pipeline:
-                core.cursor = cursor
-                info = batch[key] if isinstance(batch, Mapping) else getattr(batch, key)
-                info = dataclasses.replace(info, loader_wait_s=pipeline.last_wait_s)
-                batch = attach_step_info(batch, info, key)
-                check.handed_out(batch, info)
-                if auto is not None:
-                    auto.handed_out(info.step, info.is_ghost)
-                yield batch
-                if auto is not None:  # the loop asks for the next batch: the last one's step is over
-                    auto.request()
-            check.finished()
-        except Exception as err:  # raised while odb had the training thread: the other ranks hear this error
-            pipeline.abort(err)  # (the batch thread's own errors were told already; a worker's death comes here
-            raise  # from torch's SIGCHLD handler when the thread waits for a batch)
-        finally:
-            if core.pipeline is pipeline:
-                core.stop()  # a `break` or an error: let go of the workers now
-        core.epoch_over(run)  # the producer has finished: its counters are final
-
-
-class KnownLengthsEpoch:
-    """An epoch over known lengths: the inner loader's workers collate the planned batches; ``steps``
-    exchanges each optimizer step's supervised tokens across ranks (None on one rank)."""
-
-    def __init__(self, core: "LoaderCore", run: EpochRun, pipeline: BatchPipeline,
-                 steps: Optional[RankExchange]) -> None:
-        self.core, self.run, self.pipeline, self.steps = core, run, pipeline, steps
-        self.waited_s = 0.0
-        self.loss = 0
-
-    def wait_s(self) -> float:
-        """Seconds the training loop waited on the inner loader this epoch."""
-        return self.waited_s
-
-    def loss_tokens(self, counted: int) -> int:
-        """Supervised tokens handed out this epoch (counted in the collated batches)."""
-        return self.loss
-
-    def consumed(self, cursor: Cursor, waited_s: float, loss_tokens: int) -> None:
-        """Told of every batch handed to the training loop (odb.epoch.known.known_epoch)."""
-        self.core.cursor = cursor
-        self.waited_s += waited_s
-        self.loss += loss_tokens
-
-    def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """``batches`` (from odb.epoch.known.known_epoch) handed out, with the checks and the epoch's end."""
-        core, run, pipeline = self.core, self.run, self.pipeline
-        key, check = core.cfg.step_info_key, core.checks
-        check.reset()
-        try:
-            for batch in batches:
-                check.handed_out(batch, batch[key] if isinstance(batch, Mapping) else getattr(batch, key))
-                yield batch
-            check.finished()
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:  # as `yield from` did: a loop that stopped early ends the steps' generator first
-                close()
-            if core.pipeline is pipeline:
-                core.stop()
-        core.epoch_over(run)
 
 
 class LoaderCore:

@@ -187,7 +187,7 @@ def _simulate(stream: np.ndarray, n: int, cfg: ODBConfig) -> float:
         return steps
     # Count the rest at the rate of the second half of the full windows (past the ramp,
     # with a settled carry); with none, at the prefix's own rate.
-    tokens, start, full = stream.sum(axis=1), 0, []
+    start, full = 0, []
     for k, (planned, size) in enumerate(windows[:-1]):
         cap, cap_tokens = window_limits(cfg, k, len(stream) - start)
         start += size

@@ -22,7 +22,7 @@ Samples whose weight alone exceeds the budget are returned as oversize (the load
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from typing import List, Optional, Sequence
 
 import numpy as np
