@@ -119,6 +119,13 @@ class ODBConfig:
             count every label, and warn once when the first batch's labels repeat its input_ids
             at every supervised position (a causal LM's unshifted labels), naming the fix.
         loss_tokens_fn: ``fn(sample) -> int``, overrides the label count.
+        micro_batch_cost: with ``global_batch_size``: the fixed cost of one micro-batch in tokens (what a
+            forward and backward pass costs beyond its tokens: kernel launches, a pass over the weights).
+            A step's samples are cut into the micro-batches that minimise the sum of their costs (B x L
+            padded) plus this each: 0 cuts into many small batches of similar lengths (least padding),
+            a large value fills each micro-batch to the budget (fewest micro-batches). None (default): a
+            sixteenth of the budget. Raise it for a model whose steps are launch-bound (a small model on
+            a GPU), lower it where compute follows tokens (a large model, or a CPU).
         gradient_accumulation_steps: micro-batches per optimizer step, for the
             denominator of exact loss scaling (budget-filled steps: ``global_batch_size=None``).
         global_batch_size: samples per optimizer step, all ranks together (the user's
@@ -128,7 +135,8 @@ class ODBConfig:
             under ``token_budget`` as they need; every rank runs the same number of micro-batches in
             each step, ``ODBStepInfo.is_last_micro_step`` marks the step's end and ``loss_scale`` is
             exact over the whole step. An epoch's last step may hold fewer (none with ``drop_last``).
-            Windows, carry and the ramp do not apply: each step is planned on its own. None (default):
+            Windows, carry and the ramp do not apply: each step is planned on its own, cut into the
+            micro-batches of least total cost (``micro_batch_cost``). None (default):
             budget-filled steps, ``gradient_accumulation_steps`` micro-batches filled to the budget
             each (fewer, larger optimizer steps than a fixed batch size gives: docs/algorithm.md).
         join: keep finished ranks in the exchange and emit ghost batches until all
@@ -201,6 +209,7 @@ class ODBConfig:
     loss_tokens_fn: Optional[Callable[[Any], int]] = None
     gradient_accumulation_steps: int = 1
     global_batch_size: Optional[int] = None
+    micro_batch_cost: Optional[float] = None
     join: bool = True
     exchange_timeout_s: float = 1800.0
     transfer_chunk_size: int = 16
@@ -354,6 +363,11 @@ class ODBConfig:
         _check_int("global_batch_size", self.global_batch_size, 1,
                    "pass None (budget-filled steps) or the samples of one optimizer step, all ranks together "
                    "(batch_size x accumulation x world size), e.g. 64", optional=True)
+        cost = self.micro_batch_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or
+                                 not math.isfinite(cost) or cost < 0):
+            _fail("micro_batch_cost", cost, "must be None or a finite number >= 0 (tokens per micro-batch)",
+                  "pass None (a sixteenth of the budget) or e.g. 256.0")
         if self.global_batch_size is not None and self.gradient_accumulation_steps != 1:
             _fail("gradient_accumulation_steps", self.gradient_accumulation_steps,
                   f"must be 1 with global_batch_size={self.global_batch_size}: odb then plans each optimizer "
@@ -490,7 +504,7 @@ CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ODBConfig))
 PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_size", "max_carry",
                 "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
                 "quadratic_length",
-                "max_image_patches", "oversize", "gradient_accumulation_steps", "global_batch_size", "join", "loss_scaling",
+                "max_image_patches", "oversize", "gradient_accumulation_steps", "global_batch_size", "micro_batch_cost", "join", "loss_scaling",
                 "budget_schedule", "probe_worst_case", "layout", "sample_cost", "auto_start_budget", "auto_margin",
                 "balance")
 

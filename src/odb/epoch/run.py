@@ -346,7 +346,10 @@ class EpochRun:
             self.pool.forget(ids)
             ids, lengths = [], lengths[:0]
             patches = None if patches is None else patches[:0]
-        planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final or probe or step)
+        if step:
+            planned = self.planner.plan_step(np.array(ids, dtype=np.int64), lengths, patches)
+        else:
+            planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final or probe)
         self.stats.windows += 1
         groups = list(planned.groups)
         for sid in planned.oversize.tolist():

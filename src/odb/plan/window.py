@@ -13,6 +13,7 @@ import numpy as np
 
 from odb.plan.cost import CostModel
 from odb.plan.planner import plan_window
+from odb.plan.step_cut import plan_step_share
 
 if TYPE_CHECKING:  # plan/ is pure numpy: the config is only read, never imported at run time
     from odb.config import ODBConfig
@@ -136,6 +137,27 @@ class WindowPlanner:
         self._carry_patches = None if patches is None else np.asarray(patches)[carry]
         self._emitted += len(groups)
         return PlannedWindow([ids[g] for g in groups], ids[plan.oversize], final, new_samples)
+
+    def plan_step(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray] = None) -> PlannedWindow:
+        """One optimizer step's samples (``global_batch_size``), all emitted, cut at the least cost with
+        ``micro_batch_cost`` per micro-batch (default: a sixteenth of the budget): odb.plan.step_cut.
+
+        Example:
+            >>> from odb.config import ODBConfig
+            >>> wp = WindowPlanner(ODBConfig(token_budget=100, global_batch_size=6))
+            >>> [g.tolist() for g in wp.plan_step(np.arange(6), np.array([50, 48, 12, 10, 10, 9])).groups]
+            [[0, 1], [2, 3, 4, 5]]
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        overhead = self.cfg.micro_batch_cost
+        if overhead is None:
+            overhead = self.cost.total_budget / 16
+        plan = plan_step_share(lengths, ids, self.cost, float(overhead), patches)
+        self._seen += len(ids)
+        self._seen_tokens += int(lengths.sum())
+        self._emitted += len(plan.groups)
+        return PlannedWindow([ids[g] for g in plan.groups], ids[plan.oversize], True, len(ids))
 
     def defer(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Put planned samples back into the carry (a rank ran fewer steps than it planned)."""
