@@ -5,7 +5,7 @@ the same function runs in the test process for one rank. Everything is offline: 
 tokenizer is a WordLevel model trained on generated sentences (examples/_hf_text.py)
 with a chat template that marks the assistant's turns, the model a float64 tiny Llama
 from a config (tests/support/hf_workers.py). TRL prepares the data itself (tokenization,
-``completion_mask``, ``assistant_masks``) and its own collator builds the labels.
+``completion_mask``, ``assistant_masks``, and from TRL 1.9 the ``labels`` built from them).
 
 The reference of an optimizer step is computed in one process, one sample at a time:
 labels from TRL's collator applied to that sample alone, the causal shift, then
@@ -70,6 +70,8 @@ def sft_config(p: Dict[str, Any], out: str) -> Any:
                    padding_free=p.get("padding_free", False), assistant_only_loss=p["kind"] == "assistant",
                    dataset_num_proc=None)
     options.update(p.get("args", {}))
+    if options["padding_free"]:  # TRL >= 1.0 refuses padding_free without packing unless max_length=None
+        options.setdefault("max_length", None)
     return SFTConfig(**options)
 
 
