@@ -97,6 +97,19 @@ def test_one_step_equals_single_process_reference(tmp_path, kind, padding_free):
         assert all(i["padded_tokens"] <= p["budget"] for i in r["infos"])
 
 
+def test_one_forward_per_micro_batch_and_no_deprecated_outputs(tmp_path):
+    # TRL >= 1.15 computes the loss through a fused LM head and answers return_outputs=True (which odb asked for
+    # before) with a FutureWarning and an extra no-grad forward that builds the full logits.
+    p = params(kind="completion", out=str(tmp_path / "run"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = W.train_ranks(0, 1, p)
+    assert not [w for w in caught if "return_outputs" in str(w.message)], [str(w.message) for w in caught]
+    assert r["forwards"] == len(r["infos"]) == 2  # gradient accumulation 2: two micro-batches, one forward each
+    ref = W.reference(W.build_trainer(p, str(tmp_path / "ref")), r["ids"], p["lr"])
+    assert rel_error(r["delta"], ref["delta"]) < EXACT
+
+
 def test_padding_free_with_odb_varlen_attention_is_exact(tmp_path):
     # The per-sample attention a padding-free row needs to be fast (docs/packing.md), in TRL's own pipeline.
     p = params(kind="assistant", padding_free=True, attn="odb_varlen", out=str(tmp_path / "run"))
@@ -145,9 +158,12 @@ def test_two_processes_exact_and_resumable(tmp_path):
     full, resumed = resume_runs(tmp_path, kind="text", ga=1, budget=40)  # 3+ steps per epoch on each rank
     runs = [params(kind="completion", out=str(tmp_path / "a")),
             params(kind="assistant", padding_free=True, ga=1, out=str(tmp_path / "b")),
-            full, resumed]
+            full, resumed,
+            # a model with accepts_loss_kwargs=False: TRL >= 1.15 multiplies its loss by the processes all the same
+            params(kind="completion", no_loss_kwargs=True, out=str(tmp_path / "c"))]
     ranks = run_ranks("trl_workers:suite_ranks", 2, {"runs": runs}, tmp_path / "h", deadline_s=280)
-    for k in (0, 1):
+    assert ranks[0][4]["accepts_loss_kwargs"] is False
+    for k in (0, 1, 4):
         ids = sorted(i for r in ranks for i in r[k]["ids"])
         assert len(ids) == len(set(ids)) >= 4
         ref = W.reference(W.build_trainer(runs[k], str(tmp_path / f"ref{k}")), ids, runs[k]["lr"])

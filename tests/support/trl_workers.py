@@ -84,6 +84,8 @@ def build_trainer(p: Dict[str, Any], out: str) -> Any:
     from odb.integrations.trl import enable_odb
 
     model = H.llama(p.get("model_seed", 0))
+    if p.get("no_loss_kwargs"):  # as transformers' models that declare it: the Trainer's loss rules differ
+        model.accepts_loss_kwargs = False
     if p.get("attn"):  # e.g. "odb_varlen"
         import odb
 
@@ -136,10 +138,13 @@ def train_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
         return batch
 
     trainer.data_collator = counting
+    forwards: List[int] = []  # calls of the model itself (TRL's fused forward included), per micro-batch
+    hook = trainer.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     before = {n: w.detach().clone() for n, w in trainer.model.named_parameters()}
     trainer.train(resume_from_checkpoint=p.get("resume"))
+    hook.remove()
     trainer.data_collator = collate
-    return {"delta": {n: w.detach() - before[n] for n, w in trainer.model.named_parameters()},
+    return {"forwards": len(forwards), "accepts_loss_kwargs": trainer.model_accepts_loss_kwargs,"delta": {n: w.detach() - before[n] for n, w in trainer.model.named_parameters()},
             "infos": [i.as_dict() for i in trainer.odb_step_infos], "steps": rec.steps, "rows": rows,
             "ids": sorted(i for info in trainer.odb_step_infos for i in info.sample_ids),
             "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
