@@ -116,7 +116,8 @@ def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, An
             f"{getattr(args, 'packing_strategy', None)!r}): TRL packs the dataset into rows of max_length="
             f"{getattr(args, 'max_length', None)} tokens before odb sees it, so every sample is a full row and a "
             f"token budget has no short and long samples left to group. Fix: packing=False; for padding-free rows "
-            f"that odb fills to token_budget, set padding_free=True.")
+            f"that odb fills to token_budget, set padding_free=True (and max_length=None, which TRL 1.x requires "
+            f"with padding_free=True and no packing).")
     collator = getattr(trainer, "data_collator", None)
     vision = getattr(sft, "DataCollatorForVisionLanguageModeling", None)
     if vision is not None and isinstance(collator, vision):
