@@ -5,8 +5,8 @@
     python examples/trl_sft.py --padding-free --attn sdpa       # the same rows through a dense mask (slower)
     torchrun --nproc_per_node=2 examples/trl_sft.py            # DDP; on CPU the ranks talk over gloo
 
-TRL does its own data preparation (tokenization, EOS, truncation to max_length, the
-completion mask of prompt-completion data) and builds the labels in its own collator:
+TRL does its own data preparation (tokenization, EOS, the completion mask of
+prompt-completion data, and from TRL 1.9 the labels and the truncation to max_length):
 only the completion is trained on. ``enable_odb`` switches the trainer's training loader
 to token-budget batches, counts the supervised tokens exactly as TRL's labels hold them,
 scales the loss exactly, and counts epochs and the learning-rate schedule in samples.
@@ -59,7 +59,10 @@ def main() -> None:
     args = configure_trainer(SFTConfig(
         opts.out, use_cpu=not torch.cuda.is_available(), num_train_epochs=opts.epochs, learning_rate=3e-3,
         lr_scheduler_type="cosine", warmup_steps=0.1, gradient_accumulation_steps=2, logging_steps=10,
-        save_strategy="no", report_to="none", seed=0, max_length=256, padding_free=opts.padding_free))
+        save_strategy="no", report_to="none", seed=0, padding_free=opts.padding_free,
+        # TRL (>= 1.0) truncates to max_length only when rows are padded: padding_free=True needs max_length=None,
+        # and then enable_odb refuses any sample longer than token_budget before training starts.
+        max_length=None if opts.padding_free else 256))
     trainer = SFTTrainer(model=model, args=args, train_dataset=prompt_completion(texts), processing_class=tokenizer)
     enable_odb(trainer, token_budget=opts.token_budget, buffer_size=256)
     result = trainer.train()

@@ -7,13 +7,16 @@ chats go through LLaMA-Factory's own parser, template, dataset processing and co
 
 The example's ``import_llamafactory`` also carries what this environment needs (see
 docs/integration-guides/llamafactory.md): LLaMA-Factory 0.9.5 is installed with --no-deps
-next to torch 2.13 and transformers 5.23, outside its declared range (transformers<=5.6), so
+next to torch 2.13 and transformers 5.24, outside its declared range (transformers<=5.6), so
 its version check is disabled with DISABLE_VERSION_CHECK=1; its multimodal plugin imports
 torchaudio, for which no build matches torch 2.13 CPU, so a stand-in that fails on use is
 registered during the import (the text SFT path never calls it). The demo config sets
 disable_gradient_checkpointing (LLaMA-Factory's wrapper fails under transformers 5.23; it
 works under 5.6). The same tests pass with transformers 5.6.0, LLaMA-Factory's newest
-supported version, without DISABLE_VERSION_CHECK.
+supported version, without DISABLE_VERSION_CHECK. LLaMA-Factory 0.9.5 imports
+``trl.AutoModelForCausalLMWithValueHead``, which TRL 1.x removed, and declares trl<=0.24: `make test`
+runs these tests in .venv-lf, beside TRL 0.24, peft 0.18.1 and datasets 4.0.0
+(constraints-llamafactory.txt), while .venv holds TRL 1.x.
 
 Where LLaMA-Factory does not import (a failed install), every test here fails with the
 reason and the fix, so `make test` cannot pass without it. They skip only where
@@ -55,8 +58,8 @@ def _load_example() -> Tuple[Any, Optional[str]]:
     except ImportError as err:
         return module, (f"LLaMA-Factory does not import ({type(err).__name__}: {err}), so its integration is "
                         f"untested: a failed install fails these tests instead of skipping them. Fix: `make venv` "
-                        f"installs it (pip install --no-deps -c constraints.txt llamafactory peft trl datasets "
-                        f"...: see the Makefile), or repair that install")
+                        f"installs it (`make venv-lf`: pip install --no-deps -c constraints-llamafactory.txt llamafactory "
+                        f"peft trl datasets ...: see the Makefile), or repair that install")
     return module, None
 
 

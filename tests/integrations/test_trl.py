@@ -49,16 +49,17 @@ def params(**kw) -> dict:
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
-@pytest.mark.parametrize("completion_only_loss", [False, True])
-def test_sample_counts_add_up_to_the_collated_labels(padding_free, completion_only_loss):
+def test_sample_counts_add_up_to_the_collated_labels(padding_free):
+    # TRL >= 1.9: the trainer writes -100 outside completion_mask/assistant_masks while it prepares the dataset; the
+    # collator reads labels only, and ignores mask columns a prepared dataset of the user's still holds.
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    collator = DataCollatorForLanguageModeling(pad_token_id=0, completion_only_loss=completion_only_loss,
-                                               padding_free=padding_free)
-    count = SFTLossTokens(completion_only_loss)
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=padding_free)
+    assert not hasattr(collator, "completion_only_loss")  # the pinned TRL: labels come with the samples
+    count = SFTLossTokens(False, masks=False)
     g = torch.Generator().manual_seed(0)
-    for fields in (("input_ids",), ("input_ids", "completion_mask"), ("input_ids", "assistant_masks"),
-                   ("input_ids", "labels", "completion_mask", "assistant_masks")):
+    for fields in (("input_ids",), ("input_ids", "labels"), ("input_ids", "labels", "completion_mask",
+                                                             "assistant_masks")):
         for _ in range(20):
             lengths = torch.randint(1, 12, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
             samples = []
@@ -66,9 +67,8 @@ def test_sample_counts_add_up_to_the_collated_labels(padding_free, completion_on
                 s = {"input_ids": torch.randint(1, 40, (n,), generator=g).tolist()}
                 if "labels" in fields:
                     s["labels"] = [v if torch.rand((), generator=g) < 0.7 else -100 for v in s["input_ids"]]
-                for key in fields[1:]:
-                    if key != "labels":
-                        s[key] = (torch.rand(n, generator=g) < 0.6).long().tolist()
+                for key in fields[2:]:
+                    s[key] = (torch.rand(n, generator=g) < 0.6).long().tolist()
                 samples.append(s)
             seen = batch_loss_tokens(collator(samples), shift=True, ignore_index=-100)
             assert sum(count(s) for s in samples) == seen, (fields, samples)
@@ -95,6 +95,19 @@ def test_one_step_equals_single_process_reference(tmp_path, kind, padding_free):
     else:
         assert r["layout"] == "padded" and max(r["rows"]) > 1
         assert all(i["padded_tokens"] <= p["budget"] for i in r["infos"])
+
+
+def test_one_forward_per_micro_batch_and_no_deprecated_outputs(tmp_path):
+    # TRL >= 1.15 computes the loss through a fused LM head and answers return_outputs=True (which odb asked for
+    # before) with a FutureWarning and an extra no-grad forward that builds the full logits.
+    p = params(kind="completion", out=str(tmp_path / "run"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = W.train_ranks(0, 1, p)
+    assert not [w for w in caught if "return_outputs" in str(w.message)], [str(w.message) for w in caught]
+    assert r["forwards"] == len(r["infos"]) == 2  # gradient accumulation 2: two micro-batches, one forward each
+    ref = W.reference(W.build_trainer(p, str(tmp_path / "ref")), r["ids"], p["lr"])
+    assert rel_error(r["delta"], ref["delta"]) < EXACT
 
 
 def test_padding_free_with_odb_varlen_attention_is_exact(tmp_path):
@@ -145,9 +158,12 @@ def test_two_processes_exact_and_resumable(tmp_path):
     full, resumed = resume_runs(tmp_path, kind="text", ga=1, budget=40)  # 3+ steps per epoch on each rank
     runs = [params(kind="completion", out=str(tmp_path / "a")),
             params(kind="assistant", padding_free=True, ga=1, out=str(tmp_path / "b")),
-            full, resumed]
+            full, resumed,
+            # a model with accepts_loss_kwargs=False: TRL >= 1.15 multiplies its loss by the processes all the same
+            params(kind="completion", no_loss_kwargs=True, out=str(tmp_path / "c"))]
     ranks = run_ranks("trl_workers:suite_ranks", 2, {"runs": runs}, tmp_path / "h", deadline_s=280)
-    for k in (0, 1):
+    assert ranks[0][4]["accepts_loss_kwargs"] is False
+    for k in (0, 1, 4):
         ids = sorted(i for r in ranks for i in r[k]["ids"])
         assert len(ids) == len(set(ids)) >= 4
         ref = W.reference(W.build_trainer(runs[k], str(tmp_path / f"ref{k}")), ids, runs[k]["lr"])

@@ -175,3 +175,30 @@ def stream_resume_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, A
     resumed = make()
     resumed.load_state_dict(state)
     return {"reference": reference, "resumed": head + [step_record(b) for b in resumed], "state": state}
+
+
+def stream_phase_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
+    """One phase of a run over a datasets.IterableDataset split by rank, as a fresh process after a restart:
+    loads this rank's state from ``p['load']`` (when given), trains ``p['steps']`` steps (None: to the epoch's
+    end) and saves its state to ``p['save']`` (when given); with ``p['reference']`` also the uninterrupted epoch."""
+    from datasets.distributed import split_dataset_by_node
+
+    def make() -> odb.ODBDataLoader:
+        stream = split_dataset_by_node(hf_stream(p["n"], p["shards"], p["low"]), rank=rank, world_size=world)
+        return odb.ODBDataLoader(stream, token_budget=p["budget"], buffer_size=p["buffer"], first_window_size=16,
+                                 collate_fn=list_collate, seed=4, num_workers=p["num_workers"])
+
+    out: Dict[str, Any] = {"reference": [step_record(b) for b in make()] if p.get("reference") else None}
+    loader = make()
+    if p.get("load"):
+        loader.load_state_dict(json.loads(Path(p["load"], f"rank{rank}.json").read_text()))
+    steps: List[Dict[str, Any]] = []
+    for batch in loader:
+        steps.append(step_record(batch))
+        if p.get("steps") is not None and len(steps) == p["steps"]:
+            break
+    if p.get("save"):
+        Path(p["save"]).mkdir(parents=True, exist_ok=True)
+        Path(p["save"], f"rank{rank}.json").write_text(json.dumps(loader.state_dict()))
+    out["steps"] = steps
+    return out

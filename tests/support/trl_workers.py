@@ -5,7 +5,7 @@ the same function runs in the test process for one rank. Everything is offline: 
 tokenizer is a WordLevel model trained on generated sentences (examples/_hf_text.py)
 with a chat template that marks the assistant's turns, the model a float64 tiny Llama
 from a config (tests/support/hf_workers.py). TRL prepares the data itself (tokenization,
-``completion_mask``, ``assistant_masks``) and its own collator builds the labels.
+``completion_mask``, ``assistant_masks``, and from TRL 1.9 the ``labels`` built from them).
 
 The reference of an optimizer step is computed in one process, one sample at a time:
 labels from TRL's collator applied to that sample alone, the causal shift, then
@@ -70,6 +70,8 @@ def sft_config(p: Dict[str, Any], out: str) -> Any:
                    padding_free=p.get("padding_free", False), assistant_only_loss=p["kind"] == "assistant",
                    dataset_num_proc=None)
     options.update(p.get("args", {}))
+    if options["padding_free"]:  # TRL >= 1.0 refuses padding_free without packing unless max_length=None
+        options.setdefault("max_length", None)
     return SFTConfig(**options)
 
 
@@ -82,6 +84,8 @@ def build_trainer(p: Dict[str, Any], out: str) -> Any:
     from odb.integrations.trl import enable_odb
 
     model = H.llama(p.get("model_seed", 0))
+    if p.get("no_loss_kwargs"):  # as transformers' models that declare it: the Trainer's loss rules differ
+        model.accepts_loss_kwargs = False
     if p.get("attn"):  # e.g. "odb_varlen"
         import odb
 
@@ -136,10 +140,13 @@ def train_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
         return batch
 
     trainer.data_collator = counting
+    forwards: List[int] = []  # calls of the model itself (TRL's fused forward included), per micro-batch
+    hook = trainer.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     before = {n: w.detach().clone() for n, w in trainer.model.named_parameters()}
     trainer.train(resume_from_checkpoint=p.get("resume"))
+    hook.remove()
     trainer.data_collator = collate
-    return {"delta": {n: w.detach() - before[n] for n, w in trainer.model.named_parameters()},
+    return {"forwards": len(forwards), "accepts_loss_kwargs": trainer.model_accepts_loss_kwargs,"delta": {n: w.detach() - before[n] for n, w in trainer.model.named_parameters()},
             "infos": [i.as_dict() for i in trainer.odb_step_infos], "steps": rec.steps, "rows": rows,
             "ids": sorted(i for info in trainer.odb_step_infos for i in info.sample_ids),
             "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,

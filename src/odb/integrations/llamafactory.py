@@ -184,7 +184,7 @@ def import_llamafactory() -> bool:
                     raise
                 warnings.warn(f"odb: LLaMA-Factory refused this environment at import ({str(err).splitlines()[0]}); "
                               f"odb imports it with DISABLE_VERSION_CHECK=1 (LLaMA-Factory's documented switch; "
-                              f"odb's tests run its SFT path on transformers 5.23). Fix, to silence this: install "
+                              f"odb's tests run its SFT path on transformers 5.24). Fix, to silence this: install "
                               f"the versions LLaMA-Factory declares, or set DISABLE_VERSION_CHECK=1 yourself.",
                               stacklevel=2)
                 _skipped_version_check = True

@@ -1,19 +1,21 @@
 """odb in TRL's ``SFTTrainer``: the supervised tokens TRL's collator trains on, and padding-free rows.
 
 ``odb.integrations.hf.enable_odb(trainer, token_budget=...)`` works on an ``SFTTrainer``
-(TRL >= 0.24) with TRL's own data preparation and collator; ``enable_odb`` here is the
+(TRL 1.16, the ``trl`` extra's range) with TRL's own data preparation and collator; ``enable_odb`` here is the
 same call, refusing trainers that are not TRL's. TRL is never imported by odb: what is
 read comes from the objects the trainer already holds.
 
 What TRL's ``DataCollatorForLanguageModeling`` implies, applied when odb is enabled:
 
 - the supervised tokens of a sample are counted as the collator labels it and the
-  model's loss counts it (``SFTLossTokens``): labels are the sample's ``labels`` or its
-  ``input_ids``, minus the tokens outside ``completion_mask`` (completion-only loss)
-  and outside ``assistant_masks`` (assistant-only loss), minus the first token (the
-  causal shift in padded rows; the masked first position of each sample in a
-  padding-free row). The dataset has no ``labels`` column, so odb's default count
-  (labels, else the whole sample) would exceed the model's by one token per sample;
+  model's loss counts it (``SFTLossTokens``): labels are the sample's ``labels`` (TRL 1.x
+  builds them while preparing the dataset, -100 outside ``completion_mask`` and
+  ``assistant_masks``; older collators built them from those masks), minus the first token
+  (the causal shift in padded rows; the masked first position of each sample in a
+  padding-free row), so odb's default count would exceed the model's by one token per sample;
+- TRL >= 1.15 computes the loss itself (a fused LM head, no logits): odb does not ask for
+  ``return_outputs`` (an extra forward there) and divides out its cross-rank factor, which
+  it applies whenever ``average_tokens_across_devices`` (``sft_computes_loss``);
 - ``padding_free=True`` (one padding-free row per batch) is odb's ``layout="packed"``:
   a batch costs the sum of its samples' lengths and is planned to fill the budget. A
   model with ``sdpa``/``eager`` attention (exact on packed rows only through a dense
@@ -29,7 +31,7 @@ collator, after odb has batched), and odb options that contradict the collator.
 Example:
     >>> from trl import SFTConfig, SFTTrainer                                    # doctest: +SKIP
     >>> from odb.integrations.trl import enable_odb                              # doctest: +SKIP
-    >>> trainer = SFTTrainer(model=model, args=SFTConfig("out", padding_free=True),
+    >>> trainer = SFTTrainer(model=model, args=SFTConfig("out", padding_free=True, max_length=None),
     ...                      train_dataset=ds, processing_class=tokenizer)      # doctest: +SKIP
     >>> enable_odb(trainer, token_budget=16384).train()                          # doctest: +SKIP
 """

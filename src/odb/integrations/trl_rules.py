@@ -9,6 +9,7 @@ The module docstring of ``odb.integrations.trl`` describes the rules.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any, Dict, Optional
@@ -17,10 +18,39 @@ import torch
 
 from odb.config import ODBConfig
 
-__all__ = ["IGNORE_INDEX", "SFTLossTokens", "sft_options"]
+__all__ = ["IGNORE_INDEX", "SFTLossTokens", "sft_options", "sft_computes_loss"]
 
 IGNORE_INDEX = -100  # the label TRL's collator writes for unsupervised tokens (and transformers' loss ignores)
 _SFT_MODULE = "trl.trainer.sft_trainer"
+# From TRL 1.15 SFTTrainer.compute_loss computes the loss itself through a fused LM head (no logits), multiplies it by
+# the number of processes whenever average_tokens_across_devices and num_items_in_batch are set (whatever the model's
+# accepts_loss_kwargs), and answers return_outputs=True with a FutureWarning and an extra no-grad forward.
+_FUSED_LOSS_TRL = (1, 15)
+
+
+def _version(text: str) -> tuple:
+    """``"1.16.0"`` -> ``(1, 16, 0)``; a pre-release or local tail is dropped (``"1.15.0rc1"`` -> ``(1, 15, 0)``).
+
+    Example:
+        >>> _version("1.15.0rc1"), _version("0.24.0")
+        ((1, 15, 0), (0, 24, 0))
+    """
+    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
+    return tuple(int(g) for g in match.groups() if g is not None) if match else ()
+
+
+def sft_computes_loss(trainer: Any) -> bool:
+    """Whether ``trainer`` is a TRL ``SFTTrainer`` whose ``compute_loss`` computes the loss itself (TRL >= 1.15: fused
+    LM head, no logits; its cross-rank factor applies whenever ``average_tokens_across_devices``).
+
+    Example:
+        >>> sft_computes_loss(object())
+        False
+    """
+    sft = sys.modules.get(_SFT_MODULE)
+    if sft is None or not isinstance(trainer, sft.SFTTrainer):
+        return False
+    return _version(getattr(sys.modules.get("trl"), "__version__", "0")) >= _FUSED_LOSS_TRL
 
 
 class SFTLossTokens:
@@ -30,7 +60,9 @@ class SFTLossTokens:
     inside ``completion_mask`` (when ``completion_only_loss``) and inside
     ``assistant_masks`` (when the sample has them), and it is not the sample's first
     token when ``skip_first`` (the model shifts labels, or padding-free rows mask each
-    sample's first position). Picklable: it runs in the loader's workers.
+    sample's first position). ``masks=False`` (TRL >= 1.9, whose collator reads only
+    ``labels``: the trainer wrote -100 outside the masks while preparing the dataset)
+    leaves the mask columns out. Picklable: it runs in the loader's workers.
 
     Example:
         >>> count = SFTLossTokens(completion_only_loss=True)
@@ -38,16 +70,20 @@ class SFTLossTokens:
         2
         >>> count({"input_ids": [5, 6, 7, 8]})
         3
+        >>> SFTLossTokens(False, masks=False)({"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8],
+        ...                                    "assistant_masks": [0, 0, 0, 1]})
+        2
     """
 
-    def __init__(self, completion_only_loss: bool, skip_first: bool = True) -> None:
+    def __init__(self, completion_only_loss: bool, skip_first: bool = True, masks: bool = True) -> None:
         self.completion_only_loss, self.skip_first = bool(completion_only_loss), bool(skip_first)
+        self.masks = bool(masks)
 
     def __call__(self, sample: Mapping) -> int:
         labels = sample["labels"] if "labels" in sample else sample["input_ids"]
         keep = torch.as_tensor(labels).reshape(-1) != IGNORE_INDEX
-        masks = [sample.get("assistant_masks")]
-        if self.completion_only_loss:
+        masks = [sample.get("assistant_masks")] if self.masks else []
+        if self.completion_only_loss and self.masks:
             masks.append(sample.get("completion_mask"))
         for mask in masks:
             if mask is not None:
@@ -55,7 +91,8 @@ class SFTLossTokens:
         return int(keep[1:].sum() if self.skip_first else keep.sum())
 
     def __repr__(self) -> str:
-        return f"SFTLossTokens(completion_only_loss={self.completion_only_loss}, skip_first={self.skip_first})"
+        return (f"SFTLossTokens(completion_only_loss={self.completion_only_loss}, skip_first={self.skip_first}, "
+                f"masks={self.masks})")
 
 
 def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, Any], shift: bool) -> Dict[str, Any]:
@@ -79,7 +116,8 @@ def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, An
             f"{getattr(args, 'packing_strategy', None)!r}): TRL packs the dataset into rows of max_length="
             f"{getattr(args, 'max_length', None)} tokens before odb sees it, so every sample is a full row and a "
             f"token budget has no short and long samples left to group. Fix: packing=False; for padding-free rows "
-            f"that odb fills to token_budget, set padding_free=True.")
+            f"that odb fills to token_budget, set padding_free=True (and max_length=None, which TRL 1.x requires "
+            f"with padding_free=True and no packing).")
     collator = getattr(trainer, "data_collator", None)
     vision = getattr(sft, "DataCollatorForVisionLanguageModeling", None)
     if vision is not None and isinstance(collator, vision):
@@ -91,7 +129,11 @@ def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, An
             "length_fn; or train without odb.")
     if not isinstance(collator, sft.DataCollatorForLanguageModeling):
         return options  # a collator of the user's: odb counts labels as for any Trainer
-    return _collator_options(collator, config, dict(options), shift)
+    # TRL < 1.9: the collator builds the labels from completion_mask and assistant_masks (it has completion_only_loss);
+    # from 1.9 the trainer builds them (-100 outside the masks) and truncates while it prepares the dataset, drops the
+    # mask columns, and the collator reads labels only (a labels column of the user's is taken as it is, masks or not).
+    completion_only = getattr(collator, "completion_only_loss", None)
+    return _collator_options(collator, config, dict(options), shift, completion_only)
 
 
 def _given(name: str, config: Optional[ODBConfig], options: Dict[str, Any], default: Any) -> Any:
@@ -114,7 +156,8 @@ def check_layout(name: str, packed: bool, layout: Any, fix_padded: str, fix_pack
                          f"sample times the rows, beyond a budget planned on the sum of lengths. Fix: {fix_packed}.")
 
 
-def _collator_options(collator: Any, config: Optional[ODBConfig], out: Dict[str, Any], shift: bool) -> Dict[str, Any]:
+def _collator_options(collator: Any, config: Optional[ODBConfig], out: Dict[str, Any], shift: bool,
+                      completion_only: Optional[bool]) -> Dict[str, Any]:
     name = type(collator).__name__
     padding_free = bool(collator.padding_free)
     flag = f"{name}(padding_free={padding_free})"
@@ -141,5 +184,6 @@ def _collator_options(collator: Any, config: Optional[ODBConfig], out: Dict[str,
         raise ValueError(f"odb got ignore_index={ignore} but {name} marks unsupervised labels with {IGNORE_INDEX}, "
                          f"as the model's loss ignores them. Fix: leave ignore_index out.")
     if _given("loss_tokens_fn", config, out, None) is None:
-        out["loss_tokens_fn"] = SFTLossTokens(collator.completion_only_loss, skip_first=shift or padding_free)
+        out["loss_tokens_fn"] = SFTLossTokens(bool(completion_only), skip_first=shift or padding_free,
+                                              masks=completion_only is not None)
     return out

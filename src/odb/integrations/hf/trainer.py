@@ -51,7 +51,7 @@ from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, che
                        loss_shifts_labels, prepare_packed_rows)
 from odb.integrations.hf.steps import (SampleView, StepBundle, StepFiller, check_loss_tokens, next_step, pad_step,
                                        recount_loss_tokens, trainer_steps)
-from odb.integrations.trl_rules import sft_options
+from odb.integrations.trl_rules import sft_computes_loss, sft_options
 
 __all__ = ["ODBTrainer", "ODBTrainerMixin", "collator_options", "configure_trainer", "enable_odb"]
 
@@ -299,8 +299,20 @@ class ODBTrainerMixin:
         if info is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
+        if sft_computes_loss(self):
+            # TRL >= 1.15 computes the loss itself (fused LM head, no logits): asking for its outputs costs a
+            # FutureWarning and an extra forward; its loss is finite without supervised tokens, so zero_loss needs none.
+            # Its cross-rank factor applies whenever average_tokens_across_devices (odb always passes the count).
+            got = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                       num_items_in_batch=num_items_in_batch)
+            loss, outputs = got if return_outputs else (got, None)
+            rescaled = self.args.average_tokens_across_devices
+        else:
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+            rescaled = self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or
+                                                                     self.compute_loss_func)
+        if rescaled:
             loss = loss / self.accelerator.num_processes  # undo the Trainer's own cross-rank factor
         loss = weigh_loss(loss, info, outputs=outputs)  # an exact zero from the logits when it adds nothing
         return (loss, outputs) if return_outputs else loss
