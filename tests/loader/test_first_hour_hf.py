@@ -118,7 +118,7 @@ def test_masked_lm_collator_counts_the_masked_tokens_after_collate(tmp_path):
     r = W.masked_lm_step(0, 1, dict(out=str(tmp_path), n=24, ga=2, lr=1e-3, budget=96))
     counts = [int((b["labels"] != IGNORE).sum()) for b in r["batches"]]
     infos = r["infos"]
-    assert [i["local_loss_tokens"] for i in infos] == counts and len(counts) == 2 and min(counts) > 0
+    assert [i["local_loss_tokens"] for i in infos] == counts and len(counts) >= 2 and min(counts) > 0
     assert all(i["global_loss_tokens"] == sum(counts) for i in infos)
     assert [i["loss_scale"] for i in infos] == pytest.approx([c / sum(counts) for c in counts])
     assert rel_error(r["delta"], masked_lm_reference(r["batches"], 1e-3)) < EXACT
