@@ -15,6 +15,7 @@ In the packed layout (one padding-free row per batch) both entry points hand ove
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import List, Optional
 
@@ -191,6 +192,40 @@ def _dp_segments(tokens: np.ndarray, counts: np.ndarray, ideal: np.ndarray, effi
     return segs
 
 
+@dataclasses.dataclass(frozen=True)
+class SortedPool:
+    """A pool's samples that fit a batch, sorted by decreasing padded length (the order the padded planners
+    cut consecutive runs from), and those that alone exceed the budget (``oversize``, positions).
+
+    Example:
+        >>> pool = SortedPool.of(np.array([5, 30, 200, 10]), np.arange(4), CostModel((100,)), None)
+        >>> pool.order.tolist(), pool.padded.ravel().tolist(), pool.oversize.tolist()
+        ([1, 3, 0], [30, 10, 5], [2])
+    """
+
+    lengths: np.ndarray  # (n, D) every sample's real lengths, in the pool's order
+    order: np.ndarray  # positions of the samples that fit, sorted
+    padded: np.ndarray  # their padded lengths, in that order
+    patches: Optional[np.ndarray]  # their image patches, in that order (None without a patch cap)
+    oversize: np.ndarray  # positions of the samples that alone exceed the budget
+    fits: np.ndarray  # copies of each sample (every position) that fit one batch
+
+    @classmethod
+    def of(cls, lengths: np.ndarray, ids: np.ndarray, cost: CostModel, patches: Optional[np.ndarray]
+           ) -> "SortedPool":
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim == 1:
+            lengths = lengths[:, None]
+        ids = np.asarray(ids)
+        cost.check_dims(lengths.shape[1])
+        padded = cost.pad(lengths)
+        fits = cost.copies_that_fit(padded, patches)
+        ok = np.flatnonzero(fits > 0)
+        order = ok[sort_order(padded[ok], ids[ok])]
+        return cls(lengths, order, padded[order], None if patches is None else np.asarray(patches)[order],
+                   np.flatnonzero(fits == 0), fits)
+
+
 def plan_window(
     lengths: np.ndarray,
     ids: np.ndarray,
@@ -222,20 +257,10 @@ def plan_window(
     if cost.packed:  # one padding-free row per batch: bin packing (odb.plan.packing)
         return plan_packed_window(lengths, ids, cost, final=final, pack_efficiency=pack_efficiency,
                                   carry_limit=carry_limit, patches=patches)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.ndim == 1:
-        lengths = lengths[:, None]
-    ids = np.asarray(ids)
-    cost.check_dims(lengths.shape[1])
-    padded = cost.pad(lengths)
-    fits = cost.copies_that_fit(padded, patches)
-    oversize = np.flatnonzero(fits == 0)
-    ok = np.flatnonzero(fits > 0)
-    if len(ok) == 0:
-        return PoolPlan([], np.empty(0, dtype=np.int64), oversize)
-    order = ok[sort_order(padded[ok], ids[ok])]
-    pad_s = padded[order]
-    patch_s = None if patches is None else np.asarray(patches)[order]
+    pool = SortedPool.of(lengths, ids, cost, patches)
+    if not len(pool.order):
+        return PoolPlan([], np.empty(0, dtype=np.int64), pool.oversize)
+    lengths, order, pad_s, patch_s, fits = pool.lengths, pool.order, pool.padded, pool.patches, pool.fits
     counts = _max_counts_sorted(cost, pad_s, patch_s)
     if final:
         runs = [np.arange(s, e) for s, e in greedy_segments(counts, cost.multiple)]
@@ -248,7 +273,7 @@ def plan_window(
     for r in runs:
         taken[r] = True
     runs.sort(key=lambda r: int(r[0]))
-    return PoolPlan([order[r] for r in runs], order[~taken], oversize)
+    return PoolPlan([order[r] for r in runs], order[~taken], pool.oversize)
 
 
 def _drain_carry(runs: List[np.ndarray], tokens: np.ndarray, ideal: np.ndarray, pad_s: np.ndarray,

@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from odb.plan.cost import CostModel
-from odb.plan.planner import PoolPlan, plan_window, sort_order
+from odb.plan.planner import PoolPlan, SortedPool, plan_window
 
 
 def least_cost_segments(pad_s: np.ndarray, counts: np.ndarray, cost: CostModel, overhead: float
@@ -74,19 +74,6 @@ def plan_step_share(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, overh
     exceed the budget are ``oversize``. Packed rows: the window's bin packing, everything emitted."""
     if cost.packed:
         return plan_window(lengths, ids, cost, final=True, patches=patches)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.ndim == 1:
-        lengths = lengths[:, None]
-    ids = np.asarray(ids)
-    cost.check_dims(lengths.shape[1])
-    padded = cost.pad(lengths)
-    fits = cost.copies_that_fit(padded, patches)
-    oversize = np.flatnonzero(fits == 0)
-    ok = np.flatnonzero(fits > 0)
-    if len(ok) == 0:
-        return PoolPlan([], np.empty(0, dtype=np.int64), oversize)
-    order = ok[sort_order(padded[ok], ids[ok])]
-    pad_s = padded[order]
-    counts = cost.max_counts_sorted(pad_s, None if patches is None else np.asarray(patches)[order])
-    runs = least_cost_segments(pad_s, counts, cost, overhead)
-    return PoolPlan([order[s:e] for s, e in runs], np.empty(0, dtype=np.int64), oversize)
+    pool = SortedPool.of(lengths, ids, cost, patches)
+    runs = least_cost_segments(pool.padded, cost.max_counts_sorted(pool.padded, pool.patches), cost, overhead)
+    return PoolPlan([pool.order[s:e] for s, e in runs], np.empty(0, dtype=np.int64), pool.oversize)
