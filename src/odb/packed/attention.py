@@ -9,7 +9,7 @@ and more than the padded batch of the same samples pays. The flash-attention ker
 
 ``varlen_causal_attention`` runs ``torch.nn.functional.scaled_dot_product_attention``
 once per sample with ``is_causal=True``: exact, no mask built, the cost of the samples,
-on CPU and on a GPU alike (tested here on CPU only). On CUDA tensors in half precision without dropout it calls
+on CPU and on a GPU alike (tested on CPU in CI; tests/cuda ran once on an H200). On CUDA tensors in half precision without dropout it calls
 PyTorch's own flash kernel for packed rows, ``torch.nn.attention.varlen.varlen_attn``,
 once per row instead, where the installed torch has it (``native_varlen``).
 ``register_varlen_attention()`` adds it to transformers as the
