@@ -292,7 +292,10 @@ def test_hf_trainer_torch_compile_with_odb(static: bool, tmp_path: Any, monkeypa
     data = LengthDataset(workload(300))
     samples = [{k: data[i][k] for k in ("input_ids", "labels", "idx")} for i in range(len(data))]
     trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=samples, data_collator=collate)
-    enable_odb(trainer, token_budget=BUDGET, shift_labels=True, **({"shape_buckets": buckets} if static else {}))
+    # static graphs: budget-filled steps, whose batches are full per bucket (one B per bucket); with
+    # global_batch_size (the default) B follows each step's cut, so shapes are buckets x several B
+    static_options = {"shape_buckets": buckets, "global_batch_size": None}
+    enable_odb(trainer, token_budget=BUDGET, shift_labels=True, **(static_options if static else {}))
     torch._dynamo.reset()
     counters.clear()
     trainer.train()

@@ -147,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(f"[bench] {name} ({(time.perf_counter() - t_all) / 60:.1f} min so far)", file=sys.stderr, flush=True)
 
     if not args.skip_convergence:
-        from odb.bench.convergence import run_convergence_section
+        from odb.bench.convergence_run import run_convergence_section
 
         section("convergence at the user's settings: 2 ranks, 7 arms, A = 1 and 8, 3 rounds (20 min on 2 cores under a load of 9)")
         t0 = time.perf_counter()

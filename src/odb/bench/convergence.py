@@ -36,7 +36,6 @@ share, micro-steps, rank 0's seconds waiting on the loader).
 from __future__ import annotations
 
 import contextlib
-import os
 import math
 import statistics
 import sys
@@ -531,28 +530,6 @@ SIZES: Dict[str, Dict[str, Any]] = {
     "quick": {"workload": "heavy-tailed", "samples": 24, "epochs": 1, "evals": 1, "rounds": 1,
               "accumulations": [1, 8], "extra_epochs": 0},
 }
-
-
-def run_convergence_section(*, quick: bool = False, device: str = "cpu", out_dir: Optional[str] = None,
-                            timeout_s: float = 1800.0) -> Dict[str, Any]:
-    """The first section of ``python -m odb.bench``: 2 gloo ranks, every arm, A = 1 and 8; the goals; the plot."""
-    from odb.bench.training_ddp import launch
-
-    size = SIZES["quick" if quick else "full"]
-    params = {"device": device, "cap": CAP, "threads": 1,
-              "convergence": {**size, "base_lr": BASE_LR, "arms": list(ARMS)}}
-    res = launch(params, world=2, timeout_s=timeout_s)
-    conv = res["convergence"]
-    from odb.bench.training_run import MODELS
-
-    conv["model"] = dict(MODELS["cuda" if str(device).startswith("cuda") else "cpu"])
-    conv["goals"] = convergence_goals(conv)
-    conv["breakdown"] = breakdown(conv)
-    if out_dir:
-        from odb.bench.report import plot_convergence
-
-        plot_convergence(conv, os.path.join(out_dir, "training_loss.png"))
-    return conv
 
 
 def breakdown(conv: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
