@@ -305,3 +305,19 @@ def test_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(examples / "trl_sft.py"), run_name="__main__")
     assert "optimizer steps, train loss" in capsys.readouterr().out
+
+
+# ---- the user's optimizer steps (the default: global_batch_size from SFTConfig) ------------------------
+
+
+@pytest.mark.parametrize("kind,padding_free", [("completion", False), ("assistant", True)])
+def test_default_step_holds_the_users_samples_exactly(tmp_path, kind, padding_free):
+    # each step holds per_device_train_batch_size x gradient_accumulation_steps samples, in odb's micro-batches
+    p = params(kind=kind, padding_free=padding_free, same_updates=True, args=dict(per_device_train_batch_size=5),
+               out=str(tmp_path / "run"))
+    r = W.train_ranks(0, 1, p)
+    assert len(r["ids"]) == 10  # 5 x 2: the plain SFTTrainer's first step
+    assert [i["micro_step"] for i in r["infos"]] == list(range(len(r["infos"])))
+    ref = W.reference(W.build_trainer(p, str(tmp_path / "ref")), r["ids"], p["lr"])
+    assert sum(i["local_loss_tokens"] for i in r["infos"]) == ref["tokens"]
+    assert rel_error(r["delta"], ref["delta"]) < EXACT
