@@ -504,7 +504,8 @@ CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ODBConfig))
 PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_size", "max_carry",
                 "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
                 "quadratic_length",
-                "max_image_patches", "oversize", "gradient_accumulation_steps", "global_batch_size", "micro_batch_cost", "join", "loss_scaling",
+                "max_image_patches", "oversize", "gradient_accumulation_steps", "global_batch_size", "micro_batch_cost",
+                "join", "loss_scaling",
                 "budget_schedule", "probe_worst_case", "layout", "sample_cost", "auto_start_budget", "auto_margin",
                 "balance")
 

@@ -24,6 +24,7 @@ LENGTHS = known_lengths(96, 2, 60, seed=21)
 class SamplesPairing:
     """Pairs by the number of samples in a group (a test-only criterion)."""
 
+    prices = True
     priced = 0
 
     def freeze(self, step: int) -> None:

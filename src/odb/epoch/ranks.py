@@ -109,7 +109,7 @@ class RankAligner:
     def pair_cost(self, group: np.ndarray) -> int:
         """What ranks compare to pair groups of similar cost: the pairing criterion's price where every rank's
         criterion is ready this window (balance="time": predicted microseconds), else ``cost``."""
-        if self._ready_all:
+        if self._ready_all and self.pairing.prices:
             price = self.pairing.price(self.planner.cost.pad(self.pool.lengths(group)))
             if price is not None:
                 return price

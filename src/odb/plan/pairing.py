@@ -25,7 +25,10 @@ import numpy as np
 
 
 class Pairing(Protocol):
-    """One balance criterion: what a rank tells the others and how it prices a group."""
+    """One balance criterion: what a rank tells the others and how it prices a group (``prices``: False
+    where it never does, so the planner's cost pairs without any group's lengths being padded for it)."""
+
+    prices: bool
 
     def freeze(self, step: int) -> None:
         """The steps made before the window about to be planned (a model frozen there prices it)."""
@@ -39,6 +42,8 @@ class Pairing(Protocol):
 
 class TokenPairing:
     """``balance="tokens"`` (default): the planner's cost (padded tokens) pairs the groups."""
+
+    prices = False
 
     def freeze(self, step: int) -> None:
         return None
@@ -54,6 +59,8 @@ class TimePairing:
     """``balance="time"``: predicted step seconds (in microseconds) pair the groups, once the step-time
     model frozen for the window predicts. ``model`` has ``time_fitted(step)`` and ``time_cost(step,
     padded)`` (``odb.epoch.auto.AutoControl``: token_budget="auto" fits it)."""
+
+    prices = True
 
     def __init__(self, model: Any) -> None:
         if model is None:
