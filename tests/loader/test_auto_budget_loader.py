@@ -21,7 +21,7 @@ from dist_harness import run_ranks as run_processes
 from helpers import LengthDataset, known_lengths, pad_collate
 from odb.comm.threads import ThreadRanks
 from odb.epoch.auto import AutoControl
-from odb.epoch.run import EpochRun
+from odb.epoch.budget import AutoWindows
 from odb.train.memory import ActivationMeter
 from odb.train.oom import OOMCounters
 from roundtrip import read, round_trip, step_record
@@ -278,22 +278,21 @@ def _thread_rank(rank: int, ranks: ThreadRanks, plans: Dict[int, list], **option
         info = odb.pop_step_info(batch)
         trainer.step(batch, info)
         infos.append(info)
-    plans[rank] = list(loader.odb_core.run.plan_log)
+    plans[rank] = list(loader.odb_core.run.budget.plan_log)
     return infos
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("options", [dict(auto_start_budget=60), dict(balance="time")])
 def test_two_thread_ranks_plan_every_window_with_the_agreed_budget(monkeypatch, options):
-    original = EpochRun._apply_plan
+    original = AutoWindows.next_window
 
-    def logged(self: EpochRun, plan: Any) -> None:  # every window's plan, per rank
-        original(self, plan)
-        if not hasattr(self, "plan_log"):
-            self.plan_log = []
-        self.plan_log.append((self.window_index + 1, plan, self.step))
+    def logged(self: AutoWindows, **where: Any) -> Any:  # every window's plan, per rank
+        costs = original(self, **where)
+        self.__dict__.setdefault("plan_log", []).append((where["window_index"] + 1, self.plan, where["step"]))
+        return costs
 
-    monkeypatch.setattr(EpochRun, "_apply_plan", logged)
+    monkeypatch.setattr(AutoWindows, "next_window", logged)
     timed = []
     original_time = AutoControl.time_cost
 

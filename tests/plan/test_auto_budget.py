@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-import types
+
 
 import numpy as np
 import pytest
 
 from odb.plan.auto_budget import AutoBudget, BudgetPlan, agree
+from odb.config import ODBConfig
 from odb.plan.cost import CostModel
+from odb.plan.plan_costs import PlanCosts
 from odb.plan.packing import plan_packed_window
 from odb.plan.planner import plan_window
 from odb.plan.step_model import shape_features
@@ -135,12 +137,9 @@ def test_packed_rows_respect_a_fractional_sample_cost():
 
 
 def test_sample_cost_from_config_and_refused_when_negative():
-    cfg = types.SimpleNamespace(token_budgets=(100,), pad_to_multiple_of=1, quadratic_length=None,
-                                max_batch_size=None, batch_size_multiple=1, max_image_patches=None,
-                                layout="padded", shape_buckets=None)
-    assert CostModel.from_config(cfg).sample_cost == 0.0  # a config without the field
-    cfg.sample_cost = 4.0
-    assert CostModel.from_config(cfg).sample_cost == 4.0
+    assert CostModel.from_config(ODBConfig(token_budget=100)).sample_cost == 0.0
+    assert CostModel.from_config(ODBConfig(token_budget=100, sample_cost=4.0)).sample_cost == 4.0
+    assert CostModel.from_config(ODBConfig(token_budget=100), PlanCosts((100,), None, 2.5)).sample_cost == 2.5
     with pytest.raises(ValueError, match="sample_cost=-1"):
         CostModel((100,), sample_cost=-1)
 

@@ -30,7 +30,7 @@ import odb
 from dist_harness import run_ranks as run_processes
 from helpers import LengthDataset, known_lengths, pad_collate
 from odb.comm.threads import ThreadRanks
-from odb.epoch.run import EpochRun
+from odb.epoch.budget import AutoWindows
 from odb.plan.auto_budget import AutoBudget, merge_states
 from odb.plan.step_model import shape_features
 from odb.train.memory import ActivationMeter
@@ -84,7 +84,7 @@ class Rank:
                 break
         state = json.loads(json.dumps(self.loader.state_dict()))  # the step in flight is measured here
         return {"steps": steps, "state": state, "peaks": list(self.peaks),
-                "plans": list(getattr(self.loader.odb_core.run, "plan_log", []))}
+                "plans": list(getattr(self.loader.odb_core.run.budget, "plan_log", []))}
 
 
 def thread_phase(world: int, states: Optional[List[Dict[str, Any]]], stop: Optional[int],
@@ -106,19 +106,20 @@ def thread_phase(world: int, states: Optional[List[Dict[str, Any]]], stop: Optio
         return [f.result(timeout=60) for f in futures]
 
 
-_APPLY_PLAN = EpochRun._apply_plan
+_NEXT_WINDOW = AutoWindows.next_window
 
 
-def _logged_apply_plan(self: EpochRun, plan: Any) -> None:
-    """EpochRun._apply_plan that also logs every window's plan: ``run.plan_log`` of (window, budget, q, cost)."""
-    _APPLY_PLAN(self, plan)
+def _logged_next_window(self: AutoWindows, **where: Any) -> Any:
+    """AutoWindows.next_window that also logs every window's plan: ``plan_log`` of (window, budget, q, cost)."""
+    costs = _NEXT_WINDOW(self, **where)
     self.__dict__.setdefault("plan_log", []).append(
-        (self.window_index + 1, plan.token_budget, plan.quadratic_length, plan.sample_cost))
+        (where["window_index"] + 1, costs.token_budget, costs.quadratic_length, costs.sample_cost))
+    return costs
 
 
 @pytest.fixture
 def plan_log(monkeypatch):
-    monkeypatch.setattr(EpochRun, "_apply_plan", _logged_apply_plan)
+    monkeypatch.setattr(AutoWindows, "next_window", _logged_next_window)
 
 
 def check_resumed(before: List[Dict[str, Any]], after: List[Dict[str, Any]], cap: float = CAP) -> None:
@@ -218,7 +219,7 @@ def gloo_phase(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
     """A rank of the dist test (gloo default group up): load every old state found, run, save."""
     from elastic_workers import read_states, save_state
 
-    EpochRun._apply_plan = _logged_apply_plan  # (a fresh process per rank and phase)
+    AutoWindows.next_window = _logged_next_window  # (a fresh process per rank and phase)
     odb_rank = Rank(rank, world, heavy=p["heavy"][rank])
     if p.get("load_from"):
         odb_rank.loader.load_state_dict(read_states(p["load_from"]))

@@ -65,6 +65,7 @@ import torch
 from odb.bench.planning import oracle_batches
 from odb.bench.workloads import lognormal_lengths
 from odb.config import ODBConfig
+from odb.plan.plan_costs import PlanCosts
 from odb.plan.window import WindowPlanner, plan_stream, window_cut, window_limits
 
 MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -312,7 +313,7 @@ class ManualAuto:
             if wp is None:
                 wp = WindowPlanner(cfg)
             else:
-                wp.set_config(cfg)
+                wp.set_costs(PlanCosts.of(cfg))
             wp.cost = cost
             stop = start + window_cut(lengths[start:], *window_limits(cfg, k, n - start, len(wp.carried_ids)))
             w = wp.plan(np.arange(start, stop), lengths[start:stop], None, final=stop >= n)

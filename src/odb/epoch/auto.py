@@ -15,6 +15,10 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+from odb.config import ODBConfig
+from odb.epoch.budget import AutoWindows
+from odb.plan.plan_costs import PlanCosts
+
 
 class AutoControl:
     """``token_budget="auto"`` of one loader: the AutoBudget (odb.plan.auto_budget) fed by the training
@@ -36,6 +40,10 @@ class AutoControl:
 
     Example:
         >>> import numpy as np
+
+from odb.config import ODBConfig
+from odb.epoch.budget import AutoWindows
+from odb.plan.plan_costs import PlanCosts
         >>> from odb.epoch.auto import AutoControl
         >>> auto = AutoControl(cap=10**9, meter=lambda: None, packed=False, margin=0.1)
         >>> auto.start(64); auto.begin_epoch(); auto.plan_at(0).token_budget
@@ -43,9 +51,11 @@ class AutoControl:
     """
 
     def __init__(self, *, cap: float, meter: Callable[[], Optional[float]], packed: bool, margin: float,
-                 time_balance: bool = False) -> None:
+                 time_balance: bool = False, options: Optional[ODBConfig] = None) -> None:
         self.cap, self.meter, self.packed, self.margin = cap, meter, packed, margin
         self.time_balance = time_balance
+        self.options = options  # the user's (None: a control made by hand, e.g. in a test: the defaults)
+        self.resumed_state = False  # a mid-epoch state gave this control its place in the epoch
         self.budget: Any = None  # odb.plan.auto_budget.AutoBudget, made by start()
         self.start_budget: Optional[int] = None
         self.lock = threading.Condition()
@@ -101,6 +111,62 @@ class AutoControl:
 
     def _freeze(self) -> Tuple[Any, Any]:
         return self.budget.propose(), (copy.deepcopy(self.budget) if self.time_balance else None)
+
+    # ---- the loader's budget (odb.epoch.budget.LoaderBudget) ------------------------
+    def epoch(self) -> AutoWindows:
+        """The next epoch's window budget."""
+        opts = self.options
+        start = self.start_budget or (opts.auto_start_budget if opts is not None else None) or PROVISIONAL_BUDGET
+        return AutoWindows(self, PlanCosts((int(start),), None if opts is None else opts.quadratic_length,
+                                           0.0 if opts is None else float(opts.sample_cost)))
+
+    def epoch_starts(self, peek: Callable[[int], Any], resumed: bool) -> None:
+        """An epoch starts: the first epoch sets the start budget (``auto_start_budget``, else twice the
+        longest of the first window's samples, read by ``peek(n)``); a new epoch plans its first windows
+        under the proposal of now, a resumed one where its state left it."""
+        if not self.started:
+            opts = self.options if self.options is not None else ODBConfig(token_budget=1)
+            self.start(opts.auto_start_budget or start_budget(peek, opts.first_window_size))
+        if resumed and self.resumed_state:
+            self.reopen()  # (the loader's stop() closed it)
+        else:
+            self.begin_epoch()
+        self.resumed_state = False
+
+    def set_token_budget(self, token_budget: Any) -> None:
+        raise ValueError(f"set_token_budget({token_budget!r}) on a loader with token_budget='auto': the loader "
+                         f"sets its budget from measured steps. Fix: build the loader with an int token_budget "
+                         f"to set it yourself, or leave the auto budget alone.")
+
+    def read_ahead_tokens(self) -> Optional[int]:
+        """The budget moves: the read-ahead is bounded by ``buffer_size`` samples only."""
+        return None
+
+    def planning_config(self, window: Optional[AutoWindows], lengths: Any) -> ODBConfig:
+        """The options ``len()``'s estimate plans with: the current window's budget, else the start rule's."""
+        plan = window.plan if window is not None else None
+        budget = plan.token_budget if plan is not None else self.start_budget or self.options.auto_start_budget
+        if not budget:
+            arr = np.asarray(lengths)
+            budget = max(1, 2 * int(arr.reshape(len(arr), -1).sum(axis=1).max(initial=0)))
+        return self.options.replace(token_budget=int(budget), balance="tokens")
+
+    def stats(self, window: Optional[AutoWindows]) -> Dict[str, Any]:
+        """``auto_*`` counters for ``odb_stats``, with the last planned window's budget."""
+        out = self.metrics()
+        plan = window.plan if window is not None else None
+        out["auto_window_budget"] = None if plan is None else plan.token_budget
+        return out
+
+    def loader_state(self) -> Dict[str, Any]:
+        """The loader's "budget" state: the AutoBudget's, the observations, the frozen proposals."""
+        return self.state_dict()
+
+    def load_loader_state(self, state: Optional[Dict[str, Any]], resumed: bool) -> None:
+        """Continue from ``loader_state``'s output (``resumed``: mid-epoch)."""
+        if state is not None:
+            self.load_state_dict(state, resumed=resumed)
+            self.resumed_state = resumed
 
     # ---- batch thread --------------------------------------------------------------
     def planned(self, step: int, lengths: np.ndarray) -> None:
@@ -295,6 +361,23 @@ class AutoControl:
         with self.lock:
             model = self._frozen_model(mark)
             return model is not None and model.time.coefficients() is not None
+
+
+PROVISIONAL_BUDGET = 2**40  # without auto_start_budget: the budget until the first window is read
+
+
+def start_budget(peek: Callable[[int], Any], first_window_size: int) -> int:
+    """token_budget="auto" without auto_start_budget: twice the longest of the first window's samples
+    (``peek(n)``: their metas, lengths first).
+
+    Example:
+        >>> start_budget(lambda n: [((3,),), ((9,),)], 8)
+        18
+    """
+    metas = peek(first_window_size)
+    longest = max((sum(meta[0]) if isinstance(meta[0], (tuple, list)) else int(meta[0]) for meta in metas),
+                  default=1)
+    return max(1, 2 * int(longest))
 
 
 def merged_state(states: List[Optional[Dict[str, Any]]], step: int) -> Optional[Dict[str, Any]]:

@@ -15,9 +15,9 @@ fingerprint), so a rank that fails anywhere but between a header and its summari
 the shape the others expect. The header also
 carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints; zeros without
 token_budget="auto") and whether its pairing criterion (``pairing``, odb.plan.pairing: ``balance``)
-prices this window (1 int; zeros in a confirmation). With "auto" (``auto_plans``) ``agreed_plan`` is
-the most conservative of every rank's proposals (``agree``), which the epoch run applies to its next
-window; the ranks pair by the criterion's price only in a window where every rank's is ready (else
+prices this window (1 int; zeros in a confirmation). Where the window budget proposes (``align``'s
+``proposal``: token_budget="auto"), ``agreed_plan`` is the most conservative of every rank's proposals
+(``agree``), which the window budget applies to the next window; the ranks pair by the criterion's price only in a window where every rank's is ready (else
 all by the planner's cost, so no step pairs one rank's seconds with another's tokens).
 """
 
@@ -63,8 +63,8 @@ class RankAligner:
     """
 
     def __init__(self, exchange: Any, planner: WindowPlanner, pool: SamplePool, *, epoch: int, seed: int,
-                 shuffle: bool, steps_done: Callable[[], int] = lambda: 0, options: Any = None,
-                 auto_plans: bool = False, whole_windows: bool = False, pairing: Optional[Pairing] = None) -> None:
+                 shuffle: bool, steps_done: Callable[[], int] = lambda: 0, whole_windows: bool = False,
+                 pairing: Optional[Pairing] = None) -> None:
         self.exchange = exchange
         # global_batch_size: a window is an optimizer step, emitted whole (nothing deferred to a later one)
         self.whole_windows = whole_windows
@@ -75,13 +75,11 @@ class RankAligner:
         self.all_done = False
         self.unconfirmed = 0  # exchanged steps not yet confirmed (made) on this rank
         self.last_fit = FitCounts()
-        self._values = agreed_values(options if options is not None else planner.cfg, shuffle)
+        self._values = agreed_values(planner.cfg, shuffle)
         self._fingerprint = fingerprint(self._values)
         # Every header has room for a plan proposal (zeros without token_budget="auto"), so that ranks with
         # and without "auto" exchange messages of one shape and the options check names the difference.
-        self._auto = bool(auto_plans)
-        self.proposal: Optional[np.ndarray] = None  # this rank's encoded proposal, sent with the next header
-        self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (auto only)
+        self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (None: none sent)
         # how ranks pair their groups (balance): by the criterion's price in a window where it is ready on every
         # rank (a flag in the header), else by the planner's cost
         self.pairing = pairing if pairing is not None else TokenPairing()
@@ -120,8 +118,11 @@ class RankAligner:
         plans = local_steps([self.pool.loss_tokens(g) for g in groups], [len(g) for g in groups])
         return [(s, groups[s.group]) for s in plans]
 
-    def align(self, groups: List[np.ndarray], planned_final: bool, window_index: int) -> List[Step]:
-        """This window's steps; sets ``all_done`` once no rank has anything left."""
+    def align(self, groups: List[np.ndarray], planned_final: bool, window_index: int,
+              proposal: Optional[np.ndarray] = None) -> List[Step]:
+        """This window's steps; sets ``all_done`` once no rank has anything left. ``proposal``: this rank's
+        encoded budget plan for the next window (sent with the header; ``agreed_plan`` then holds every
+        rank's agreement)."""
         self.last_fit = FitCounts()
         if self.local_only:
             self.all_done = planned_final
@@ -129,9 +130,8 @@ class RankAligner:
         ex, cfg = self.exchange, self.planner.cfg
         where = f"epoch {self.epoch}, window {window_index}"
         header = self._exchange([len(groups), self._must_emit(groups), int(planned_final), self.seed], where,
-                                self.proposal)
-        if self._auto:
-            self.agreed_plan = agree(self._plans[:, :PLAN_SIZE])
+                                proposal)
+        self.agreed_plan = agree(self._plans[:, :PLAN_SIZE]) if proposal is not None else None
         self._ready_all = bool((self._plans[:, PLAN_SIZE] == 1).all())
         window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join, self.whole_windows)
         if window.go_local:
@@ -213,7 +213,7 @@ class RankAligner:
     def _must_emit(self, groups: List[np.ndarray]) -> int:
         """Groups this rank cannot defer: deferring more would grow its carry past a full window."""
         cfg, carried = self.planner.cfg, self.planner.carried_ids
-        window_tokens = cfg.window_tokens
+        window_tokens = self.planner.window_tokens
         room_tokens = None if window_tokens is None else window_tokens - self.pool.real_tokens(carried)
         return must_emit([self.cost(g) for g in groups], [len(g) for g in groups],
                          [self.pool.real_tokens(g) for g in groups] if room_tokens is not None else [0] * len(groups),

@@ -28,12 +28,11 @@ from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
 from odb.epoch.run_state import retained_positions, step_from_row, step_row
 from odb.plan.pairing import make_pairing
-from odb.plan.schedule import budget_at
 from odb.data.source import SampleSource
 from odb.epoch.stats import EpochStats
 from odb.step_info import ODBStepInfo, attach_step_info, loss_scale
 from odb.plan.window import WindowPlanner, window_limits
-from odb.epoch.auto import AutoControl
+from odb.epoch.budget import FixedBudget, WindowBudget
 
 ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
 
@@ -88,15 +87,10 @@ class EpochRun:
     def __init__(self, cfg: ODBConfig, source: SampleSource, collate_fn: Callable[[List[Any]], Any],
                  *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, exchange: Any = None,
                  finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None,
-                 notices: Optional[Set[str]] = None, auto: Optional[AutoControl] = None,
-                 options: Optional[ODBConfig] = None) -> None:
-        self.cfg = cfg
-        # token_budget="auto": cfg is the planning copy (an int budget that moves); ``options`` the user's config,
-        # which the ranks compare (odb.comm.agreement).
-        self.auto = auto
-        self._auto_mark: Optional[int] = None  # steps made before the last planned window (its freeze point)
-        self._auto_agreed: Any = None  # the plan the ranks agreed on at the last window, for the next one
-        self.auto_plan: Any = None  # the plan of the last planned window
+                 notices: Optional[Set[str]] = None, budget: Optional[WindowBudget] = None,
+                 stream_marks: Any = None, lazy: bool = False) -> None:
+        self.cfg = cfg  # the user's options; each window's prices come from the window budget
+        self.budget: WindowBudget = budget if budget is not None else FixedBudget(cfg)
         self.notices = notices if notices is not None else set()  # warnings given once per loader, not per epoch
         self.total = total  # samples this epoch brings (None: unknown, e.g. an IterableDataset)
         self.source = source
@@ -110,11 +104,10 @@ class EpochRun:
         self.step_samples = cfg.step_samples(self.world_size)
         self.stats = EpochStats()
         self.pool = SamplePool()
-        self.planner = WindowPlanner(cfg)
+        self.planner = WindowPlanner(cfg, self.budget.costs)
         self.aligner = RankAligner(exchange, self.planner, self.pool, epoch=epoch, seed=seed, shuffle=shuffle,
-                                   steps_done=lambda: self.stats.steps, options=options,
-                                   auto_plans=auto is not None, whole_windows=self.step_samples is not None,
-                                   pairing=make_pairing((options or cfg).balance, auto))
+                                   steps_done=lambda: self.stats.steps, whole_windows=self.step_samples is not None,
+                                   pairing=make_pairing(cfg.balance, self.budget.time_model))
         self.arrived = 0  # samples taken from the source into windows
         self.window_index = 0
         self.planned_final = False
@@ -127,12 +120,12 @@ class EpochRun:
         # Resume bookkeeping (odb.resume): re-partitions of this epoch's order across ranks, and the
         # resume points of an IterableDataset with its own state (odb.data.stream_state), when it has one.
         self.layers: List[Dict[str, Any]] = []
-        self.stream_marks: Any = None
+        self.stream_marks: Any = stream_marks
         self.step = 0
         self.snapshot: Dict[str, Any] = {}  # state_dict() after the last planned window
         self._since = 0
         # Batches left to collate (LazyBatch) by whichever thread needs them first (odb.epoch.pipeline).
-        self.lazy = False
+        self.lazy = lazy
         self._collate_lock = threading.Lock()
 
     @property
@@ -148,28 +141,12 @@ class EpochRun:
         if self.stream_marks is not None:
             self._keep_ghost_recent()
         self.snapshot, self._since = self.state_dict(), 0
-        self._snapshot_auto()
+        self._snapshot_budget()
 
-    def _snapshot_auto(self) -> None:
-        """token_budget="auto": the snapshot also holds the last window's freeze point and plans (its "auto"
-        key, which odb.resume.state.cursor_state leaves out of the epoch's state)."""
-        if self.auto is not None:
-            self.snapshot["auto"] = {
-                "mark": self._auto_mark,
-                "agreed": None if self._auto_agreed is None else [int(v) for v in self._auto_agreed.encode()],
-                "plan": None if self.auto_plan is None else [int(v) for v in self.auto_plan.encode()]}
-
-    def restore_auto(self, state: Optional[Dict[str, Any]]) -> None:
-        """The "auto" part of a snapshot (``_snapshot_auto``), for a resumed epoch."""
-        if self.auto is None or state is None:
-            return
-        from odb.plan.auto_budget import BudgetPlan
-
-        self._auto_mark = None if state["mark"] is None else int(state["mark"])
-        self._auto_agreed = None if state["agreed"] is None else BudgetPlan.decode(state["agreed"])
-        if state["plan"] is not None:
-            self._apply_plan(BudgetPlan.decode(state["plan"]))
-        self._snapshot_auto()
+    def _snapshot_budget(self) -> None:
+        window = self.budget.state_dict()
+        if window is not None:
+            self.snapshot["auto"] = window
 
     def _keep_ghost_recent(self) -> None:
         """A stream resumes from before the first sample its state holds, the ghost's included: keep the
@@ -233,8 +210,9 @@ class EpochRun:
         self.load_state_dict(state, samples)
         # The saved ghost stays: moving it here (take_snapshot) would pick another sample than the interrupted
         # run, whose next move comes with its next window, as the resumed run's does.
+        self.planner.set_costs(self.budget.costs)
         self.snapshot, self._since = self.state_dict(), 0
-        self._snapshot_auto()
+        self._snapshot_budget()
 
     def register(self, sid: int, index: int, sample: Any, meta: Any) -> None:
         """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
@@ -244,52 +222,6 @@ class EpochRun:
             self.ghost = (sid, copy.deepcopy(sample), meta, index)
 
     # ---- window and plan -----------------------------------------------------------
-    def set_token_budget(self, budget: Any) -> None:
-        """Plan the next windows under ``budget`` (steps already planned keep theirs)."""
-        if budget != self.cfg.token_budget:
-            self.cfg = self.cfg.replace(token_budget=budget)
-            self.planner.set_config(self.cfg)
-
-    def set_plan_costs(self, token_budget: int, quadratic_length: Optional[int], sample_cost: float) -> None:
-        """Plan the next windows under these costs (token_budget="auto"; steps already planned keep theirs)."""
-        cfg = self.cfg
-        if (token_budget, quadratic_length, float(sample_cost)) != (cfg.token_budget, cfg.quadratic_length,
-                                                                     float(cfg.sample_cost)):
-            self.cfg = cfg.replace(token_budget=int(token_budget), quadratic_length=quadratic_length,
-                                   sample_cost=float(sample_cost))
-            self.planner.set_config(self.cfg)
-
-    def _apply_plan(self, plan: Any) -> None:
-        self.auto_plan = plan
-        self.set_plan_costs(plan.token_budget, plan.quadratic_length, plan.sample_cost)
-
-    def _auto_window(self) -> Optional[int]:
-        """token_budget="auto", before planning a window: its plan (see AutoControl), and its freeze point
-        (returned: the steps whose measurements the window's models hold; None without "auto")."""
-        auto = self.auto
-        if auto is None:
-            return None
-        frozen_at = 0 if self._auto_mark is None else self._auto_mark
-        proposal = auto.plan_at(frozen_at)
-        self._auto_mark = self.step  # the steps made before this window: the next window's freeze point
-        auto.mark(self._auto_mark)
-        if self.aligner.local_only:
-            self._apply_plan(proposal)
-        else:  # the ranks agreed on their proposals at the last window's exchange; send this one's
-            self._apply_plan(self._auto_agreed if self._auto_agreed is not None else proposal)
-            self.aligner.proposal = proposal.encode()
-        return frozen_at
-
-    def _follow_schedule(self) -> None:
-        schedule = self.cfg.budget_schedule
-        if schedule is None:
-            return
-        if self.step_samples is not None:  # one window per optimizer step
-            self.set_token_budget(budget_at(schedule, self.window_index))
-            return
-        planned = self.step + len(self.step_batches) - self.step_pos + len(self.pending)
-        self.set_token_budget(budget_at(schedule, planned // self.cfg.gradient_accumulation_steps))
-
     def _remaining(self) -> Optional[int]:
         return None if self.total is None else max(self.total - self.arrived, 0)
 
@@ -301,7 +233,8 @@ class EpochRun:
                 records.extend(more)
         else:
             records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining(),
-                                                              len(self.planner.carried_ids)))
+                                                              len(self.planner.carried_ids),
+                                                              self.planner.window_tokens))
         ids = []
         for sid, index, sample, meta in records:
             self.register(int(sid), int(index), sample, meta)
@@ -310,9 +243,11 @@ class EpochRun:
         return ids, ended
 
     def _plan_next_window(self) -> List[Step]:
-        frozen_at = self._auto_window()
-        self.aligner.pairing.freeze(self.step if frozen_at is None else frozen_at)
-        self._follow_schedule()
+        budget, alone = self.budget, self.aligner.local_only
+        planned = self.step + len(self.step_batches) - self.step_pos + len(self.pending)
+        self.planner.set_costs(budget.next_window(step=self.step, window_index=self.window_index, planned=planned,
+                                                  alone=alone))
+        self.aligner.pairing.freeze(budget.freeze_point(self.step))
         groups: List[np.ndarray] = []
         if not self.planned_final:
             ids, final = self._read_window()
@@ -321,9 +256,9 @@ class EpochRun:
         elif len(self.planner.carried_ids):  # groups deferred by the alignment after the data ended
             groups = self._plan([], True)
         self.window_index += 1
-        steps = self.aligner.align(groups, self.planned_final, self.window_index)
-        if self.auto is not None and self.aligner.agreed_plan is not None:
-            self._auto_agreed = self.aligner.agreed_plan
+        steps = self.aligner.align(groups, self.planned_final, self.window_index,
+                                   None if alone else budget.proposal())
+        budget.agreed(self.aligner.agreed_plan)
         fit = self.aligner.last_fit
         self.stats.deferred_groups += fit.deferred
         self.stats.carry_groups += fit.from_carry
@@ -334,8 +269,8 @@ class EpochRun:
         cfg = self.cfg
         patches = self.pool.patches(ids) if cfg.image_patches_key else None
         lengths = self.pool.lengths(ids)
-        if self.auto is not None and len(lengths) and cfg.oversize != "skip":
-            self.auto.check_length(int(lengths.sum(axis=1).max()))  # refuses what no batch can hold under the cap
+        if len(lengths) and cfg.oversize != "skip":
+            self.budget.check_length(int(lengths.sum(axis=1).max()))  # refuses what no batch can hold (auto's cap)
         if self.stats.windows == 0 and self.rank == 0:
             self._note_one_length(lengths)
         # The probe's window emits all it holds: its longest samples must not wait in the carry for a fuller batch.
@@ -355,7 +290,7 @@ class EpochRun:
         for sid in planned.oversize.tolist():
             groups.extend(self._oversize(sid))
         if final and self.drop_last and not step:
-            keep = [g for g in groups if self.aligner.cost(g) >= 0.5 * sum(cfg.token_budgets)]
+            keep = [g for g in groups if self.aligner.cost(g) >= 0.5 * self.planner.costs.total]
             kept = {id(g) for g in keep}
             for g in groups:
                 if id(g) not in kept:
@@ -375,7 +310,7 @@ class EpochRun:
         length = int(lengths[0, 0]) if lengths.shape[1] == 1 else tuple(int(v) for v in lengths[0])
         what = "rows of" if self.cfg.layout == "packed" else "batches of"
         warnings.warn(f"odb: all {len(lengths)} samples of the epoch's first window have length {length}, so odb "
-                      f"builds fixed {what} {fit} samples (token_budget={self.cfg.token_budget}), as a fixed batch "
+                      f"builds fixed {what} {fit} samples (token_budget={self.planner.costs.token_budget}), as a fixed batch "
                       f"size would: there is nothing to group by length, and no padding to save. Samples cut to one "
                       f"length (e.g. group_texts / block_size chunks of concatenated texts) leave odb nothing to "
                       f"gain. Fix: tokenize without concatenating (one sample per text, truncated to a max_length), "
@@ -384,20 +319,16 @@ class EpochRun:
 
     def _oversize(self, sid: int) -> List[np.ndarray]:
         lengths, _, patches = self.pool.meta(sid)
-        policy, cfg = self.cfg.oversize, self.cfg
-        if self.auto is not None:
-            # token_budget="auto": the window's budget is the model's (or the start's), not a rule of the user's. A
-            # sample over it that fits the cap alone by the memory model (any sample before the model is fitted:
-            # its step measures it) trains alone; one that cannot fit was refused by check_length (or is skipped).
-            policy = "skip" if policy == "skip" and not self.auto.fits_alone(int(sum(lengths))) else "alone"
+        cfg, budget = self.cfg, self.planner.costs.token_budget
+        policy = self.budget.oversize(cfg.oversize, int(sum(lengths)))
         if policy == "error":
             if cfg.shape_buckets is not None:  # the rule is the buckets', not the budget alone
                 raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
-                                                  max(lengths), cfg.shape_buckets, cfg.token_budget))
+                                                  max(lengths), cfg.shape_buckets, budget))
             raise ValueError(
                 f"sample {sid} has length {lengths if len(lengths) > 1 else lengths[0]}"
                 f"{f' and {patches} image patches' if cfg.image_patches_key else ''}, so alone it "
-                f"exceeds token_budget={cfg.token_budget}"
+                f"exceeds token_budget={budget}"
                 f"{f' / max_image_patches={cfg.max_image_patches}' if cfg.image_patches_key else ''}. "
                 f"Rule: oversize='error' refuses such samples. Fix: raise token_budget, truncate samples "
                 f"(e.g. tokenizer max_length), or pass oversize='alone' (own batch) or 'skip'.")
@@ -460,8 +391,8 @@ class EpochRun:
             yield from out
 
     def _warn_at_end(self) -> None:
-        fill = self.stats.padded_tokens / max(self.stats.steps * sum(self.cfg.token_budgets), 1)
-        if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5 and self.auto is None and \
+        fill = self.stats.padded_tokens / max(self.stats.steps * self.planner.costs.total, 1)
+        if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5 and not self.budget.learns() and \
                 self.step_samples is None:  # (auto: it moves; global_batch_size: a step's samples set the fill)
             warnings.warn(f"odb rank {self.rank}: batches filled only {fill:.0%} of token_budget on "
                           f"average in epoch {self.epoch} (split groups: {self.stats.split_groups}, ghost steps: "
@@ -470,7 +401,7 @@ class EpochRun:
                           f"shards by tokens.", stacklevel=3)
         if self.stats.oversize_skipped:
             warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
-                          f"{self.cfg.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=3)
+                          f"{self.planner.costs.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=3)
 
     def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], micro: List[StepPlan], j: int) -> Any:
         ghost = plan.group is None
@@ -489,8 +420,8 @@ class EpochRun:
         real = int(lengths.sum())
         padded = self.planner.cost.group_tokens(lengths)
         local_loss = 0 if ghost else plan.local_loss_tokens
-        if self.auto is not None and not ghost:
-            self.auto.planned(self.step, self.planner.cost.pad(lengths))
+        if not ghost:
+            self.budget.made(self.step, self.planner.cost.pad(lengths))
         info = ODBStepInfo(
             step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
             all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,

@@ -48,6 +48,7 @@ from odb.data.stream_state import StreamMarks
 from odb.epoch.known import known_epoch, known_records
 from odb.epoch.pipeline import BatchPipeline
 from odb.epoch.auto import AutoControl
+from odb.loader.budgets import make_budget
 from odb.epoch.run import EpochRun, made
 from odb.epoch.stats import EpochStats
 from odb.loader.batch_checks import BatchChecks
@@ -95,15 +96,8 @@ class LoaderCore:
         check_in_order(getattr(loader, "in_order", True))
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         self.loader = loader
-        # token_budget="auto": ``cfg`` is a planning copy with an int budget (the epoch run moves it window by
-        # window), ``user_cfg`` the user's, which odb_config shows and ranks and resumed states compare.
-        self._user_cfg: Optional[ODBConfig] = None
-        self.auto: Optional[AutoControl] = None
-        if cfg.auto:
-            self._user_cfg = cfg
-            self.auto = auto_control(cfg, lengths)
-            cfg = cfg.replace(token_budget=cfg.auto_start_budget or PROVISIONAL_BUDGET, balance="tokens")
-        self.cfg = cfg
+        # The window budget (odb.epoch.budget): fixed, scheduled or token_budget="auto"; it holds the options
+        self.budget = make_budget(cfg, lengths)
         self.shuffle, self.seed = shuffle, seed
         if cfg.shape_buckets is not None and not isinstance(group_collate, PadToBucket):
             # odb plans each batch at a bucket length; the collate pads to the longest sample: pad on to the bucket
@@ -127,7 +121,6 @@ class LoaderCore:
         self.resume: Optional[Dict[str, Any]] = None
         self.exchange: Optional[RankExchange] = None  # the current epoch's (released when the next starts)
         self.oom: Optional[Any] = None
-        self.auto_resumed = False  # a mid-epoch state gave the AutoControl its place in the epoch
         self.warned_shard = False
         self.notices: set = set()  # warnings the loader's epochs give once (odb.epoch.run.EpochRun.notices)
         self.checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
@@ -139,9 +132,14 @@ class LoaderCore:
         cfg.step_samples(self.world()[1])  # refuses a global_batch_size that the ranks cannot share, now
 
     @property
-    def user_cfg(self) -> ODBConfig:
-        """The config as the user gave it (``odb_config``): ``cfg`` but with token_budget="auto" kept."""
-        return self._user_cfg if self._user_cfg is not None else self.cfg
+    def cfg(self) -> ODBConfig:
+        """The user's options (``odb_config``; ``set_token_budget`` changes them)."""
+        return self.budget.options
+
+    @property
+    def auto(self) -> Optional[AutoControl]:
+        """token_budget="auto"'s control (for integrations that measure steps themselves), else None."""
+        return self.budget if isinstance(self.budget, AutoControl) else None
 
     # ---- what the loader's public methods do ---------------------------------------------------
     def stats(self) -> Dict[str, Any]:
@@ -157,10 +155,7 @@ class LoaderCore:
         out = stats.as_dict()
         if self.oom is not None:
             out.update({k if k.startswith("oom") else f"oom_{k}": v for k, v in self.oom.as_dict().items()})
-        if self.auto is not None:
-            out.update(self.auto.metrics())
-            plan = self.run.auto_plan if self.run is not None else None
-            out["auto_window_budget"] = None if plan is None else plan.token_budget  # the last planned window's
+        out.update(self.budget.stats(self.run.budget if self.run is not None else None))
         return out
 
     def oom_counters(self) -> Any:
@@ -169,8 +164,7 @@ class LoaderCore:
             from odb.train.oom import OOMCounters
 
             self.oom = OOMCounters()
-            if self.auto is not None:  # odb.train.oom tells of an out-of-memory batch: the AutoBudget learns it
-                self.oom.on_oom = self.auto.on_oom
+            self.oom.on_oom = self.budget.on_oom  # odb.train.oom tells of an out-of-memory batch: auto learns it
         return self.oom
 
     def wait_s(self, default: float = 0.0) -> float:
@@ -186,16 +180,8 @@ class LoaderCore:
 
     def set_token_budget(self, token_budget: Any) -> None:
         """``set_token_budget``: from the next planning window on."""
-        if self.auto is not None:
-            raise ValueError(f"set_token_budget({token_budget!r}) on a loader with token_budget='auto': the loader "
-                             f"sets its budget from measured steps. Fix: build the loader with an int token_budget "
-                             f"to set it yourself, or leave the auto budget alone.")
-        self.cfg = self.cfg.replace(token_budget=token_budget, budget_schedule=None)
+        self.budget.set_token_budget(token_budget)  # the next windows plan under it (token_budget="auto" refuses)
         self.estimate = None
-        run = self.run
-        if run is not None:
-            run.cfg = run.cfg.replace(budget_schedule=None)
-            run.set_token_budget(token_budget)
 
     def set_epoch(self, epoch: int) -> None:
         """``set_epoch``: odb's epoch, and the sampler's (unless it is odb's own)."""
@@ -236,34 +222,28 @@ class LoaderCore:
             prepared = self._take_prepared(epoch if state is None else None)  # len() read its first window
             source, marks = prepared if prepared is not None else self._source(
                 skip=skip, order=order, stream=run_state["stream"] if run_state is not None else None)
-        auto = self.auto
-        if auto is not None:
-            if not auto.started:  # the first epoch: the first windows' budget
-                auto.start(cfg.auto_start_budget or start_budget(source, cfg))
-            if run_state is None or not self.auto_resumed:
-                auto.begin_epoch()
-            else:
-                auto.reopen()  # (stop() closed it)
-            self.auto_resumed = False
+        self.budget.epoch_starts(source.peek, resumed=run_state is not None)
         pin = loader.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
+        window_budget = self.budget.epoch()
+        window_budget.load_state_dict((state.get("auto") or {}).get("window") if state is not None else None)
+        world = exchange.world_size if exchange is not None else 1
         run = EpochRun(cfg, source, list if known is not None else self.group_collate, epoch=epoch,
                        seed=self.seed, shuffle=self.shuffle, drop_last=bool(loader.drop_last),
                        exchange=exchange, finalize=pin_batch if pin else None,
                        total=self._epoch_total() if order is None else len(order), notices=self.notices,
-                       auto=auto, options=self.user_cfg)
-        run.stream_marks = marks
+                       budget=window_budget, stream_marks=marks,
+                       # The training thread collates what the batch thread has not reached. Not under DDP: there
+                       # a batch is collated before the ranks confirm its step, so a failing collate stops every
+                       # rank at the same step.
+                       lazy=cfg.ready_batches > 0 and world == 1)
         if run_state is not None:
             run.restore(run_state, retained_samples(source, run_state, dataset=loader.dataset,
                                                     sampler=loader.sampler, iterable=self.iterable,
                                                     transform=self.transform, cfg=cfg, known=known, order=order))
-            run.restore_auto((state.get("auto") or {}).get("window"))
         else:
             run.take_snapshot()
         self.run = run
         self.cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
-        # The training thread collates what the batch thread has not reached. Not under DDP: there a batch is
-        # collated before the ranks confirm its step, so a failing collate stops every rank at the same step.
-        run.lazy = cfg.ready_batches > 0 and run.world_size == 1
         watch = source.watch  # a worker that died is the cause to announce, not the stop or error it led to
 
         def announce(error: Optional[BaseException]) -> None:  # a failure or stop reaches every rank
@@ -317,7 +297,7 @@ class LoaderCore:
         return saved_state(self.run, self.cursor, finished_epoch=self.last_steps_epoch, next_epoch=self.next_epoch,
                            seed=self.seed, wait_s=self.wait_s(), accumulation=self.accumulation(),
                            rank=rank, world_size=world_size, fields=self._fields(),
-                           auto=self.auto.state_dict() if self.auto is not None else None)
+                           auto=self.budget.loader_state())
 
     def load_state_dict(self, state: Union[Dict[str, Any], Sequence[Dict[str, Any]]]) -> None:
         """``load_state_dict``: resume from ``state`` at the next iteration."""
@@ -330,9 +310,7 @@ class LoaderCore:
             self.own_sampler.seed = self.seed
         self.resume = state if state["run"] is not None else None
         self.next_epoch = int(state["epoch"])
-        if self.auto is not None and state.get("auto") is not None:
-            self.auto.load_state_dict(state["auto"], resumed=state["run"] is not None)
-            self.auto_resumed = state["run"] is not None
+        self.budget.load_loader_state(state.get("auto"), resumed=state["run"] is not None)
         if self.own_sampler is None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(int(state["epoch"]))  # the saved epoch's order (DistributedSampler, ShardSampler)
         self.stop()
@@ -360,8 +338,7 @@ class LoaderCore:
         """End the previous iteration's background work, if any."""
         self.pipeline_done = True
         pipeline, run = self.pipeline, self.run
-        if self.auto is not None:
-            self.auto.close()  # a batch thread waiting for the training loop's measurements goes on
+        self.budget.close()  # (auto: a batch thread waiting for the training loop's measurements goes on)
         if pipeline is not None:
             late = None
             try:  # a worker that died: torch raised it on the training thread, maybe outside odb; tell the others
@@ -397,7 +374,7 @@ class LoaderCore:
 
     def _fields(self) -> Dict[str, Any]:
         loader = self.loader
-        return loader_fields(loader.dataset, loader.sampler, loader.num_workers, self.plan_options(self.user_cfg),
+        return loader_fields(loader.dataset, loader.sampler, loader.num_workers, self.plan_options(self.cfg),
                              self.iterable)
 
     def _new_exchange(self) -> Optional[RankExchange]:
@@ -452,8 +429,7 @@ class LoaderCore:
                 wrapper.start = None
             chunks = stream_records(batches, packed, meter, first, marks.on_chunk if marks is not None else None)
         chunks = self.label_check.wrap(chunks)  # warns when target labels go unbudgeted
-        # token_budget="auto": the budget moves, so the read-ahead is bounded by buffer_size samples only
-        return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=None if self.auto else cfg.window_tokens,
+        return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=self.budget.read_ahead_tokens(),
                             threaded=cfg.ready_batches > 0, watch=watch), marks
 
     def _estimate_steps(self) -> int:
@@ -474,12 +450,7 @@ class LoaderCore:
             lengths = self._first_window(n)
         if lengths is None:
             lengths = probe_lengths(dataset, self.transform, cfg, self.inner.workers())
-        if self.auto is not None:  # token_budget="auto": the current budget, else the start rule's
-            plan = self.run.auto_plan if self.run is not None else None
-            budget = plan.token_budget if plan is not None else self.auto.start_budget or cfg.auto_start_budget
-            lengths = np.asarray(lengths)
-            cfg = cfg.replace(token_budget=int(budget or max(1, 2 * int(lengths.reshape(len(lengths), -1)
-                                                                         .sum(axis=1).max(initial=0)))))
+        cfg = self.budget.planning_config(self.run.budget if self.run is not None else None, lengths)
         check_probed_fit(lengths, cfg, "len(loader) measured the dataset's samples",
                          total if self.lengths is not None else None)  # known lengths: by index
         return max(1, estimate_steps(np.asarray(lengths), n, cfg, world_size=world_size))
@@ -533,39 +504,6 @@ class LoaderCore:
         prepared, self.prepared = self.prepared, None
         if prepared is not None:
             prepared[2].close()
-
-
-PROVISIONAL_BUDGET = 2**40  # token_budget="auto" without auto_start_budget: the budget until the first window is read
-
-
-def auto_control(cfg: ODBConfig, lengths: Optional[Sequence[int]]) -> AutoControl:
-    """The AutoControl of a loader with token_budget="auto": its cap (``memory_cap_bytes``, else
-    ``memory_fraction`` of the CUDA device's memory) and meter (``memory_meter``, else CUDA's peak)."""
-    if lengths is not None:
-        raise ValueError("odb got lengths= with token_budget='auto': with known lengths the whole plan is made "
-                         "before any step is measured. Rule: token_budget='auto' plans online. Fix: drop lengths=, "
-                         "or pass an int token_budget.")
-    cap = cfg.memory_cap_bytes
-    if cap is None:  # ODBConfig refused "auto" without a cap where CUDA is not available
-        device = torch.cuda.current_device()
-        cap = int(cfg.memory_fraction * torch.cuda.get_device_properties(device).total_memory)
-    meter = cfg.memory_meter
-    if meter is None:
-        from odb.train.memory import CudaPeakMeter
-
-        meter = CudaPeakMeter()
-    control = AutoControl(cap=float(cap), meter=meter, packed=cfg.layout == "packed", margin=cfg.auto_margin,
-                          time_balance=cfg.balance == "time")
-    control.wait_limit_s = float(cfg.exchange_timeout_s)
-    return control
-
-
-def start_budget(source: SampleSource, cfg: ODBConfig) -> int:
-    """token_budget="auto" without auto_start_budget: twice the longest sample of the first window."""
-    metas = source.peek(cfg.first_window_size)
-    longest = max((sum(meta[0]) if isinstance(meta[0], (tuple, list)) else int(meta[0]) for meta in metas),
-                  default=1)
-    return max(1, 2 * int(longest))
 
 
 def is_sharded(sampler: Any) -> bool:

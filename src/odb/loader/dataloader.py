@@ -81,7 +81,7 @@ class ODBLoaderMixin(DataLoader):
     def odb_config(self) -> ODBConfig:
         """The options this loader plans with (as given: token_budget="auto" stays "auto"; its current
         budget is in ``odb_stats["auto_window_budget"]``)."""
-        return self._odb.user_cfg
+        return self._odb.cfg
 
     @property
     def odb_stats(self) -> Dict[str, Any]:

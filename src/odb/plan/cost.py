@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 import numpy as np
 
 from odb.plan.buckets import bucket_lengths
+from odb.plan.plan_costs import PlanCosts
 
 if TYPE_CHECKING:  # plan/ is pure numpy: the config is only read, never imported at run time
     from odb.config import ODBConfig
@@ -86,10 +87,12 @@ class CostModel:
                 f"(tokens-equivalent). Fix: pass sample_cost=0.0 (none) or a positive float.")
 
     @classmethod
-    def from_config(cls, cfg: ODBConfig) -> "CostModel":
-        return cls(cfg.token_budgets, cfg.pad_to_multiple_of, cfg.quadratic_length, cfg.max_batch_size,
+    def from_config(cls, cfg: ODBConfig, costs: Optional[PlanCosts] = None) -> "CostModel":
+        """The model of ``cfg``'s options, priced by ``costs`` (default: the ones ``cfg`` sets)."""
+        costs = costs if costs is not None else PlanCosts.of(cfg)
+        return cls(costs.token_budgets, cfg.pad_to_multiple_of, costs.quadratic_length, cfg.max_batch_size,
                    cfg.batch_size_multiple, cfg.max_image_patches, cfg.layout, cfg.shape_buckets,
-                   getattr(cfg, "sample_cost", 0.0))
+                   costs.sample_cost)
 
     def scaled(self, factor: float) -> "CostModel":
         """The same model with every token budget multiplied by ``factor``."""

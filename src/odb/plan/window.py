@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional,
 import numpy as np
 
 from odb.plan.cost import CostModel
+from odb.plan.plan_costs import PlanCosts
 from odb.plan.planner import plan_window
 from odb.plan.step_cut import plan_step_share
 
@@ -69,9 +70,10 @@ class WindowPlanner:
         [[0, 1], [2, 3]]
     """
 
-    def __init__(self, cfg: ODBConfig) -> None:
-        self.cfg = cfg
-        self.cost = CostModel.from_config(cfg)
+    def __init__(self, cfg: ODBConfig, costs: Optional[PlanCosts] = None) -> None:
+        self.cfg = cfg  # the user's options; the prices move with ``set_costs``
+        self.costs = costs if costs is not None else PlanCosts.of(cfg)
+        self.cost = CostModel.from_config(cfg, self.costs)
         self._carry_ids = np.empty(0, dtype=np.int64)
         self._carry_len: Optional[np.ndarray] = None
         self._carry_patches: Optional[np.ndarray] = None
@@ -83,7 +85,7 @@ class WindowPlanner:
         """Samples in a full window, at the mean length seen so far (ramp windows are smaller).
 
         The carry may hold as many, so the ramp does not shrink the carry."""
-        tokens = self.cfg.window_tokens
+        tokens = self.window_tokens
         if tokens is None or self._seen_tokens == 0:
             return self.cfg.buffer_size
         return int(min(self.cfg.buffer_size, -(-tokens * self._seen // self._seen_tokens)))
@@ -170,10 +172,18 @@ class WindowPlanner:
         if patches is not None:
             self._carry_patches = np.concatenate((self._carry_patches, patches))
 
-    def set_config(self, cfg: ODBConfig) -> None:
-        """Plan the next windows under another config (e.g. a new token budget)."""
-        self.cfg = cfg
-        self.cost = CostModel.from_config(cfg)
+    def set_costs(self, costs: PlanCosts) -> None:
+        """Plan the next windows under these prices (a window budget's: odb.epoch.budget)."""
+        if costs != self.costs:
+            self.costs = costs
+            self.cost = CostModel.from_config(self.cfg, costs)
+
+    @property
+    def window_tokens(self) -> Optional[int]:
+        """Real tokens at which a window closes under the current budget (None: counted in samples)."""
+        if self.cfg.window_budgets is None:
+            return None
+        return self.cfg.window_budgets * self.costs.total
 
     def take_from_carry(self, count: int) -> List[np.ndarray]:
         """Up to ``count`` batches cut greedily from the carry, costliest (fullest) first; removed from it."""
@@ -226,7 +236,7 @@ class WindowPlanner:
 
 
 def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None,
-                  carried: int = 0) -> Tuple[int, Optional[int]]:
+                  carried: int = 0, window_tokens: Any = "config") -> Tuple[int, Optional[int]]:
     """(most samples, real tokens at which it closes) of an epoch's window number ``index``.
 
     Windows ramp up from ``first_window_size`` samples (x1.5 per window) so the first batch
@@ -238,7 +248,8 @@ def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None,
     window takes at most half of what remains, so the last window, whose batches can only
     train once the data has ended, is small. A ramp-down window still takes half as many
     samples as the planner carries (``carried``), so the carry, which every window plans
-    again, is not re-planned many times over for a few new samples.
+    again, is not re-planned many times over for a few new samples. ``window_tokens``: the
+    planner's (``WindowPlanner.window_tokens``, under the window's budget); default ``cfg``'s.
 
     Example:
         >>> from odb.config import ODBConfig
@@ -256,7 +267,7 @@ def window_limits(cfg: ODBConfig, index: int, remaining: Optional[int] = None,
     samples = min(samples, cfg.buffer_size)
     if remaining is not None:
         samples = min(samples, max(cfg.first_window_size, -(-remaining // 2), carried // 2))
-    return samples, cfg.window_tokens
+    return samples, cfg.window_tokens if window_tokens == "config" else window_tokens
 
 
 def window_cut(token_counts: np.ndarray, max_samples: int, max_tokens: Optional[int]) -> int:
