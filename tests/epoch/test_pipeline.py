@@ -143,7 +143,7 @@ def test_state_is_that_of_the_consumed_batches_while_the_thread_runs_ahead():
     full = _ids(odb.ODBDataLoader(ds, **kw))
     # taken while the iteration runs, 0.5 s after the 5th batch: the batch thread fills its queue and plans ahead
     got = round_trip(lambda: odb.ODBDataLoader(ds, **kw), 5, record=sample_ids, save=same, live=True, pause=0.5)
-    assert got.state["run"]["step"] == 5
+    assert got.state["run"]["position"]["step"] == 5
     assert got.epoch == full
 
 

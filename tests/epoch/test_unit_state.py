@@ -9,7 +9,7 @@ from odb.data.source import SampleMeter, SampleSource
 from odb.epoch.ranks import RankAligner
 from odb.epoch.pool import SamplePool
 from odb.epoch.run import EpochRun
-from odb.epoch.run_state import RUN_KEYS
+from odb.epoch.run_state import RUN_KEYS, retained_positions
 from odb.epoch.stats import EpochStats
 from odb.plan.window import WindowPlanner
 from odb.step_info import pop_step_info
@@ -23,7 +23,7 @@ def test_window_planner_state_has_constant_keys_and_a_round_trip_plans_alike():
     first = WindowPlanner(cfg)
     first.plan(np.arange(6), lengths[:6])
     state = first.state_dict()
-    assert set(state) == {"planner", "carry"} and state["planner"][0] == 6
+    assert set(state) == {"counts", "carry"} and state["counts"][0] == 6
     resumed = WindowPlanner(cfg)
     carry = np.asarray(state["carry"], dtype=np.int64)
     resumed.load_state_dict(state, lengths[carry])
@@ -35,8 +35,8 @@ def test_window_planner_state_has_constant_keys_and_a_round_trip_plans_alike():
 
 def test_window_planner_loads_states_saved_before_the_emitted_count():
     wp = WindowPlanner(ODBConfig(token_budget=100))
-    wp.load_state_dict({"planner": [4, 90], "carry": []})
-    assert wp.state_dict() == {"planner": [4, 90, 1], "carry": []}
+    wp.load_state_dict({"counts": [4, 90], "carry": []})
+    assert wp.state_dict() == {"counts": [4, 90, 1], "carry": []}
 
 
 def test_rank_aligner_state_has_constant_keys_and_a_single_process_stays_local():
@@ -74,13 +74,13 @@ def test_epoch_run_state_has_the_saved_keys_and_resumes_the_same_batches():
     head = [sorted(pop_step_info(next(it)[0]).sample_ids)]
     state = run.state_dict()
     assert set(state) == RUN_KEYS
-    assert (state["chunk_pos"], len(state["chunk"])) == (1, 2)  # inside an optimizer step of 2 micro-batches
+    position = state["position"]
+    assert (position["micro_pos"], len(position["micro"])) == (1, 2)  # inside an optimizer step of 2 micro-batches
     resumed = _run(cfg)
     meter = SampleMeter(cfg.replace(length_fn=lambda s: s, loss_tokens_fn=lambda s: s))
-    held = {int(i) for i in state["carry"]} | {int(i) for row in state["pending"] + state["chunk"] if row[0]
-                                               for i in row[0]}
+    held = retained_positions(state)
     resumed.source.close()
-    rest_records = [(i, i, n, meter(i, n)) for i, n in enumerate(LENGTHS) if i >= state["arrived"]]
+    rest_records = [(i, i, n, meter(i, n)) for i, n in enumerate(LENGTHS) if i >= position["arrived"]]
     resumed.source = SampleSource([rest_records], cap_samples=cfg.buffer_size, cap_tokens=cfg.window_tokens,
                                   threaded=False)
     resumed.load_state_dict(state, {i: (i, LENGTHS[i], meter(i, LENGTHS[i])) for i in held})

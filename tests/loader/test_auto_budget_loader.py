@@ -184,7 +184,7 @@ def test_auto_resume_mid_epoch_gives_the_uninterrupted_batches(ready):
     reference = read(make(), record=record)
     for stop in (5, 23):
         got = round_trip(make, stop, record=record)
-        assert got.state["auto"]["budget"] is not None
+        assert got.state["budget"]["budget"] is not None and got.state["run"]["budget"] is not None
         assert got.epoch == reference, f"stop {stop}"
     assert max(r["padded"] for r in reference) > 2 * max(LENGTHS[:64])  # the budget moved within the epoch
 

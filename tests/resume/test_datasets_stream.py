@@ -42,7 +42,7 @@ def test_a_split_stream_resumed_twice_in_a_row_sees_every_sample_once(tmp_path, 
                   deadline_s=150)
     c = run_ranks("elastic_workers:stream_phase_ranks", 2, dict(p, load=str(tmp_path / "s2"), steps=None),
                   tmp_path / "c", deadline_s=150)
-    starts = [[json.loads((tmp_path / saved / f"rank{rank}.json").read_text())["run"]["stream"]["start"]
+    starts = [[json.loads((tmp_path / saved / f"rank{rank}.json").read_text())["run"]["position"]["stream"]["start"]
                for saved in ("s1", "s2")] for rank in range(2)]
     # On some rank both resumes restart the stream through its own state, past its start, and the second from a
     # state the resumed phase recorded (a dataset that loses track of its position after a resume shows it there).

@@ -20,7 +20,7 @@ from dist_harness import run_ranks
 from helpers import LengthDataset, StreamDataset, known_lengths, pad_collate
 from roundtrip import json_copy, read, round_trip, same, torch_copy
 from odb.resume.elastic import remaining, repartition
-from odb.resume.state import retained_positions
+from odb.epoch.run_state import fresh_run_state, retained_positions
 
 N = 301  # odd: DistributedSampler pads the last rank with a repeated index
 
@@ -135,8 +135,8 @@ def test_datasets_iterable_split_by_rank_resumes_through_its_own_state(tmp_path)
     for rank, r in enumerate(results):
         assert r["resumed"] == r["reference"], f"rank {rank}: the resumed epoch differs"
         run = r["state"]["run"]
-        start, held = run["stream"]["start"], min(retained_positions(run))
-        assert 0 < start <= held < start + 16 and run["ghost"] >= held, (start, held, run["ghost"])
+        start, held = run["position"]["stream"]["start"], min(retained_positions(run))
+        assert 0 < start <= held < start + 16 and run["position"]["ghost"] >= held, (start, held, run["position"]["ghost"])
     assert sorted(i for r in results for s in r["reference"] for i in s["idx"] if not s["ghost"]) == list(range(241))
 
 
@@ -155,15 +155,17 @@ def test_remaining_positions_and_new_shares_cover_what_no_rank_emitted():
 def test_repartition_keeps_held_samples_and_drops_the_ghost_copy():
     ds = LengthDataset(known_lengths(20, 1, 60, seed=1))
     sampler = odb.ShardSampler(ds, num_replicas=2, rank=0, shuffle=False)
-    run0 = {"arrived": 4, "carry": [1], "pending": [[[3], 1, 1, 1, 1, 1.0]], "chunk": [], "chunk_pos": 0,
-            "ghost": 0, "layers": [], "step": 5}
-    run1 = dict(run0, arrived=3, carry=[], pending=[], ghost=2)
-    states = [{"epoch": 0, "seed": 1, "run": dict(run0)}, {"epoch": 0, "seed": 1, "run": dict(run1)}]
+    run0 = fresh_run_state(5, [])
+    run0["position"].update(arrived=4, pending=[[[3], 1, 1, 1, 1, 1.0]], ghost=0)
+    run0["planner"]["carry"] = [1]
+    run1 = fresh_run_state(5, [])
+    run1["position"].update(arrived=3, ghost=2)
+    states = [{"epoch": 0, "seed": 1, "budget": None, "run": run} for run in (run0, run1)]
     new = repartition(states, sampler, world=3, rank=1)
-    layer = new["run"]["layers"][-1]
+    layer = new["run"]["position"]["layers"][-1]
     # rank 0 holds its local positions 1 and 3 (global 2 and 6); the ghosts (0 and 2 locally) are copies
     assert layer == {"world": 2, "arrived": [4, 3], "kept": [2, 6], "total": 20}
-    assert new["run"]["step"] == 5 and new["world_size"] == 3 and new["rank"] == 1
+    assert new["run"]["position"]["step"] == 5 and new["world_size"] == 3 and new["rank"] == 1
     assert remaining(layer).tolist() == [2, 6] + list(range(7, 20))
 
 
@@ -223,16 +225,17 @@ def test_stateful_stream_restarts_from_its_state_instead_of_replaying(low):
     reference = summary(stream_loader(low=low))
     got = round_trip(lambda: stream_loader(low=low), len(reference) // 2, record=step, save=same)
     run = got.state["run"]
-    start, held = run["stream"]["start"], min(retained_positions(run))
+    start, held = run["position"]["stream"]["start"], min(retained_positions(run))
     assert start <= held < start + 16  # chunk boundaries every transfer_chunk_size=16 samples
     if low == 40:  # the window being emitted, the carry from the one before, and a chunk at most
-        assert run["arrived"] - start <= 2 * 48 + 16, f"replays {run['arrived'] - start} samples"
+        arrived = run["position"]["arrived"]
+        assert arrived - start <= 2 * 48 + 16, f"replays {arrived - start} samples"
     assert got.epoch == reference
     assert got.resumed.dataset.reads[0] == n - start  # a replay would read all n again
     replayed = odb.ODBDataLoader(StreamDataset(known_lengths(n, low, 60, seed=5)), token_budget=180, buffer_size=48,
                                  first_window_size=16, seed=11, collate_fn=pad_collate)
     summary(replayed, len(reference) // 2)
-    assert replayed.state_dict()["run"]["stream"] is None  # no state of its own: replayed from position 0
+    assert replayed.state_dict()["run"]["position"]["stream"] is None  # no state of its own: replayed from position 0
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -249,7 +252,7 @@ def test_datasets_iterable_dataset_resumes_exactly(num_workers):
     # late: the short samples carried since the first windows are out
     got = round_trip(make, len(reference) - 3, record=row, save=torch_copy)
     state = got.loaded
-    stream = state["run"]["stream"]
+    stream = state["run"]["position"]["stream"]
     assert len(stream["states"]) == max(num_workers, 1)  # one dataset state per worker
     held = min(retained_positions(state["run"]))
     assert 0 < stream["start"] <= held < stream["start"] + 16 * max(num_workers, 1)
@@ -270,7 +273,7 @@ def saved(loader: odb.ODBDataLoader, world: int = 1, rank: int = 0, **run: Any) 
     summary(loader, 3)
     state = json.loads(json.dumps(loader.state_dict()))
     state.update(world_size=world, rank=rank)
-    state["run"].update(run)
+    state["run"]["position"].update(run)
     return state
 
 
@@ -314,7 +317,7 @@ def test_elastic_warns_when_saved_inside_an_optimizer_step():
     first = make()
     summary(first, 4)  # inside the second optimizer step
     state = first.state_dict()
-    assert 0 < state["run"]["chunk_pos"] < len(state["run"]["chunk"])
+    assert 0 < state["run"]["position"]["micro_pos"] < len(state["run"]["position"]["micro"])
     halves = []
     for rank in (0, 1):  # as if two ranks had saved it: a re-partition onto this one process
         halves.append(dict(state, world_size=2, rank=rank))

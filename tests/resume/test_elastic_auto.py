@@ -150,7 +150,7 @@ def test_auto_state_resumes_on_another_number_of_ranks(plan_log, old, new, optio
     assert {s["step"] for r in before for s in r["steps"][-1:]} == {STOP - 1}
     after = thread_phase(new, [r["state"] for r in before], None, **options)
     check_resumed(before, after)
-    merged = merge_states([r["state"]["auto"]["budget"] for r in before])
+    merged = merge_states([r["state"]["budget"]["budget"] for r in before])
     for r in after:  # every new rank started from the merged AutoBudget (its first proposal made on loading)
         assert {k: r["loaded"][k] for k in ("memory", "time", "effective_cap")} == \
             {k: merged[k] for k in ("memory", "time", "effective_cap")}
@@ -163,8 +163,8 @@ def test_the_most_conservative_ranks_model_is_the_start(plan_log):
     steps that measured up to 1.3x the cap."""
     before = thread_phase(2, None, STOP, heavy=[1.0, 1.5])
     states = [r["state"] for r in before]
-    merged = merge_states([s["auto"]["budget"] for s in states])
-    assert merged["memory"] == states[1]["auto"]["budget"]["memory"]
+    merged = merge_states([s["budget"]["budget"] for s in states])
+    assert merged["memory"] == states[1]["budget"]["budget"]["memory"]
     after = thread_phase(3, states, None, heavy=[1.5] * 3)
     check_resumed(before, after)
 

@@ -10,14 +10,15 @@ import json
 
 import pytest
 
+from odb.resume.state import OLDEST_VERSION, STATE_VERSION
 from state_fixtures import CASES, STATES, make, records
 
 FIXTURES = sorted(STATES.glob("v*_*.json"))
 
 
-def test_every_case_has_fixtures_of_the_first_nested_version_and_of_the_one_before():
+def test_every_case_has_fixtures_of_every_version_this_odb_loads():
     versions = {path.name.split("_")[0] for path in FIXTURES}
-    assert {"v3"} <= versions
+    assert versions == {f"v{v}" for v in range(OLDEST_VERSION, STATE_VERSION + 1)}
     assert {path.stem.split("_", 1)[1] for path in FIXTURES} == set(CASES)
 
 

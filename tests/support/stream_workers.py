@@ -127,7 +127,7 @@ def epochs_and_resume(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any
     rest, _ = _epoch(second, p["stop_epoch"], lengths, resumed=True)
     later = [_epoch(second, e, lengths)[0] for e in range(p["stop_epoch"] + 1, p["epochs"])]
     out: Dict[str, Any] = {"reference": reference, "before": interrupted, "head": head, "rest": rest,
-                           "later": later, "elapsed": time.monotonic() - start, "arrived": state["run"]["arrived"]}
+                           "later": later, "elapsed": time.monotonic() - start, "arrived": state["run"]["position"]["arrived"]}
     if p.get("refusals"):
         out["refusals"] = _refusals(rank, world, p, state)
     return out

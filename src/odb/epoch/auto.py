@@ -381,7 +381,7 @@ def start_budget(peek: Callable[[int], Any], first_window_size: int) -> int:
 
 
 def merged_state(states: List[Optional[Dict[str, Any]]], step: int) -> Optional[Dict[str, Any]]:
-    """The loader state's "auto" entry that every new rank of an elastic resume loads (odb.resume.elastic),
+    """The loader state's "budget" entry that every new rank of an elastic resume loads (odb.resume.elastic),
     from every old rank's (None where a rank had none): the AutoBudgets merged
     (odb.plan.auto_budget.merge_states: the most conservative rank's, with every rank's OOMs),
     the least start budget, ``step`` steps of the epoch observed, and no frozen proposal: the re-partitioned
@@ -391,6 +391,6 @@ def merged_state(states: List[Optional[Dict[str, Any]]], step: int) -> Optional[
 
     started = [s for s in states if s is not None and s.get("start") is not None]
     if not started:  # no rank had started: nothing learned yet
-        return next((dict(s, window=None) for s in states if s is not None), None)
+        return next((dict(s) for s in states if s is not None), None)
     return {"start": min(int(s["start"]) for s in started), "budget": merge_states([s["budget"] for s in started]),
-            "observed": int(step), "frozen": [], "marks": [], "used": [], "window": None}
+            "observed": int(step), "frozen": [], "marks": [], "used": []}

@@ -112,7 +112,7 @@ class EpochRun:
         self.window_index = 0
         self.planned_final = False
         # Steps planned but not emitted yet, and the micro-batches of the optimizer step being emitted
-        # (saved as "chunk" and "chunk_pos": the state's format).
+        # (saved as "micro" and "micro_pos" of the state's "position").
         self.pending: Deque[Step] = collections.deque()
         self.step_batches: List[Step] = []
         self.step_pos = 0
@@ -141,12 +141,6 @@ class EpochRun:
         if self.stream_marks is not None:
             self._keep_ghost_recent()
         self.snapshot, self._since = self.state_dict(), 0
-        self._snapshot_budget()
-
-    def _snapshot_budget(self) -> None:
-        window = self.budget.state_dict()
-        if window is not None:
-            self.snapshot["auto"] = window
 
     def _keep_ghost_recent(self) -> None:
         """A stream resumes from before the first sample its state holds, the ghost's included: keep the
@@ -156,22 +150,21 @@ class EpochRun:
             self.ghost = (low, copy.deepcopy(self.pool.sample(low)), self.pool.meta(low), self.pool.indices([low])[0])
 
     def state_dict(self) -> Dict[str, Any]:
-        """This epoch's position as plain data (between batches; O(samples held)), with the window planner's
-        (``planner``, ``carry``), the aligner's (``all_done``, ``local_only``) and the counters' (``stats``)
-        parts: the keys of ``odb.epoch.run_state.RUN_KEYS``."""
+        """This epoch's state as plain data (between batches; O(samples held)), one part per unit: the run's
+        own place in the epoch (``position``), the window planner's, the rank aligner's, the counters' and the
+        window budget's (odb.epoch.run_state.RUN_KEYS)."""
         # Micro-batches of the current optimizer step already emitted keep only their
         # summaries (the loss-scale denominator needs them), not their samples.
         micro = [step_row((plan, None) if k < self.step_pos else (plan, ids))
                  for k, (plan, ids) in enumerate(self.step_batches)]
-        planner, aligner = self.planner.state_dict(), self.aligner.state_dict()
-        state = {"arrived": self.arrived, "planner": planner["planner"], "planned_final": self.planned_final,
-                 "all_done": aligner["all_done"], "local_only": aligner["local_only"],
-                 "window_index": self.window_index, "step": self.step, "carry": planner["carry"],
-                 "pending": [step_row(e) for e in self.pending], "chunk": micro, "chunk_pos": self.step_pos,
-                 "ghost": None if self.ghost is None else int(self.ghost[0]), "stats": self.stats.state_dict(),
-                 "layers": self.layers, "stream": None, "step_tokens": None}
+        position = {"arrived": self.arrived, "planned_final": self.planned_final, "window_index": self.window_index,
+                    "step": self.step, "pending": [step_row(e) for e in self.pending], "micro": micro,
+                    "micro_pos": self.step_pos, "ghost": None if self.ghost is None else int(self.ghost[0]),
+                    "layers": self.layers, "stream": None, "step_tokens": None}
+        state = {"position": position, "planner": self.planner.state_dict(), "aligner": self.aligner.state_dict(),
+                 "stats": self.stats.state_dict(), "budget": self.budget.state_dict()}
         if self.stream_marks is not None:  # the latest restart point of the stream before every retained sample
-            state["stream"] = self.stream_marks.cut(min(retained_positions(state), default=self.arrived))
+            position["stream"] = self.stream_marks.cut(min(retained_positions(state), default=self.arrived))
         return state
 
     def load_state_dict(self, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
@@ -180,27 +173,30 @@ class EpochRun:
         for sid in sorted(retained_positions(state)):
             index, sample, meta = samples[sid]
             self.register(sid, int(index), sample, meta)
-        carry = np.asarray(state["carry"], dtype=np.int64)
-        self.planner.load_state_dict({k: state[k] for k in ("planner", "carry")}, self.pool.lengths(carry),
+        self.budget.load_state_dict(state["budget"])
+        self.planner.set_costs(self.budget.costs)
+        carry = np.asarray(state["planner"]["carry"], dtype=np.int64)
+        self.planner.load_state_dict(state["planner"], self.pool.lengths(carry),
                                      self.pool.patches(carry) if self.cfg.image_patches_key else None)
-        if state["ghost"] is not None:
-            gid = int(state["ghost"])
+        position = state["position"]
+        if position["ghost"] is not None:
+            gid = int(position["ghost"])
             index, sample, meta = samples[gid]
             self.ghost = (gid, copy.deepcopy(sample), meta, int(index))  # the pool may emit the same sample
         emitted = set(samples) - set(int(i) for i in carry)
-        for row in state["pending"] + state["chunk"]:
+        for row in position["pending"] + position["micro"]:
             if row[0] is not None:
                 emitted -= set(int(i) for i in row[0])
         self.pool.forget(emitted)  # only the ghost's sample: it was emitted for real before
-        self.pending.extend(step_from_row(r) for r in state["pending"])
-        self.step_batches = [step_from_row(r) for r in state["chunk"]]
-        self.step_pos = int(state["chunk_pos"])
-        self.arrived = int(state["arrived"])
-        self.planned_final = bool(state["planned_final"])
-        self.aligner.load_state_dict({k: state[k] for k in ("all_done", "local_only")})
-        self.window_index = int(state["window_index"])
-        self.step = int(state["step"])
-        self.layers = [dict(layer) for layer in state["layers"]]
+        self.pending.extend(step_from_row(r) for r in position["pending"])
+        self.step_batches = [step_from_row(r) for r in position["micro"]]
+        self.step_pos = int(position["micro_pos"])
+        self.arrived = int(position["arrived"])
+        self.planned_final = bool(position["planned_final"])
+        self.aligner.load_state_dict(state["aligner"])
+        self.window_index = int(position["window_index"])
+        self.step = int(position["step"])
+        self.layers = [dict(layer) for layer in position["layers"]]
         self.stats.load_state_dict(state["stats"])
         # Steps exchanged and not made yet: made and confirmed from here on.
         self.aligner.expect_confirmations(len(self.pending) + len(self.step_batches) - self.step_pos)
@@ -210,9 +206,7 @@ class EpochRun:
         self.load_state_dict(state, samples)
         # The saved ghost stays: moving it here (take_snapshot) would pick another sample than the interrupted
         # run, whose next move comes with its next window, as the resumed run's does.
-        self.planner.set_costs(self.budget.costs)
         self.snapshot, self._since = self.state_dict(), 0
-        self._snapshot_budget()
 
     def register(self, sid: int, index: int, sample: Any, meta: Any) -> None:
         """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""

@@ -1,9 +1,11 @@
-"""The layout of an epoch run's state (``EpochRun.state_dict``): plain data, constant keys.
+"""The layout of an epoch run's state (``EpochRun.state_dict``): plain data, one part per unit.
 
-Planned steps are rows ``[sample positions or None (a ghost), global samples, global loss tokens,
-local loss tokens, local samples, imbalance]``. ``odb.resume.state`` validates and versions the
-whole loader state around it; the keys and rows here are the saved format (states saved by
-earlier versions of odb load as they are).
+``RUN_KEYS`` names the parts: ``position`` (the run's own place in the epoch: ``POSITION_KEYS``),
+``planner`` (odb.plan.window.WindowPlanner's), ``aligner`` (odb.epoch.ranks.RankAligner's),
+``stats`` (odb.epoch.stats.EpochStats') and ``budget`` (the window budget's, odb.epoch.budget; None for a
+fixed budget). Planned steps are rows ``[sample positions or None (a ghost), global samples, global loss
+tokens, local loss tokens, local samples, imbalance]``. ``odb.resume.state`` validates and versions the
+whole loader state around it, and upgrades states saved by earlier versions.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import numpy as np
 from odb.epoch.stats import EpochStats
 from odb.plan.align import StepPlan
 
-RUN_KEYS = frozenset({"arrived", "planner", "planned_final", "all_done", "local_only", "window_index", "step",
-                      "carry", "pending", "chunk", "chunk_pos", "ghost", "stats", "layers", "stream", "step_tokens"})
+RUN_KEYS = frozenset({"position", "planner", "aligner", "stats", "budget"})
+POSITION_KEYS = frozenset({"arrived", "planned_final", "window_index", "step", "pending", "micro", "micro_pos",
+                           "ghost", "layers", "stream", "step_tokens"})
 
 
 def step_row(entry: Tuple[StepPlan, Optional[np.ndarray]]) -> List[Any]:
@@ -52,20 +55,23 @@ def copy_row(row: List[Any]) -> List[Any]:
     return [None if row[0] is None else list(row[0])] + row[1:]
 
 
-def retained_positions(run: Dict[str, Any]) -> Set[int]:
-    """Positions a run state still holds: carried, in planned steps not emitted yet, and the ghost's.
+def retained_positions(run: Dict[str, Any], ghost: bool = True) -> Set[int]:
+    """Positions a run state still holds: carried, in planned steps not emitted yet, and the ghost's
+    (``ghost=False``: not the ghost's, a copy rather than a sample still owed).
 
     Example:
-        >>> sorted(retained_positions({"carry": [9], "pending": [[[4, 2], 2, 9, 9, 2, 1.0]],
-        ...                            "chunk": [[None, 1, 3, 3, 1, 1.0]], "ghost": 0}))
-        [0, 2, 4, 9]
+        >>> state = {"planner": {"carry": [9]}, "position": {"pending": [[[4, 2], 2, 9, 9, 2, 1.0]],
+        ...          "micro": [[None, 1, 3, 3, 1, 1.0]], "ghost": 0}}
+        >>> sorted(retained_positions(state)), sorted(retained_positions(state, ghost=False))
+        ([0, 2, 4, 9], [2, 4, 9])
     """
-    out = {int(i) for i in run["carry"]}
-    for row in list(run["pending"]) + list(run["chunk"]):
+    position = run["position"]
+    out = {int(i) for i in run["planner"]["carry"]}
+    for row in list(position["pending"]) + list(position["micro"]):
         if row[0] is not None:
             out.update(int(i) for i in row[0])
-    if run["ghost"] is not None:
-        out.add(int(run["ghost"]))
+    if ghost and position["ghost"] is not None:
+        out.add(int(position["ghost"]))
     return out
 
 
@@ -75,10 +81,30 @@ def fresh_run_state(step: int, layers: List[Dict[str, Any]]) -> Dict[str, Any]:
 
     Example:
         >>> state = fresh_run_state(5, [])
-        >>> state["step"], state["carry"], set(state) == RUN_KEYS
+        >>> state["position"]["step"], state["planner"]["carry"], set(state) == RUN_KEYS
         (5, [], True)
     """
-    return {"arrived": 0, "planner": [0, 0, 0], "planned_final": False, "all_done": False, "local_only": False,
-            "window_index": 0, "step": int(step), "carry": [], "pending": [], "chunk": [], "chunk_pos": 0,
-            "ghost": None, "stats": dataclasses.asdict(EpochStats()), "layers": layers, "stream": None,
-            "step_tokens": None}
+    position = {"arrived": 0, "planned_final": False, "window_index": 0, "step": int(step), "pending": [],
+                "micro": [], "micro_pos": 0, "ghost": None, "layers": layers, "stream": None, "step_tokens": None}
+    return {"position": position, "planner": {"counts": [0, 0, 0], "carry": []},
+            "aligner": {"all_done": False, "local_only": False}, "stats": dataclasses.asdict(EpochStats()),
+            "budget": None}
+
+
+def upgrade_run_v3(run: Dict[str, Any], window: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """A run state saved by version 3 (one flat namespace; ``window``: its token_budget="auto" window plans,
+    saved beside it) in this version's layout.
+
+    Example:
+        >>> position = {k: v for k, v in fresh_run_state(0, [])["position"].items() if not k.startswith("micro")}
+        >>> old = dict(position, chunk=[], chunk_pos=0, planner=[1, 2, 1], carry=[4], all_done=False,
+        ...            local_only=True, stats={})
+        >>> new = upgrade_run_v3(old, None)
+        >>> new["planner"], new["aligner"]["local_only"], set(new["position"]) == POSITION_KEYS
+        ({'counts': [1, 2, 1], 'carry': [4]}, True, True)
+    """
+    position = {k: run[k] for k in POSITION_KEYS - {"micro", "micro_pos"}}
+    position.update(micro=run["chunk"], micro_pos=run["chunk_pos"])
+    return {"position": position, "planner": {"counts": run["planner"], "carry": run["carry"]},
+            "aligner": {"all_done": run["all_done"], "local_only": run["local_only"]}, "stats": run["stats"],
+            "budget": window}

@@ -210,7 +210,7 @@ class LoaderCore:
         exchange = self._new_exchange()
         known = self.known_lengths()
         # A resumed epoch: the consumed prefix of its order is skipped; a re-partitioned one has its own order.
-        skip = run_state["arrived"] if run_state and not self.iterable else 0
+        skip = run_state["position"]["arrived"] if run_state and not self.iterable else 0
         rank, world_size = self.world()
         order = resume_order(loader.sampler, run_state, epoch, rank, world_size)
         marks = None
@@ -221,11 +221,10 @@ class LoaderCore:
         else:
             prepared = self._take_prepared(epoch if state is None else None)  # len() read its first window
             source, marks = prepared if prepared is not None else self._source(
-                skip=skip, order=order, stream=run_state["stream"] if run_state is not None else None)
+                skip=skip, order=order, stream=run_state["position"]["stream"] if run_state is not None else None)
         self.budget.epoch_starts(source.peek, resumed=run_state is not None)
         pin = loader.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
-        window_budget = self.budget.epoch()
-        window_budget.load_state_dict((state.get("auto") or {}).get("window") if state is not None else None)
+        window_budget = self.budget.epoch()  # (a resumed epoch's restores its part with the run's state)
         world = exchange.world_size if exchange is not None else 1
         run = EpochRun(cfg, source, list if known is not None else self.group_collate, epoch=epoch,
                        seed=self.seed, shuffle=self.shuffle, drop_last=bool(loader.drop_last),
@@ -267,7 +266,7 @@ class LoaderCore:
             previous.steps.release()  # an epoch left early: every rank has started this one
         steps = self.exchanges(cfg.exchange_timeout_s) if exchange is not None else None
         mode = self.mode = KnownLengthsEpoch(self, run, pipeline, steps)
-        resume_totals = run_state["step_tokens"] if run_state is not None else None  # a step split by the resume
+        resume_totals = run_state["position"]["step_tokens"] if run_state is not None else None  # a step split by the resume
         batches = watch.follow(iter(inner))  # workers start here (a persistent inner loader's, the first time)
         return mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch))
 
@@ -297,7 +296,7 @@ class LoaderCore:
         return saved_state(self.run, self.cursor, finished_epoch=self.last_steps_epoch, next_epoch=self.next_epoch,
                            seed=self.seed, wait_s=self.wait_s(), accumulation=self.accumulation(),
                            rank=rank, world_size=world_size, fields=self._fields(),
-                           auto=self.budget.loader_state())
+                           budget=self.budget.loader_state())
 
     def load_state_dict(self, state: Union[Dict[str, Any], Sequence[Dict[str, Any]]]) -> None:
         """``load_state_dict``: resume from ``state`` at the next iteration."""
@@ -310,7 +309,7 @@ class LoaderCore:
             self.own_sampler.seed = self.seed
         self.resume = state if state["run"] is not None else None
         self.next_epoch = int(state["epoch"])
-        self.budget.load_loader_state(state.get("auto"), resumed=state["run"] is not None)
+        self.budget.load_loader_state(state["budget"], resumed=state["run"] is not None)
         if self.own_sampler is None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(int(state["epoch"]))  # the saved epoch's order (DistributedSampler, ShardSampler)
         self.stop()

@@ -202,7 +202,7 @@ class WindowPlanner:
         return out
 
     def state_dict(self) -> Dict[str, Any]:
-        """What the planner has seen and done (``planner``: samples, real tokens, batches emitted) and the
+        """What the planner has seen and done (``counts``: samples, real tokens, batches emitted) and the
         ids it carries (``carry``), as plain data: part of the resume state (the carried samples' lengths
         are measured again when they are read back).
 
@@ -211,15 +211,15 @@ class WindowPlanner:
             >>> wp = WindowPlanner(ODBConfig(token_budget=100, buffer_size=4))
             >>> _ = wp.plan(np.arange(3), np.array([50, 50, 10]))
             >>> wp.state_dict()
-            {'planner': [3, 110, 1], 'carry': [2]}
+            {'counts': [3, 110, 1], 'carry': [2]}
         """
-        return {"planner": [self._seen, self._seen_tokens, self._emitted], "carry": self._carry_ids.tolist()}
+        return {"counts": [self._seen, self._seen_tokens, self._emitted], "carry": self._carry_ids.tolist()}
 
     def load_state_dict(self, state: Dict[str, Any], lengths: Optional[np.ndarray] = None,
                         patches: Optional[np.ndarray] = None) -> None:
         """Continue from ``state_dict``'s output; ``lengths`` (and ``patches``, when a patch cap is set) are
         those of the carried samples, in ``state["carry"]``'s order."""
-        counters = state["planner"]
+        counters = state["counts"]
         self._seen, self._seen_tokens = int(counters[0]), int(counters[1])
         # States saved before the emitted count was kept: any sample seen means a batch was emitted.
         self._emitted = int(counters[2]) if len(counters) > 2 else int(self._seen > 0)

@@ -63,11 +63,11 @@ def repartition(states: List[Dict[str, Any]], sampler: Any, world: int, rank: in
     """The state rank ``rank`` of ``world`` resumes from, given every old rank's state (checked by
     ``check_group``): a fresh run over its share of what no old rank emitted."""
     running = [s for s in states if s["run"] is not None]
-    auto = _merged_auto(states, int(running[0]["run"]["step"]) if running else 0)
+    step = int(running[0]["run"]["position"]["step"]) if running else 0
+    budget = _merged_budget(states, step)
     if not running:
-        return dict(states[0], world_size=world, rank=rank, run=None, **auto)
-    run0 = running[0]["run"]
-    epoch, prior = int(running[0]["epoch"]), list(run0["layers"])
+        return dict(states[0], world_size=world, rank=rank, run=None, budget=budget)
+    epoch, prior = int(running[0]["epoch"]), list(running[0]["run"]["position"]["layers"])
     old_world = len(states)
     order = layered_order(sampler, prior, epoch) if prior else global_order(sampler, old_world, epoch)
     total = len(order)
@@ -77,20 +77,20 @@ def repartition(states: List[Dict[str, Any]], sampler: Any, world: int, rank: in
         if run is None:  # this rank's data had ended (join=False): its whole share was emitted
             arrived.append(len(range(r, total, old_world)))
             continue
-        arrived.append(int(run["arrived"]))
-        held = retained_positions(dict(run, ghost=None))  # the ghost is a copy, not a sample still owed
+        arrived.append(int(run["position"]["arrived"]))
+        held = retained_positions(run, ghost=False)  # the ghost is a copy, not a sample still owed
         kept.extend(p * old_world + r for p in held)
     layer = {"world": old_world, "arrived": arrived, "kept": sorted(kept), "total": total}
     return dict(running[0], epoch=epoch, world_size=world, rank=rank,
-                run=fresh_run_state(int(run0["step"]), prior + [layer]), **auto)
+                run=fresh_run_state(step, prior + [layer]), budget=budget)
 
 
-def _merged_auto(states: List[Dict[str, Any]], step: int) -> Dict[str, Any]:
-    """token_budget="auto": the "auto" entry of every new rank (odb.epoch.auto.merged_state: the most
-    conservative old rank's AutoBudget, no frozen window plans); {} without it."""
-    if not any("auto" in s for s in states):
-        return {}
-    return {"auto": merged_state([s.get("auto") for s in states], step)}
+def _merged_budget(states: List[Dict[str, Any]], step: int) -> Optional[Dict[str, Any]]:
+    """The loader budget's state of every new rank: token_budget="auto"'s merged (odb.epoch.auto.merged_state:
+    the most conservative old rank's AutoBudget, no frozen window plans); None for a fixed budget."""
+    if all(s["budget"] is None for s in states):
+        return None
+    return merged_state([s["budget"] for s in states], step)
 
 
 def check_group(states: Any, sampler: Any, iterable: bool) -> List[Dict[str, Any]]:
@@ -114,15 +114,15 @@ def check_group(states: Any, sampler: Any, iterable: bool) -> List[Dict[str, Any
     running = [s for s in by_rank if s["run"] is not None]
     epochs = {s["epoch"] for s in running}
     ended = {s["epoch"] for s in by_rank if s["run"] is None}
-    steps = {s["run"]["step"] for s in running}
-    layers = {repr(s["run"]["layers"]) for s in running}
+    steps = {s["run"]["position"]["step"] for s in running}
+    layers = {repr(s["run"]["position"]["layers"]) for s in running}
     if len(seeds) > 1 or len(epochs) > 1 or len(steps) > 1 or len(layers) > 1 or (
             running and ended - {next(iter(epochs)) + 1}) or len(ended) > 1:
         raise ValueError(f"odb rank states disagree (seeds {sorted(seeds)}, epochs {sorted(epochs)} with ended "
                          f"ranks at {sorted(ended)}, steps {sorted(steps)}, {len(layers)} re-partition histories): "
                          f"they were not saved by one run at one step. Fix: save every rank at the same step (as "
                          f"checkpoints do) and pass all of them.")
-    if any(0 < s["run"]["chunk_pos"] < len(s["run"]["chunk"]) for s in running):
+    if any(0 < s["run"]["position"]["micro_pos"] < len(s["run"]["position"]["micro"]) for s in running):
         warnings.warn("odb rank states were saved inside an optimizer step (gradient accumulation): a re-partition "
                       "starts a new optimizer step, so the micro-batches already consumed of that step were scaled "
                       "for a step that will not complete. Save at optimizer-step boundaries (as trainers do).",

@@ -19,7 +19,7 @@ from torch.utils.data import DistributedSampler, SequentialSampler
 from odb.config import PLAN_OPTIONS, ODBConfig
 from odb.epoch.run_state import retained_positions
 from odb.resume.elastic import check_group, rank_order, repartition
-from odb.resume.state import STATE_VERSION, check_state, cursor_state
+from odb.resume.state import STATE_VERSION, check_state, cursor_state, upgrade
 from odb.data.sampling import EpochShuffleSampler, ShardSampler, sampler_settings
 from odb.data.source import SampleMeter
 
@@ -60,31 +60,30 @@ def loader_fields(dataset: Any, sampler: Any, num_workers: int, options: Dict[st
 
 def saved_state(run: Any, cursor: Any, *, finished_epoch: Optional[int], next_epoch: int, seed: int,
                 wait_s: float, accumulation: Optional[int], rank: int, world_size: int, fields: Dict[str, Any],
-                auto: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                budget: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The loader's state (see ``ODBDataLoader.state_dict``): ``run``/``cursor`` are the current epoch's
     EpochRun and the Cursor of the last batch the training loop received (None before any epoch),
-    ``finished_epoch`` the last epoch that ran to its end, ``fields`` from ``loader_fields``; ``auto``:
-    with token_budget="auto", the loader's AutoBudget state (its "auto" key, with the plans of the cursor's
-    window under "window" when an epoch is under way)."""
+    ``finished_epoch`` the last epoch that ran to its end, ``fields`` from ``loader_fields``; ``budget``:
+    the loader's budget state (token_budget="auto": its AutoBudget's; None for a fixed budget)."""
     run_state = None
     if run is not None and finished_epoch != run.epoch:
         # The batches the training loop received, not what the background thread planned ahead.
         run_state = cursor_state(cursor, accumulation)
         run_state["stats"]["wait_s"] = wait_s
+        position = run_state["position"]
         if run.stream_marks is not None:  # a later restart point of the stream, if the batches since allow
-            later = run.stream_marks.cut(min(retained_positions(run_state), default=run_state["arrived"]),
+            later = run.stream_marks.cut(min(retained_positions(run_state), default=position["arrived"]),
                                          prune=False)
-            if later is not None and later["start"] > run_state["stream"]["start"]:
-                run_state["stream"] = later
+            if later is not None and later["start"] > position["stream"]["start"]:
+                position["stream"] = later
         # After an epoch's last batch the epoch is over even if the iterator was not exhausted.
-        if run_state["all_done"] and not run_state["pending"] and run_state["chunk_pos"] >= len(run_state["chunk"]):
+        if run_state["aligner"]["all_done"] and not position["pending"] and \
+                position["micro_pos"] >= len(position["micro"]):
             run_state = None
     return {"odb_state_version": STATE_VERSION, "epoch": run.epoch if run_state is not None else next_epoch,
             "seed": seed, "world_size": world_size, "rank": rank, "dataset_len": fields["dataset_len"],
             "iterable": fields["iterable"], "options": fields["options"], "sampler": fields["sampler"],
-            "num_workers": fields["num_workers"], "run": run_state,
-            **({} if auto is None else {"auto": dict(auto, window=cursor.snapshot.get("auto") if run_state is not None
-                                                     else None)})}
+            "num_workers": fields["num_workers"], "budget": budget, "run": run_state}
 
 
 def state_to_resume(state: Union[Dict[str, Any], Sequence[Dict[str, Any]]], *, rank: int, world_size: int,
@@ -94,7 +93,7 @@ def state_to_resume(state: Union[Dict[str, Any], Sequence[Dict[str, Any]]], *, r
     own seeded sampler. Raises ValueError with the reason and the fix (see ``load_state_dict``)."""
     iterable = fields["iterable"]
     if isinstance(state, (list, tuple)):
-        states = list(state)
+        states = [upgrade(one) for one in state]
         for one in states:
             check_state(one, world_size=world_size, rank=rank, any_rank=True, **fields)
         mine = [s for s in states if s["world_size"] == world_size and s["rank"] == rank]
@@ -103,6 +102,7 @@ def state_to_resume(state: Union[Dict[str, Any], Sequence[Dict[str, Any]]], *, r
         else:
             state = repartition(check_group(states, sampler, iterable), sampler, world_size, rank)
     else:
+        state = upgrade(state)
         check_state(state, world_size=world_size, rank=rank, **fields)
     if not own_sampler and not _replayable(sampler) and not iterable:
         raise ValueError(f"odb cannot resume mid-epoch with sampler {type(sampler).__name__}: its order "
@@ -114,9 +114,9 @@ def state_to_resume(state: Union[Dict[str, Any], Sequence[Dict[str, Any]]], *, r
 def resume_order(sampler: Any, run_state: Optional[Dict[str, Any]], epoch: int, rank: int, world_size: int
                  ) -> Optional[np.ndarray]:
     """This rank's order of a resumed epoch that was re-partitioned (None: the sampler's own)."""
-    if run_state is None or not run_state["layers"]:
+    if run_state is None or not run_state["position"]["layers"]:
         return None
-    return rank_order(sampler, run_state["layers"], world_size, rank, epoch)
+    return rank_order(sampler, run_state["position"]["layers"], world_size, rank, epoch)
 
 
 def retained_samples(source: Any, run_state: Dict[str, Any], *, dataset: Any, sampler: Any, iterable: bool,
@@ -126,8 +126,8 @@ def retained_samples(source: Any, run_state: Dict[str, Any], *, dataset: Any, sa
     position -> (dataset index, sample, meta)."""
     positions = sorted(retained_positions(run_state))
     if iterable:  # read again from the stream's restart point (or its start)
-        stream = run_state["stream"]
-        return source.skip(run_state["arrived"] - (stream["start"] if stream else 0), positions)
+        stream, arrived = run_state["position"]["stream"], run_state["position"]["arrived"]
+        return source.skip(arrived - (stream["start"] if stream else 0), positions)
     indices = _indices_at(sampler if order is None else order, positions)
     if known is not None:  # index-only records: nothing to read
         return {p: (i, i, (tuple(int(v) for v in known[i]), 0, 0)) for p, i in zip(positions, indices)}

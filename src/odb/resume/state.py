@@ -1,9 +1,11 @@
 """Exact mid-epoch resume: the loader's state as plain data, versioned and validated.
 
-Each stateful unit gives its own part (``state_dict`` / ``load_state_dict`` with constant keys):
-the epoch run (odb.epoch.run, its layout in odb.epoch.run_state), which holds the window
-planner's, the rank aligner's and the counters'. This module versions the whole state
-(``STATE_VERSION``, ``TOP_KEYS``), refuses states this loader cannot continue
+Each stateful unit gives its own part (``state_dict`` / ``load_state_dict`` with constant keys),
+nested under its name: the loader's budget (``budget``: token_budget="auto"'s memory model; None
+for a fixed budget) and the epoch run (``run``: odb.epoch.run, its layout in odb.epoch.run_state),
+which holds its own position and the window planner's, the rank aligner's, the counters' and the
+window budget's parts. This module versions the whole state (``STATE_VERSION``, ``TOP_KEYS``),
+upgrades states saved by earlier versions (``upgrade``), refuses states this loader cannot continue
 (``check_state``) and expands a batch's ``Cursor`` into its state (``cursor_state``).
 
 Samples are named by their position in the epoch's order (odb.data.sampling), so samplers may
@@ -26,16 +28,36 @@ O(planned steps), so trainers can save it every step.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Optional
 
 from odb.epoch.cursor import Cursor
-from odb.epoch.run_state import RUN_KEYS, copy_row
-from odb.epoch.run_state import retained_positions  # noqa: F401  (read from here by tests/resume/test_elastic.py)
+from odb.epoch.run_state import POSITION_KEYS, RUN_KEYS, copy_row, upgrade_run_v3
 
-STATE_VERSION = 3
+STATE_VERSION = 4  # 4: nested by unit (3: one flat namespace, token_budget="auto" beside it as "auto")
+OLDEST_VERSION = 3  # the oldest saved state this version upgrades
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
-            "sampler", "num_workers", "run"}
-OPTIONAL_KEYS = {"auto"}  # token_budget="auto": the AutoBudget's state and the plans (odb.loader.core)
+            "sampler", "num_workers", "budget", "run"}
+
+
+def upgrade(state: Any) -> Any:
+    """A state saved by an earlier version (``OLDEST_VERSION`` on) in this version's layout (others as given:
+    ``check_state`` names what is wrong with them).
+
+    Example:
+        >>> upgrade({"odb_state_version": 3, "epoch": 1, "run": None})
+        {'odb_state_version': 4, 'epoch': 1, 'run': None, 'budget': None}
+    """
+    if not isinstance(state, dict) or state.get("odb_state_version") != 3:
+        return state
+    out = {k: v for k, v in state.items() if k != "auto"}
+    auto = state.get("auto")
+    window = auto.get("window") if auto is not None else None
+    out["budget"] = None if auto is None else {k: v for k, v in auto.items() if k != "window"}
+    if state.get("run") is not None:
+        out["run"] = upgrade_run_v3(state["run"], window)
+    out["odb_state_version"] = STATE_VERSION
+    return out
 
 
 def cursor_state(cursor: Cursor, accumulation: Optional[int]) -> Dict[str, Any]:
@@ -44,23 +66,26 @@ def cursor_state(cursor: Cursor, accumulation: Optional[int]) -> Dict[str, Any]:
     ``accumulation`` micro-batches each, or (None: ``global_batch_size``) all the planned ones.
 
     O(planned steps + samples held) list copies: the state shares nothing mutable with the loader."""
-    snap = cursor.snapshot  # its "chunk": the micro-batches of the optimizer step being emitted
-    micro, pos, pending = snap["chunk"], int(snap["chunk_pos"]), snap["pending"]
+    snap = cursor.snapshot
+    at = snap["position"]  # its "micro": the micro-batches of the optimizer step being emitted
+    micro, pos, pending = at["micro"], int(at["micro_pos"]), at["pending"]
     for _ in range(cursor.since):
         if pos >= len(micro):
             take = len(pending) if accumulation is None else accumulation
             micro, pending, pos = pending[:take], pending[take:], 0
         pos += 1
-    out = dict(snap)
-    out.pop("auto", None)  # token_budget="auto": saved beside the epoch's state (odb.resume.loader_state)
-    out.update(step=int(snap["step"]) + cursor.since, chunk_pos=pos, carry=list(snap["carry"]),
-               chunk=[[None] + row[1:] if k < pos else copy_row(row) for k, row in enumerate(micro)],
-               pending=[copy_row(row) for row in pending], stats=dict(vars(cursor.stats)),
-               planner=list(snap["planner"]),
-               layers=[dict(layer, arrived=list(layer["arrived"]), kept=list(layer["kept"]))
-                       for layer in snap["layers"]],
-               step_tokens=list(cursor.step_tokens) if cursor.step_tokens is not None and pos < len(micro) else None)
-    return out
+    position = dict(at, step=int(at["step"]) + cursor.since, micro_pos=pos,
+                    micro=[[None] + row[1:] if k < pos else copy_row(row) for k, row in enumerate(micro)],
+                    pending=[copy_row(row) for row in pending],
+                    layers=[dict(layer, arrived=list(layer["arrived"]), kept=list(layer["kept"]))
+                            for layer in at["layers"]],
+                    step_tokens=list(cursor.step_tokens) if cursor.step_tokens is not None and pos < len(micro)
+                    else None)
+    planner = snap["planner"]
+    budget = snap["budget"]
+    return {"position": position, "planner": {"counts": list(planner["counts"]), "carry": list(planner["carry"])},
+            "aligner": dict(snap["aligner"]), "stats": dict(vars(cursor.stats)),
+            "budget": None if budget is None else copy.deepcopy(budget)}
 
 
 def check_state(state: Any, *, world_size: int, rank: int, dataset_len: Optional[int], iterable: bool,
@@ -74,10 +99,10 @@ def check_state(state: Any, *, world_size: int, rank: int, dataset_len: Optional
         raise TypeError(f"load_state_dict got {type(state).__name__}: odb states are dicts from "
                         f"loader.state_dict() (or a list of every rank's). Fix: pass that dict (e.g. json.load or "
                         f"torch.load of what you saved).")
-    unknown, missing = set(state) - TOP_KEYS - OPTIONAL_KEYS, TOP_KEYS - set(state)
+    unknown, missing = set(state) - TOP_KEYS, TOP_KEYS - set(state)
     if state.get("odb_state_version") != STATE_VERSION:
-        raise ValueError(f"odb state version {state.get('odb_state_version')!r} is not {STATE_VERSION}. "
-                         f"Fix: resume with the odb version that saved it.")
+        raise ValueError(f"odb state version {state.get('odb_state_version')!r}: this odb loads versions "
+                         f"{OLDEST_VERSION} to {STATE_VERSION}. Fix: resume with the odb version that saved it.")
     if unknown or missing:
         raise ValueError(f"odb state has unknown keys {sorted(unknown)} / lacks {sorted(missing)}: it was not "
                          f"made by loader.state_dict() of this odb version. Fix: save it again with this version.")
@@ -105,6 +130,8 @@ def check_state(state: Any, *, world_size: int, rank: int, dataset_len: Optional
                          f"worker) depends on how the workers split it. Fix: resume with "
                          f"num_workers={state['num_workers']} (map-style datasets may change it).")
     run = state["run"]
-    if run is not None and (not isinstance(run, dict) or set(run) != RUN_KEYS):
-        raise ValueError(f"odb state 'run' has keys {sorted(run) if isinstance(run, dict) else run!r}, expected "
-                         f"{sorted(RUN_KEYS)}. Fix: save it again with this odb version.")
+    if run is not None and (not isinstance(run, dict) or set(run) != RUN_KEYS or
+                            not isinstance(run["position"], dict) or set(run["position"]) != POSITION_KEYS):
+        shown = {k: sorted(v) if isinstance(v, dict) else v for k, v in run.items()} if isinstance(run, dict) else run
+        raise ValueError(f"odb state 'run' holds {shown!r}, expected the parts {sorted(RUN_KEYS)} with 'position' "
+                         f"{sorted(POSITION_KEYS)}. Fix: save it again with this odb version.")
