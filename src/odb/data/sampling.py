@@ -64,8 +64,8 @@ class ChunkSampler(Sampler[List[Tuple[int, int]]]):
     shared-memory hand-over, whatever its size. A window still spans several chunks
     (windows grow 1.5x, chunks follow the position).
 
-    A resumed epoch sets, once, ``skip`` (positions already consumed) and possibly
-    ``order`` (the epoch's order when a resume re-partitioned it across ranks).
+    ``next_epoch`` sets, for the next iteration only, the positions already consumed (a resumed
+    epoch's) and the epoch's order when a resume re-partitioned it across ranks.
 
     Example:
         >>> list(ChunkSampler([4, 4, 2], size=2))
@@ -78,8 +78,12 @@ class ChunkSampler(Sampler[List[Tuple[int, int]]]):
         self.sampler = sampler
         self.size = size
         self.max_size = max(size, max_size or size)
-        self.skip = 0  # positions of the next epoch to leave out (set by a resume, used once)
+        self.skip = 0  # positions of the next epoch to leave out (used once)
         self.order: Optional[Sequence[int]] = None  # the next epoch's order instead of the sampler's (used once)
+
+    def next_epoch(self, skip: int = 0, order: Optional[Sequence[int]] = None) -> None:
+        """The next iteration leaves out the first ``skip`` positions of ``order`` (default: the sampler's)."""
+        self.skip, self.order = int(skip), order
 
     def _size_at(self, position: int) -> int:
         return min(self.max_size, max(self.size, position // 8))

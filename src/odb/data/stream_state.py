@@ -43,12 +43,17 @@ class StatefulStream(IterableDataset):
     """Yields ``(tag, sample)``: ``tag`` is ``(worker id, dataset.state_dict())`` on the last sample
     of every ``every`` samples and on the stream's last sample, else None.
 
-    ``start`` (set by a resume, used once per copy) holds each worker's state to load first.
+    ``start`` (``start_from``, used once per copy) holds each worker's state to load first.
     """
 
     def __init__(self, dataset: Any, transform: Optional[Callable[[Any], Any]], every: int) -> None:
         self.dataset, self.transform, self.every = dataset, transform, every
         self.start: Optional[List[Any]] = None
+
+    def start_from(self, states: Optional[List[Any]]) -> None:
+        """The copies made from now on (the workers', at the inner loader's next iteration) start from
+        ``states`` (one per worker; None: from the stream's start)."""
+        self.start = states
 
     def __iter__(self) -> Iterator[Tuple[Any, Any]]:
         start, self.start = self.start, None  # once, now: a persistent worker keeps this copy for later epochs

@@ -62,6 +62,11 @@ class PlannedBatchSampler(Sampler[List[int]]):
         self.plan: Optional[Iterator[Tuple[Any, Cursor]]] = None
         self.infos: Deque[Tuple[ODBStepInfo, Cursor]] = collections.deque()
 
+    def next_epoch(self, plan: Iterator[Tuple[Any, Cursor]]) -> None:
+        """The next iteration hands out ``plan``'s index lists (an epoch's planned batches with their cursors)."""
+        self.plan = plan
+        self.infos.clear()
+
     def __iter__(self) -> Iterator[List[int]]:
         plan, self.plan = self.plan, None
         if plan is None:

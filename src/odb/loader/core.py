@@ -1,19 +1,15 @@
-"""LoaderCore: everything an odb loader does, held in one object the DataLoader delegates to.
+"""LoaderCore: the state and lifecycle of one odb loader, the object the DataLoader delegates to.
 
-``ODBDataLoader`` and loaders converted by ``odb.apply`` keep one attribute, the core. It
-reads the DataLoader's public attributes (dataset, sampler, num_workers, ...), owns the
-inner loaders (odb.loader.inner), the exchanges between ranks (made by an exchange
-factory: odb.comm.dist.GroupExchanges, or odb.comm.threads for ranks that are threads),
-the current epoch, the counters and the resume state (odb.resume.loader_state).
+``ODBDataLoader`` and loaders converted by ``odb.apply`` keep one attribute, the core. It holds
+the loader's budget (odb.epoch.budget, made from the user's options by odb.loader.budgets), the
+epoch under way (its run, pipeline and mode, built by odb.loader.assembly from the sources of
+odb.loader.sources), the counters, the step count ``len()`` reports and the resume state
+(odb.resume.loader_state), and answers the loader's public methods.
 
 An epoch runs in one of two modes, chosen by whether the loader knows every sample's
-length up front (``lengths=``):
-
-- ``OnlineEpoch``: a background thread reads samples through the inner loader, plans and
-  collates; the training thread takes ready batches.
-- ``KnownLengthsEpoch``: the plan becomes the inner loader's batch sampler; its workers
-  collate whole batches, and loss scales are fixed per optimizer step (one exchange per
-  step across ranks).
+length up front (``lengths=``): ``OnlineEpoch`` (a background thread reads samples through
+the inner loader, plans and collates) or ``KnownLengthsEpoch`` (the plan becomes the inner
+loader's batch sampler; its workers collate whole batches): odb.loader.epoch_modes.
 
 Example:
     >>> import torch, odb
@@ -26,39 +22,33 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import warnings
-import weakref
-from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset
 
 from odb.arguments import check_in_order
 from odb.comm.dist import GroupExchanges
-from odb.comm.protocol import ExchangeFactory, RankExchange
+from odb.comm.protocol import ExchangeFactory
 from odb.config import ODBConfig
 from odb.data.bucket_collate import PadToBucket
 from odb.data.collate_check import PaddingHint
-from odb.data.lengths import LabelBudgetCheck, check_length_dims
+from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler, ShardSampler
-from odb.data.source import SampleMeter, SampleSource, WorkerWatch, stream_records, unpack_records
-from odb.data.stream_state import StreamMarks
-from odb.epoch.known import known_epoch, known_records
-from odb.epoch.pipeline import BatchPipeline
 from odb.epoch.auto import AutoControl
-from odb.loader.budgets import make_budget
-from odb.epoch.run import EpochRun, made
+from odb.epoch.cursor import Cursor
+from odb.epoch.pipeline import BatchPipeline
+from odb.epoch.run import EpochRun
 from odb.epoch.stats import EpochStats
+from odb.loader.assembly import EpochAssembly
 from odb.loader.batch_checks import BatchChecks
+from odb.loader.budgets import make_budget
+from odb.loader.epoch_modes import KnownLengthsEpoch, OnlineEpoch
 from odb.loader.inner import InnerLoaders
 from odb.loader.length_probe import check_probed_fit, probe_lengths
-from odb.plan.estimate import DEFAULT_PROBE, estimate_steps, probe_size
-from odb.resume.loader_state import (PlanOptions, loader_fields, resume_order, retained_samples, saved_state,
-                                     state_to_resume)
-from odb.epoch.cursor import Cursor
-from odb.loader.epoch_modes import KnownLengthsEpoch, OnlineEpoch
+from odb.loader.sources import EpochSources
+from odb.plan.estimate import estimate_steps
+from odb.resume.loader_state import PlanOptions, loader_fields, saved_state, state_to_resume
 
 
 def exchange_factory(cfg: ODBConfig, process_group: Any = None, exchange: Optional[ExchangeFactory] = None
@@ -98,17 +88,18 @@ class LoaderCore:
         self.loader = loader
         # The window budget (odb.epoch.budget): fixed, scheduled or token_budget="auto"; it holds the options
         self.budget = make_budget(cfg, lengths)
-        self.shuffle, self.seed = shuffle, seed
+        self.seed = seed
         if cfg.shape_buckets is not None and not isinstance(group_collate, PadToBucket):
             # odb plans each batch at a bucket length; the collate pads to the longest sample: pad on to the bucket
             group_collate = PadToBucket(group_collate, cfg.shape_buckets, ignore_index=cfg.ignore_index)
-        self.group_collate = PaddingHint(group_collate)  # a collate that cannot pad names the fix
-        self.label_check = LabelBudgetCheck(cfg.length_fn, cfg.label_key)
         self.transform = sample_transform
         self.own_sampler = own_sampler
-        self.lengths = None if lengths is None else np.asarray(lengths)
-        self.exchanges = exchanges
         self.inner = InnerLoaders(loader, sample_transform)
+        self.sources = EpochSources(loader, self.inner, self.budget, own_sampler, lengths)
+        self.assembly = EpochAssembly(loader, sources=self.sources, inner=self.inner, budget=self.budget,
+                                      group_collate=PaddingHint(group_collate),  # a collate that cannot pad says so
+                                      transform=sample_transform, exchanges=exchanges, shuffle=shuffle,
+                                      notices=set())  # warnings the loader's epochs give once
         self.next_epoch = 0
         self.last_steps: Optional[int] = None  # steps of the last epoch that ran to its end
         self.last_steps_epoch: Optional[int] = None
@@ -119,16 +110,9 @@ class LoaderCore:
         self.pipeline_done = True
         self.mode: Union[OnlineEpoch, KnownLengthsEpoch, None] = None  # the current (or last) epoch's
         self.resume: Optional[Dict[str, Any]] = None
-        self.exchange: Optional[RankExchange] = None  # the current epoch's (released when the next starts)
         self.oom: Optional[Any] = None
-        self.warned_shard = False
-        self.notices: set = set()  # warnings the loader's epochs give once (odb.epoch.run.EpochRun.notices)
         self.checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
         self.plan_options = PlanOptions()
-        # The next epoch's source, started by len() to read its first window (odb.data.source.SampleSource.peek):
-        # (epoch, the sampler's epoch, source, stream marks).
-        self.prepared: Optional[Tuple[int, Any, SampleSource, Optional[StreamMarks]]] = None
-        self.known_lengths()  # refuses lengths that do not match the dataset, now
         cfg.step_samples(self.world()[1])  # refuses a global_batch_size that the ranks cannot share, now
 
     @property
@@ -198,77 +182,18 @@ class LoaderCore:
         return self.estimate
 
     def iterate(self) -> Iterator[Any]:
-        """``iter(loader)``: start the next epoch (or the resumed one) in its mode."""
+        """``iter(loader)``: start the next epoch (or the resumed one) in its mode (odb.loader.assembly)."""
         self.stop()
-        loader, cfg = self.loader, self.cfg
         state, self.resume = self.resume, None
         epoch = state["epoch"] if state is not None else self.next_epoch
         self.next_epoch = epoch + 1
         if self.own_sampler is not None:
             self.own_sampler.set_epoch(epoch)
-        run_state = state["run"] if state is not None else None
-        exchange = self._new_exchange()
-        known = self.known_lengths()
-        # A resumed epoch: the consumed prefix of its order is skipped; a re-partitioned one has its own order.
-        skip = run_state["position"]["arrived"] if run_state and not self.iterable else 0
-        rank, world_size = self.world()
-        order = resume_order(loader.sampler, run_state, epoch, rank, world_size)
-        marks = None
-        if known is not None:
-            records = known_records(iter(loader.sampler) if order is None else order, known, skip)
-            source = SampleSource(records, cap_samples=cfg.buffer_size, cap_tokens=cfg.window_tokens,
-                                  threaded=cfg.ready_batches > 0)
-        else:
-            prepared = self._take_prepared(epoch if state is None else None)  # len() read its first window
-            source, marks = prepared if prepared is not None else self._source(
-                skip=skip, order=order, stream=run_state["position"]["stream"] if run_state is not None else None)
-        self.budget.epoch_starts(source.peek, resumed=run_state is not None)
-        pin = loader.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
-        window_budget = self.budget.epoch()  # (a resumed epoch's restores its part with the run's state)
-        world = exchange.world_size if exchange is not None else 1
-        run = EpochRun(cfg, source, list if known is not None else self.group_collate, epoch=epoch,
-                       seed=self.seed, shuffle=self.shuffle, drop_last=bool(loader.drop_last),
-                       exchange=exchange, finalize=pin_batch if pin else None,
-                       total=self._epoch_total() if order is None else len(order), notices=self.notices,
-                       budget=window_budget, stream_marks=marks,
-                       # The training thread collates what the batch thread has not reached. Not under DDP: there
-                       # a batch is collated before the ranks confirm its step, so a failing collate stops every
-                       # rank at the same step.
-                       lazy=cfg.ready_batches > 0 and world == 1)
-        if run_state is not None:
-            run.restore(run_state, retained_samples(source, run_state, dataset=loader.dataset,
-                                                    sampler=loader.sampler, iterable=self.iterable,
-                                                    transform=self.transform, cfg=cfg, known=known, order=order))
-        else:
-            run.take_snapshot()
-        self.run = run
-        self.cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
-        watch = source.watch  # a worker that died is the cause to announce, not the stop or error it led to
-
-        def announce(error: Optional[BaseException]) -> None:  # a failure or stop reaches every rank
-            run.aligner.announce(watch.failure(error) or error)
-
-        pipeline = self.pipeline = BatchPipeline(
-            iter(run), depth=max(cfg.ready_batches, 0), announce=announce, make=made if run.lazy else None,
-            # Known lengths: the inner loader forks its workers below; a thread inside torch (the exchange)
-            # while they fork can leave a lock held in them forever, so the batch thread starts at the inner
-            # loader's first request for a batch, once its workers exist.
-            start=known is None)
-        previous = self.mode
-        if known is None:
-            online = self.mode = OnlineEpoch(self, run, pipeline)
-            return online.batches()
-        inner = self.inner.known(self.group_collate)
-        sampler = inner.batch_sampler
-        sampler.plan = pipeline
-        sampler.infos.clear()
-        if isinstance(previous, KnownLengthsEpoch) and previous.steps is not None and self.pipeline_done:
-            previous.steps.release()  # an epoch left early: every rank has started this one
-        steps = self.exchanges(cfg.exchange_timeout_s) if exchange is not None else None
-        mode = self.mode = KnownLengthsEpoch(self, run, pipeline, steps)
-        resume_totals = run_state["position"]["step_tokens"] if run_state is not None else None  # a step split by the resume
-        batches = watch.follow(iter(inner))  # workers start here (a persistent inner loader's, the first time)
-        return mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch))
+        built = self.assembly.build(self, epoch=epoch, seed=self.seed, state=state, previous=self.mode,
+                                    settled=self.pipeline_done)
+        self.run, self.pipeline, self.mode = built.run, built.pipeline, built.mode
+        self.cursor = Cursor(built.run.snapshot, 0, dataclasses.replace(built.run.stats))
+        return built.batches
 
     def accumulation(self) -> Optional[int]:
         """Micro-batches per optimizer step: fixed, or None where ``global_batch_size`` plans them per step."""
@@ -331,7 +256,7 @@ class LoaderCore:
 
     def world(self) -> Tuple[int, int]:
         """(rank, world size) without creating anything (no collective)."""
-        return self.exchanges.world() if self.exchanges is not None else (0, 1)
+        return self.assembly.world()
 
     def stop(self) -> None:
         """End the previous iteration's background work, if any."""
@@ -359,77 +284,10 @@ class LoaderCore:
         self.last_steps = run.step
         self.last_steps_epoch = run.epoch
 
-    def known_lengths(self) -> Optional[np.ndarray]:
-        """(n, D) lengths when odb plans from known lengths (workers then collate whole batches)."""
-        lengths, dataset = self.lengths, self.loader.dataset
-        if lengths is None or self.iterable or self.cfg.image_patches_key is not None:
-            return None
-        lengths = lengths.reshape(len(lengths), -1)
-        if len(lengths) != len(dataset):
-            raise ValueError(f"odb got lengths= for {len(lengths)} samples but the dataset has "
-                             f"{len(dataset)}. Rule: one length (or tuple of lengths) per dataset index, after "
-                             f"the dataset's processing. Fix: pass lengths of the processed dataset, in index order.")
-        return lengths
-
     def _fields(self) -> Dict[str, Any]:
         loader = self.loader
         return loader_fields(loader.dataset, loader.sampler, loader.num_workers, self.plan_options(self.cfg),
                              self.iterable)
-
-    def _new_exchange(self) -> Optional[RankExchange]:
-        """This epoch's metadata exchange (a collective call: on the main thread, when iteration starts)."""
-        if self.exchanges is None or self.world()[1] <= 1:
-            return None
-        previous = self.exchange
-        ex = self.exchange = self.exchanges(self.cfg.exchange_timeout_s)
-        if previous is not None and self.pipeline_done:
-            previous.release()  # every rank has started this epoch: the last one's exchanges are over
-        sampler = self.loader.sampler
-        if not self.warned_shard and not self.iterable and not is_sharded(sampler):
-            self.warned_shard = True
-            warnings.warn(
-                f"odb rank {ex.rank}: torch.distributed has {ex.world_size} "
-                f"ranks but the loader's sampler ({type(sampler).__name__}) does not shard the dataset, "
-                f"so every rank iterates all of it. Fix: pass sampler=odb.ShardSampler(dataset) or a "
-                f"DistributedSampler.", stacklevel=4)
-        return ex
-
-    def _epoch_total(self) -> Optional[int]:
-        """Samples of an epoch on this rank, when the sampler knows (windows ramp down towards the end)."""
-        if self.iterable:
-            return None
-        try:
-            return len(self.loader.sampler)
-        except TypeError:
-            return None
-
-    def _source(self, skip: int = 0, order: Optional[Sequence[int]] = None,
-                stream: Optional[Dict[str, Any]] = None) -> Tuple[SampleSource, Optional[StreamMarks]]:
-        """The epoch's sample source (from position ``skip`` of ``order``, default the sampler's; an
-        iterable stream from its saved restart point) and the stream's restart points, if it has state."""
-        cfg, num_workers = self.cfg, self.loader.num_workers
-        inner = self.inner.online(cfg)
-        if self.inner.chunk_sampler is not None:
-            self.inner.chunk_sampler.skip, self.inner.chunk_sampler.order = skip, order
-        packed = num_workers > 0
-        meter = SampleMeter(cfg)
-        watch = WorkerWatch()
-        if not self.iterable:
-            batches = watch.follow(iter(inner))  # workers start here
-            chunks: Iterator[Any] = (unpack_records(c, packed, meter) for c in batches)
-            marks = None
-        else:
-            first, marks, wrapper = (stream["start"] if stream else 0), None, self.inner.stream
-            if wrapper is not None:
-                wrapper.start = stream["states"] if stream else None
-                marks = StreamMarks(first, wrapper.start, num_workers)
-            batches = watch.follow(iter(inner))  # workers start here, on this thread, each with its copy of the wrapper
-            if wrapper is not None:
-                wrapper.start = None
-            chunks = stream_records(batches, packed, meter, first, marks.on_chunk if marks is not None else None)
-        chunks = self.label_check.wrap(chunks)  # warns when target labels go unbudgeted
-        return SampleSource(chunks, cap_samples=cfg.buffer_size, cap_tokens=self.budget.read_ahead_tokens(),
-                            threaded=cfg.ready_batches > 0, watch=watch), marks
 
     def _estimate_steps(self) -> int:
         """Steps per epoch, from known lengths or a probe of the dataset read once (odb.plan.estimate)."""
@@ -441,7 +299,7 @@ class LoaderCore:
         world_size = self.world()[1]
         if n == 0 or total == 0:
             return 0
-        lengths = self.lengths
+        lengths = self.sources.lengths
         columns = getattr(dataset, "column_names", None)
         if lengths is None and isinstance(columns, list) and "length" in columns:
             lengths = np.asarray(dataset["length"])  # a datasets.Dataset with a length column
@@ -451,83 +309,13 @@ class LoaderCore:
             lengths = probe_lengths(dataset, self.transform, cfg, self.inner.workers())
         cfg = self.budget.planning_config(self.run.budget if self.run is not None else None, lengths)
         check_probed_fit(lengths, cfg, "len(loader) measured the dataset's samples",
-                         total if self.lengths is not None else None)  # known lengths: by index
+                         total if self.sources.lengths is not None else None)  # known lengths: by index
         return max(1, estimate_steps(np.asarray(lengths), n, cfg, world_size=world_size))
 
     def _first_window(self, n: int) -> Optional[np.ndarray]:
-        """Lengths of the next epoch's first samples, read by that epoch's own source and kept for its
-        iteration (no sample is read twice), as many as ``probe_size`` asks for; None where they are no
-        uniform sample of the data (the sampler does not shuffle), where ranks would each see their own
-        (under DDP len() must agree on every rank: the probe reads the same samples on each), or where an
-        epoch is under way or a resume is pending."""
-        shuffled = self.own_sampler is not None or shuffles(self.loader)
-        if not shuffled or self.world()[1] > 1 or self.resume is not None or \
-                (self.pipeline is not None and not self.pipeline.done):
+        """The next epoch's first window, read by its own source (odb.loader.sources.EpochSources.first_window);
+        None where ranks would each see their own (under DDP len() must agree on every rank: the probe reads
+        the same samples on each), or where an epoch is under way or a resume is pending."""
+        if self.world()[1] > 1 or self.resume is not None or (self.pipeline is not None and not self.pipeline.done):
             return None
-        epoch = self.next_epoch
-        if self.prepared is None or self.prepared[:2] != self._sampler_epoch(epoch):
-            self._drop_prepared()
-            if self.own_sampler is not None:
-                self.own_sampler.set_epoch(epoch)
-            source, marks = self._source()
-            self.prepared = self._sampler_epoch(epoch) + (source, marks)
-            weakref.finalize(self.loader, source.close)  # a loader dropped without iterating lets go of its workers
-        source = self.prepared[2]
-        want = min(DEFAULT_PROBE, n)
-        try:
-            while True:
-                lengths = np.array([meta[0] for meta in source.peek(want)], dtype=np.int64)
-                need = probe_size(lengths, n, self.cfg)
-                if need <= len(lengths) or len(lengths) < want or want >= n:
-                    return lengths
-                want = need
-        except BaseException:
-            self._drop_prepared()
-            raise
-
-    def _sampler_epoch(self, epoch: int) -> Tuple[int, Any]:
-        """What fixes the order of the next epoch: odb's epoch and the sampler's own."""
-        return epoch, getattr(self.loader.sampler, "epoch", None)
-
-    def _take_prepared(self, epoch: Optional[int]) -> Optional[Tuple[SampleSource, Optional[StreamMarks]]]:
-        """The source len() started for this epoch, if it still reads this epoch's order (else closed)."""
-        prepared, self.prepared = self.prepared, None
-        if prepared is None:
-            return None
-        if epoch is not None and prepared[:2] == self._sampler_epoch(epoch):
-            return prepared[2], prepared[3]
-        prepared[2].close()
-        return None
-
-    def _drop_prepared(self) -> None:
-        prepared, self.prepared = self.prepared, None
-        if prepared is not None:
-            prepared[2].close()
-
-
-def is_sharded(sampler: Any) -> bool:
-    """Whether a sampler shards the dataset over several replicas (DistributedSampler, odb.ShardSampler)."""
-    return hasattr(sampler, "num_replicas") and getattr(sampler, "num_replicas", 1) > 1
-
-
-def shuffles(loader: DataLoader) -> bool:
-    """Whether a loader's sampler shuffles (RandomSampler or a sampler with shuffle=True)."""
-    sampler = getattr(loader, "sampler", None)
-    return isinstance(sampler, RandomSampler) or bool(getattr(sampler, "shuffle", False))
-
-
-def pin_batch(obj: Any) -> Any:
-    """``obj`` with its tensors in pinned memory (mappings, named tuples, lists and tuples keep their types)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.pin_memory()
-    if isinstance(obj, Mapping):
-        if type(obj) is dict:
-            return {k: pin_batch(v) for k, v in obj.items()}
-        for k in list(obj.keys()):  # dict-like batch types (e.g. BatchEncoding) keep their type
-            obj[k] = pin_batch(obj[k])
-        return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(pin_batch(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(pin_batch(v) for v in obj)
-    return obj
+        return self.sources.first_window(n, self.next_epoch)

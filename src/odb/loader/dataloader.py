@@ -13,7 +13,8 @@ from odb.comm.protocol import ExchangeFactory
 from odb.config import CONFIG_FIELDS, ODBConfig
 from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler
-from odb.loader.core import LoaderCore, exchange_factory, shuffles
+from odb.loader.core import LoaderCore, exchange_factory
+from odb.loader.sources import shuffles
 from odb.packed.collate import PackedCollate
 
 # The other arguments of ODBDataLoader (suggested for misspelt options).
