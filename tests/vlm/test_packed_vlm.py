@@ -174,7 +174,7 @@ def test_the_trainer_refuses_qwen2_vl_packed_rows_at_setup_and_trains_them_with_
 
     samples = vlm_samples("qwen2_vl", 8, seed=0)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True,
-                             max_steps=2, save_strategy="no", logging_strategy="no", remove_unused_columns=False)
+                             max_steps=2, save_strategy="no", logging_strategy="no")
     model = build_model("qwen2_vl", seed=0)
     plain = Trainer(model=model, args=args, train_dataset=samples, data_collator=odb.PackedCollate())
     with pytest.raises(PackedLayoutError, match=r"layout='packed' trains on packed rows, and odb refuses "

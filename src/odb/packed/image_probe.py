@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from odb.data.vision_fields import IMAGE_FIELDS, TOKEN_FIELDS, image_fields
+from odb.packed.vision import unwrap
 
 # Model classes whose packed rows with images tests/vlm compares against each sample alone.
 VERIFIED_VLMS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
@@ -29,9 +30,7 @@ _TEXT = ("input_ids", "attention_mask") + TOKEN_FIELDS
 
 def has_vision(model: Any) -> bool:
     """Whether ``model`` (or the model it wraps) has a vision tower: a ``vision_config``."""
-    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
-        model = model.module
-    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+    return getattr(getattr(unwrap(model), "config", None), "vision_config", None) is not None
 
 
 def image_refusal(model: Any, collate: Any, samples: Optional[Sequence[Any]], name: str,

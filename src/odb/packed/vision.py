@@ -92,13 +92,19 @@ class RopeIndex:
         return f"RopeIndex({self.model_name})"
 
 
+def unwrap(model: Any) -> Any:
+    """The model inside DDP/FSDP-style wrappers (``.module``)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
 def rope_index_for(model: Any) -> Optional[RopeIndex]:
     """``model``'s 3-D rope index (a ``RopeIndex``) where it computes one (``get_rope_index``); else None.
 
     Looks through wrappers (``.module``) and at the model and its inner ``.model``.
     """
-    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
-        model = model.module
+    model = unwrap(model)
     for part in (model, getattr(model, "model", None)):
         if part is not None and callable(getattr(type(part), "get_rope_index", None)):
             return RopeIndex(type(part), part.config, type(model).__name__)
