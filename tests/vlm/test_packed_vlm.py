@@ -103,8 +103,13 @@ def test_qwen_vl_is_refused_without_its_3d_positions_and_the_message_names_the_f
     with pytest.raises(PackedLayoutError, match=r"Qwen2VLForConditionalGeneration.*3-D \(mrope\).*images.*"
                                                 r"Fix: collate with odb.PackedCollate.for_model\(model\)"):
         check_packed_model(model, odb.PackedCollate())
+    samples = vlm_samples("qwen2_vl", 8, seed=2)
     with pytest.raises(ValueError, match=r"image_grid_thw.*3-D \(mrope\).*PackedCollate.for_model\(model\)"):
-        odb.PackedCollate()(vlm_samples("qwen2_vl", 4, seed=2))
+        odb.PackedCollate()(samples)
+    text_only = [s for s in samples if "pixel_values" not in s]
+    with pytest.raises(ValueError, match=r"carry mm_token_type_ids.*not made for the model"):
+        odb.PackedCollate()(text_only)  # Qwen2-VL's text-only rows mix too without the 4-row position_ids
+    assert odb.PackedCollate.for_model(model)(text_only)["position_ids"].shape[0] == 4
     assert check_packed_model(model, samples=vlm_samples("qwen2_vl", 6, seed=0)) < 1e-9  # the default: its rope
 
 

@@ -50,8 +50,9 @@ class PackedCollate:
     - with ``rope_index`` (``PackedCollate.for_model(model)`` sets the model's own for
       the Qwen2-VL family): ``position_ids`` (4, 1, T), the restarting 1-D positions
       above, then each sample's 3-D (temporal, height, width) positions as it has them
-      alone. Samples with ``image_grid_thw``/``video_grid_thw`` and no ``rope_index``
-      are refused (their positions would run on across the row).
+      alone. A collate not made for a model (``model`` None) refuses samples with
+      ``image_grid_thw``, ``video_grid_thw`` or ``mm_token_type_ids``: they come from a
+      processor whose model may compute 3-D positions that would run on across the row.
 
     Other sample fields (``attention_mask``, counts such as ``num_image_patches``) are
     dropped. ``backend="auto"`` uses transformers'
@@ -67,7 +68,8 @@ class PackedCollate:
 
     def __init__(self, *, ignore_index: int = -100, use_cache: Optional[bool] = False,
                  return_flash_attn_kwargs: bool = False, return_seq_idx: bool = False, position_ids_start: int = 0,
-                 backend: Backend = "auto", rope_index: Optional[Callable[..., torch.Tensor]] = None) -> None:
+                 backend: Backend = "auto", rope_index: Optional[Callable[..., torch.Tensor]] = None,
+                 model: Optional[str] = None) -> None:
         if backend not in ("auto", "transformers", "torch"):
             raise ValueError(f"PackedCollate(backend={backend!r}): must be 'auto', 'transformers' or 'torch'. "
                              f"Fix: pass backend='auto' (transformers' DataCollatorWithFlattening when installed).")
@@ -82,6 +84,7 @@ class PackedCollate:
                              f"a model's 3-D positions start at 0 in every sample, and the row's 1-D positions must "
                              f"match them. Fix: leave position_ids_start at 0.")
         self.rope_index = rope_index
+        self.model = model  # the model class the collate was made for (PackedCollate.for_model)
         self._flatten = _transformers_collator(self) if backend != "torch" else None
         if backend == "transformers" and self._flatten is None:
             raise ImportError("PackedCollate(backend='transformers') needs a transformers whose "
@@ -102,9 +105,9 @@ class PackedCollate:
             >>> PackedCollate.for_model(llama).rope_index is None   # 1-D positions
             True
         """
-        from odb.packed.vision import rope_index_for
+        from odb.packed.vision import rope_index_for, unwrap
 
-        return cls(rope_index=rope_index_for(model), **options)
+        return cls(rope_index=rope_index_for(model), model=type(unwrap(model)).__name__, **options)
 
     def __call__(self, samples: Sequence[Any]) -> Dict[str, Any]:
         features = [_feature(k, s) for k, s in enumerate(samples)]
@@ -120,7 +123,8 @@ class PackedCollate:
                 s.get(k) is not None for k in _VISION_KEYS) for s in samples):
             from odb.packed.vision import carry_images
 
-            carry_images(batch, samples, [len(f["input_ids"]) for f in features], self.rope_index)
+            carry_images(batch, samples, [len(f["input_ids"]) for f in features], self.rope_index,
+                         for_model=self.model is not None)
         if self.use_cache is not None:
             batch["use_cache"] = self.use_cache
         return batch

@@ -96,15 +96,7 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
     if "position_ids" not in forward and not any(p.kind == p.VAR_KEYWORD for p in forward.values()):
         raise PackedLayoutError(f"odb refuses layout='packed' for {name}: its forward takes no position_ids, so it "
                                 f"cannot tell where the samples of a packed row begin. Fix: use layout='padded'.")
-    if collate.rope_index is None and rope_index_for(model) is not None:
-        raise PackedLayoutError(
-            f"odb refuses layout='packed' for {name} with a collate that builds no 3-D positions: the model gives "
-            f"its tokens 3-D (mrope) rotary positions, which it computes in its forward over the whole sequence (an "
-            f"image's tokens by their temporal, height and width place), and finds the samples of a packed row "
-            f"only from position_ids of 4 rows ([text; t; h; w]). With 1-D position_ids, the images of every sample "
-            f"after a row's first take positions that run on across the row (and, for Qwen2-VL, the row's samples "
-            f"attend to each other). Fix: collate with odb.PackedCollate.for_model(model), which builds the 4-row "
-            f"position_ids with the model's own rope index per sample.")
+    _refuse_without_rope(model, collate, name)
     diff, tol = _probe(model, collate, atol, lengths, seed)
     if diff <= tol:
         if has_vision(model):
@@ -161,6 +153,8 @@ def prepare_packed_model(model: Any, collate: Optional[PackedCollate] = None, *,
         raise ValueError(f"packed_attention={attention!r} is not one of {PACKED_ATTENTION}. Rule: 'odb_varlen' "
                          f"switches an sdpa/eager model to per-sample attention on packed rows, 'model' keeps the "
                          f"model's own. Fix: pass packed_attention='odb_varlen' (default) or 'model'.")
+    collate = collate if collate is not None else PackedCollate.for_model(model)
+    _refuse_without_rope(model, collate, _describe(model))  # before any switch: the attention is not the cause
     impl = _attn_impl(model)
     if attention == "odb_varlen" and impl in _DENSE and _switch_to_varlen(model, impl, collate, samples):
         return _attn_impl(model)
@@ -198,6 +192,19 @@ def _switch_to_varlen(model: Any, impl: str, collate: Optional[PackedCollate],
     logger.warning(f"odb: {label} keeps attn_implementation={impl!r} on packed rows: odb could not switch it to "
                    f"{name!r} because {why}.")
     return False
+
+
+def _refuse_without_rope(model: Any, collate: PackedCollate, name: str) -> None:
+    """A model with 3-D (mrope) positions and a collate that builds none: refused, whatever a probe says."""
+    if collate.rope_index is None and rope_index_for(model) is not None:
+        raise PackedLayoutError(
+            f"odb refuses layout='packed' for {name} with a collate that builds no 3-D positions: the model gives "
+            f"its tokens 3-D (mrope) rotary positions, which it computes in its forward over the whole sequence (an "
+            f"image's tokens by their temporal, height and width place), and finds the samples of a packed row "
+            f"only from position_ids of 4 rows ([text; t; h; w]). With 1-D position_ids, the images of every sample "
+            f"after a row's first take positions that run on across the row (and, for Qwen2-VL, the row's samples "
+            f"attend to each other). Fix: collate with odb.PackedCollate.for_model(model), which builds the 4-row "
+            f"position_ids with the model's own rope index per sample.")
 
 
 def _attn_impl(model: Any) -> Optional[str]:

@@ -115,7 +115,7 @@ _GRIDS = ("image_grid_thw", "video_grid_thw")  # what the processors of 3-D rope
 
 
 def carry_images(batch: Dict[str, Any], samples: Sequence[Mapping], sizes: Sequence[int],
-                 rope: Optional[Callable[..., torch.Tensor]]) -> None:
+                 rope: Optional[Callable[..., torch.Tensor]], for_model: bool = False) -> None:
     """Add the samples' image and token-aligned fields to the packed ``batch``; with ``rope``, 4-row position_ids.
 
     ``sizes``: each sample's token count. Per-image fields are concatenated along dim 0
@@ -126,7 +126,9 @@ def carry_images(batch: Dict[str, Any], samples: Sequence[Mapping], sizes: Seque
 
     Raises:
         ValueError: a token-aligned field of another length than its sample's input_ids,
-            or samples of a 3-D rope model (``image_grid_thw``/``video_grid_thw``) without ``rope``.
+            or, from a collate not made for its model (``for_model`` False), samples as a 3-D
+            rope model's processor makes them (``image_grid_thw``, ``video_grid_thw``,
+            ``mm_token_type_ids``) without ``rope``.
     """
     for key in image_fields(samples):
         batch[key] = torch.cat([torch.as_tensor(s[key]) for s in samples if s.get(key) is not None])
@@ -143,13 +145,15 @@ def carry_images(batch: Dict[str, Any], samples: Sequence[Mapping], sizes: Seque
             parts.append(part)
         batch[key] = torch.cat(parts)[None]
     if rope is None:
-        grids = [g for g in _GRIDS if g in batch]
-        if grids:
-            raise ValueError(f"PackedCollate: the samples carry {', '.join(grids)}, as the processors of models with "
-                             f"3-D (mrope) rotary positions make them (the Qwen2-VL family): such a model computes "
-                             f"its position ids over the whole sequence, so in a packed row every sample after the "
-                             f"first would continue the first's positions. Fix: collate with "
-                             f"odb.PackedCollate.for_model(model), which runs the model's own rope index per sample.")
+        signs = [k for k in _GRIDS + ("mm_token_type_ids",) if k in batch]
+        if signs and not for_model:
+            raise ValueError(f"PackedCollate: the samples carry {', '.join(signs)}, as the processors of models with "
+                             f"3-D (mrope) rotary positions make them (the Qwen2-VL family), and this collate was not "
+                             f"made for the model: such a model computes its position ids over the whole sequence, "
+                             f"so in a packed row every sample after the first would continue the first's positions "
+                             f"(and Qwen2-VL's samples would attend to each other). Fix: collate with "
+                             f"odb.PackedCollate.for_model(model), which runs the model's own rope index per sample "
+                             f"(and is the plain row for a model without 3-D positions).")
         return
     rows = []
     for s in samples:
