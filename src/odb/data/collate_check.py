@@ -6,13 +6,21 @@ or transformers' ``default_data_collator``) fails on the first batch with torch'
 "stack expects each tensor to be equal size". ``PaddingHint`` re-raises such a failure
 as ``RaggedBatchError``, which says that variable-length batches need a padding
 collator and names some.
+
+A collate that returns a batch without the images its samples carry (no
+``pixel_values`` for samples that have some: a text collator, or one that keeps listed
+fields only) trains the image placeholder tokens as text and the vision tower not at
+all, and the model raises nothing. ``PaddingHint`` refuses such a batch with
+``DroppedImagesError``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, List, Optional
 
 from odb.data.lengths import SampleLengthError, default_length
+from odb.data.vision_fields import dropped_image_fields
 
 # What torch and transformers say when asked to stack sequences of different lengths.
 _SIZE_ERRORS = ("equal size", "expected sequence of length", "Unable to create tensor")
@@ -22,8 +30,13 @@ class RaggedBatchError(ValueError):
     """The collate_fn cannot batch samples of different lengths: it needs to pad."""
 
 
+class DroppedImagesError(ValueError):
+    """The collate_fn returned a batch without the image fields its samples carry."""
+
+
 class PaddingHint:
-    """``collate_fn`` as it is, except that its failure on samples of different lengths names the fix.
+    """``collate_fn`` as it is, except that its failure on samples of different lengths names the fix,
+    and a batch (a mapping) that lacks image fields its samples carry is refused (``DroppedImagesError``).
 
     Picklable (it runs in the workers when lengths are known up front).
 
@@ -42,7 +55,7 @@ class PaddingHint:
 
     def __call__(self, samples: List[Any]) -> Any:
         try:
-            return self.collate_fn(samples)
+            batch = self.collate_fn(samples)
         except (RuntimeError, ValueError, TypeError) as err:
             if isinstance(err, RaggedBatchError) or not any(text in str(err) for text in _SIZE_ERRORS):
                 raise
@@ -58,6 +71,22 @@ class PaddingHint:
                 f"collate_fn=transformers.DataCollatorForSeq2Seq(tokenizer) (pads input_ids and labels; also for "
                 f"causal LMs), DataCollatorWithPadding(tokenizer) (no labels), or a function using "
                 f"torch.nn.utils.rnn.pad_sequence.") from err
+        dropped = dropped_image_fields(samples, batch)
+        if dropped:
+            name = getattr(self.collate_fn, "__name__", type(self.collate_fn).__name__)
+            raise DroppedImagesError(
+                f"collate_fn={name} returned a batch without {', '.join(dropped)}, which "
+                f"{sum(1 for s in samples if any(_has(s, k) for k in dropped))} of its {len(samples)} samples carry "
+                f"(batch fields: {sorted(map(str, batch))[:12]}). Rule: a vision-language batch keeps its samples' "
+                f"images, each image field concatenated in sample order; without them the model trains the image "
+                f"placeholder tokens as text and its vision tower not at all, and raises nothing. Fix: collate the "
+                f"image fields too (torch.cat of the samples' {dropped[0]}), use odb.PackedCollate.for_model(model) "
+                f"for packed rows, or remove the images from the samples if the model is text only.")
+        return batch
+
+
+def _has(sample: Any, key: str) -> bool:
+    return isinstance(sample, Mapping) and sample.get(key) is not None
 
 
 def _lengths(samples: List[Any]) -> Optional[List[int]]:

@@ -8,7 +8,13 @@ Two, each reported once per loader as a warning with the fix:
   position) while odb counts every label (``ShiftCheck``): HF causal LMs shift labels inside
   their loss, so each row's first label is not in the mean odb scales to.
 
-Both cost a dictionary lookup per batch; the label comparison runs on one batch only.
+One error, on any batch (``PackedRowCheck``): with ``layout="packed"`` odb plans each
+batch as one padding-free row of up to ``token_budget`` tokens; a collate that pads the
+planned samples into a batch of several rows (the user's padding collator) makes a batch
+odb did not plan, up to samples x longest tokens, over the budget, while the step infos
+still count a packed row.
+
+All cost a dictionary lookup per batch; the label comparison runs on one batch only.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 from odb.config import ODBConfig
 from odb.step_info import ODBStepInfo, UnpoppedCheck
 
-__all__ = ["BatchChecks", "ShiftCheck", "ShiftLabelsWarning"]
+__all__ = ["BatchChecks", "PackedBatchError", "PackedRowCheck", "ShiftCheck", "ShiftLabelsWarning"]
 
 
 class ShiftLabelsWarning(UserWarning):
@@ -101,6 +107,45 @@ class ShiftCheck:
         return True
 
 
+class PackedBatchError(ValueError):
+    """odb planned a packed row and the collate_fn returned a padded batch of several rows."""
+
+
+class PackedRowCheck:
+    """With ``layout="packed"``: a non-ghost dict batch whose ``input_ids`` hold more than one row is refused.
+
+    Example:
+        >>> import torch
+        >>> info = ODBStepInfo(0, 0, 2, 2, 5, 5, 7, 7, 1.0, False)
+        >>> PackedRowCheck(ODBConfig(token_budget=8, layout="packed")).check({"input_ids": torch.ones(2, 4)}, info)
+        Traceback (most recent call last):
+        ...
+        odb.loader.batch_checks.PackedBatchError: odb planned a packed row of 2 samples (7 tokens, ...
+    """
+
+    def __init__(self, cfg: ODBConfig) -> None:
+        self.cfg = cfg
+
+    def check(self, batch: Any, info: ODBStepInfo) -> None:
+        """Raise ``PackedBatchError`` if ``batch`` is not one row."""
+        if info.is_ghost or not isinstance(batch, Mapping):
+            return
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] <= 1:
+            return
+        rows, width = ids.shape
+        budget = self.cfg.token_budget if isinstance(self.cfg.token_budget, int) else None
+        over = f", {rows * width / budget:.2f} x token_budget={budget}" if budget else ""
+        raise PackedBatchError(
+            f"odb planned a packed row of {info.local_samples} samples ({info.padded_tokens} tokens, "
+            f"layout='packed') but the collate_fn returned input_ids of shape {tuple(ids.shape)}: a padded batch of "
+            f"{rows} rows, {rows * width} tokens with padding{over}. Rule: with layout='packed' each batch is one "
+            f"padding-free row (the samples end to end, position_ids restarting per sample), which is what the "
+            f"budget and the step infos count. Fix: collate with odb.PackedCollate (odb.PackedCollate.for_model("
+            f"model) for a vision-language model; in the HF Trainer, data_collator=...), or transformers' "
+            f"DataCollatorWithFlattening; or keep your collator and use layout='padded'.")
+
+
 class BatchChecks:
     """The checks an odb loader runs as it hands out each batch (``handed_out``), and at an epoch's end.
 
@@ -109,14 +154,21 @@ class BatchChecks:
         >>> checks.reset()   # a new epoch
     """
 
-    __slots__ = ("popped", "shift")
+    __slots__ = ("popped", "shift", "packed")
 
     def __init__(self, cfg: ODBConfig) -> None:
         self.popped = UnpoppedCheck(cfg.step_info_key)
         self.shift = ShiftCheck.applies(cfg)
+        self.packed = PackedRowCheck(cfg) if cfg.layout == "packed" else None
 
     def handed_out(self, batch: Any, info: ODBStepInfo, stacklevel: int = 3) -> None:
-        """``batch`` (carrying ``info``) goes to the training loop now; warnings point ``stacklevel`` up."""
+        """``batch`` (carrying ``info``) goes to the training loop now; warnings point ``stacklevel`` up.
+
+        Raises:
+            PackedBatchError: ``layout="packed"`` and the batch is several padded rows.
+        """
+        if self.packed is not None:
+            self.packed.check(batch, info)
         self.popped.handed_out(batch, info, stacklevel + 1)
         if self.shift is not None and self.shift.check(batch, info, stacklevel + 1):
             self.shift = None

@@ -7,15 +7,22 @@ mask for ``sdpa``, ``eager`` and ``flex_attention``; the flash-attention kernels
 the same boundaries from ``position_ids`` or from ``cu_seq_lens_*``). Each sample's
 first label is masked: the model shifts labels inside, so the last token of one
 sample would otherwise be trained to predict the first token of the next.
+
+Vision-language samples keep their images (``odb.packed.vision``): per-image fields
+concatenated in row order and, for models with 3-D rotary positions (the Qwen2-VL
+family), the model's own position ids per sample (``PackedCollate.for_model(model)``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, List, Literal, Optional, Sequence
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence
 
 import torch
 
+from odb.data.vision_fields import IMAGE_FIELDS, TOKEN_FIELDS
+
+_VISION_KEYS = IMAGE_FIELDS + TOKEN_FIELDS
 Backend = Literal["auto", "transformers", "torch"]
 
 
@@ -35,9 +42,20 @@ class PackedCollate:
       batch keeps them apart;
     - with ``return_flash_attn_kwargs``: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32
       sample boundaries) and ``max_length_q`` / ``max_length_k`` (ints);
-    - with ``return_seq_idx``: ``seq_idx`` (1, T) int32, the sample number of each token.
+    - with ``return_seq_idx``: ``seq_idx`` (1, T) int32, the sample number of each token;
+    - the samples' images: each per-image field (``pixel_values``, ``image_grid_thw``,
+      ``image_sizes``, their video equivalents; ``odb.data.vision_fields.IMAGE_FIELDS``)
+      concatenated along dim 0 in row order, as a padded batch holds them; token-aligned
+      fields (``mm_token_type_ids``, ``token_type_ids``) as (1, T) rows;
+    - with ``rope_index`` (``PackedCollate.for_model(model)`` sets the model's own for
+      the Qwen2-VL family): ``position_ids`` (4, 1, T), the restarting 1-D positions
+      above, then each sample's 3-D (temporal, height, width) positions as it has them
+      alone. A collate not made for a model (``model`` None) refuses samples with
+      ``image_grid_thw``, ``video_grid_thw`` or ``mm_token_type_ids``: they come from a
+      processor whose model may compute 3-D positions that would run on across the row.
 
-    Other sample fields are dropped. ``backend="auto"`` uses transformers'
+    Other sample fields (``attention_mask``, counts such as ``num_image_patches``) are
+    dropped. ``backend="auto"`` uses transformers'
     ``DataCollatorWithFlattening`` when transformers is installed, else a torch-only
     implementation that gives the same tensors.
 
@@ -50,7 +68,8 @@ class PackedCollate:
 
     def __init__(self, *, ignore_index: int = -100, use_cache: Optional[bool] = False,
                  return_flash_attn_kwargs: bool = False, return_seq_idx: bool = False, position_ids_start: int = 0,
-                 backend: Backend = "auto") -> None:
+                 backend: Backend = "auto", rope_index: Optional[Callable[..., torch.Tensor]] = None,
+                 model: Optional[str] = None) -> None:
         if backend not in ("auto", "transformers", "torch"):
             raise ValueError(f"PackedCollate(backend={backend!r}): must be 'auto', 'transformers' or 'torch'. "
                              f"Fix: pass backend='auto' (transformers' DataCollatorWithFlattening when installed).")
@@ -60,12 +79,35 @@ class PackedCollate:
         self.return_seq_idx = bool(return_seq_idx)
         self.position_ids_start = int(position_ids_start)
         self.backend = backend
+        if rope_index is not None and self.position_ids_start != 0:
+            raise ValueError(f"PackedCollate(rope_index={rope_index!r}, position_ids_start={position_ids_start}): "
+                             f"a model's 3-D positions start at 0 in every sample, and the row's 1-D positions must "
+                             f"match them. Fix: leave position_ids_start at 0.")
+        self.rope_index = rope_index
+        self.model = model  # the model class the collate was made for (PackedCollate.for_model)
         self._flatten = _transformers_collator(self) if backend != "torch" else None
         if backend == "transformers" and self._flatten is None:
             raise ImportError("PackedCollate(backend='transformers') needs a transformers whose "
                               "DataCollatorWithFlattening takes return_seq_idx and position_ids_start (5.23 does; "
                               f"{_transformers_version()} does not). Fix: upgrade transformers, or pass "
                               "backend='auto' (falls back to odb's torch collate, which gives the same rows) or 'torch'.")
+
+    @classmethod
+    def for_model(cls, model: Any, **options: Any) -> "PackedCollate":
+        """The collate of ``model``'s packed rows: with its 3-D rope index where it has one (Qwen2-VL family).
+
+        ``options`` are ``PackedCollate``'s other arguments.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+            >>> PackedCollate.for_model(llama).rope_index is None   # 1-D positions
+            True
+        """
+        from odb.packed.vision import rope_index_for, unwrap
+
+        return cls(rope_index=rope_index_for(model), model=type(unwrap(model)).__name__, **options)
 
     def __call__(self, samples: Sequence[Any]) -> Dict[str, Any]:
         features = [_feature(k, s) for k, s in enumerate(samples)]
@@ -77,6 +119,12 @@ class PackedCollate:
             batch = dict(self._flatten(features))
         else:
             batch = self._torch(features)
+        if self.rope_index is not None or any(isinstance(s, Mapping) and any(
+                s.get(k) is not None for k in _VISION_KEYS) for s in samples):
+            from odb.packed.vision import carry_images
+
+            carry_images(batch, samples, [len(f["input_ids"]) for f in features], self.rope_index,
+                         for_model=self.model is not None)
         if self.use_cache is not None:
             batch["use_cache"] = self.use_cache
         return batch

@@ -23,11 +23,13 @@ import inspect
 import logging
 import warnings
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from odb.packed.collate import PackedCollate
+from odb.packed.image_probe import has_vision, image_refusal
+from odb.packed.vision import rope_index_for
 
 
 _WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # models already told that their mask is dense
@@ -41,7 +43,8 @@ class PackedLayoutError(ValueError):
 
 
 def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, atol: Optional[float] = None,
-                       lengths: Tuple[int, ...] = (13, 7, 20), seed: int = 0) -> float:
+                       lengths: Tuple[int, ...] = (13, 7, 20), seed: int = 0,
+                       samples: Optional[Sequence[Any]] = None) -> float:
     """Refuse a model whose packed samples see each other; return the largest difference found.
 
     Packs random samples of ``lengths`` tokens into one row with ``collate`` (default
@@ -52,19 +55,28 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
     exact only through a dense mask of the whole row (``sdpa``, ``eager``) passes with a
     ``UserWarning`` (once per model) naming the faster implementations.
 
+    A vision-language model (one with a ``vision_config``) is probed with images too
+    (``odb.packed.image_probe``): a packed row of up to three of ``samples`` (two with
+    images) against each alone; with no sample carrying images, only the models whose
+    packed rows with images tests/vlm checks (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) pass.
+
     Args:
         model: a causal LM taking ``input_ids`` and ``position_ids`` and returning ``logits``.
-        collate: the collate that will build the rows (its ``use_cache`` and flash-attention
-            kwargs are what the probe passes too).
+        collate: the collate that will build the rows (its ``use_cache``, flash-attention
+            kwargs and rope index are what the probe passes too). Default:
+            ``PackedCollate.for_model(model)``.
         atol: the largest absolute difference accepted, times max(1, the largest logit).
             Default 1e-4 for float32/float64 logits, 3e-2 for 16-bit ones.
         lengths: token counts of the probe's samples.
         seed: seed of the probe's random tokens.
+        samples: real samples of the training data (a few; those with images matter), for
+            a vision-language model's image probe.
 
     Raises:
         PackedLayoutError: naming the model, its attention implementation, the difference
-            and the reason (a KV cache in the forward, no ``position_ids`` argument, or an
-            attention that ignores the boundaries), with the fix.
+            and the reason (a KV cache in the forward, no ``position_ids`` argument, 3-D
+            rotary positions the collate does not build, an attention that ignores the
+            boundaries, images that do not pack), with the fix.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -78,14 +90,20 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
         ...
         odb.packed.models.PackedLayoutError: ...KV cache...
     """
-    collate = collate if collate is not None else PackedCollate()
+    collate = collate if collate is not None else PackedCollate.for_model(model)
     name = _describe(model)
     forward = inspect.signature(model.forward).parameters
     if "position_ids" not in forward and not any(p.kind == p.VAR_KEYWORD for p in forward.values()):
         raise PackedLayoutError(f"odb refuses layout='packed' for {name}: its forward takes no position_ids, so it "
                                 f"cannot tell where the samples of a packed row begin. Fix: use layout='padded'.")
+    _refuse_without_rope(model, collate, name)
     diff, tol = _probe(model, collate, atol, lengths, seed)
     if diff <= tol:
+        if has_vision(model):
+            images, refusal = image_refusal(model, collate, samples, name, tol)
+            if refusal is not None:
+                raise PackedLayoutError(refusal)
+            diff = max(diff, images)
         _warn_dense_mask(model, name)
         return diff
     reason = ("the model does not turn the restarting position_ids into sample boundaries: its tokens see the "
@@ -95,7 +113,8 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
     if collate.use_cache is not False and getattr(getattr(model, "config", None), "use_cache", False):
         no_cache = PackedCollate(ignore_index=collate.ignore_index, use_cache=False,
                                  return_flash_attn_kwargs=collate.return_flash_attn_kwargs,
-                                 return_seq_idx=collate.return_seq_idx, position_ids_start=collate.position_ids_start)
+                                 return_seq_idx=collate.return_seq_idx, position_ids_start=collate.position_ids_start,
+                                 rope_index=collate.rope_index)
         if _probe(model, no_cache, atol, lengths, seed)[0] <= tol:
             reason = ("the forward builds a KV cache (config.use_cache=True) and transformers detects packed rows "
                       "from position_ids only without one")
@@ -105,7 +124,7 @@ def check_packed_model(model: Any, collate: Optional[PackedCollate] = None, *, a
 
 
 def prepare_packed_model(model: Any, collate: Optional[PackedCollate] = None, *,
-                         attention: str = "odb_varlen") -> str:
+                         attention: str = "odb_varlen", samples: Optional[Sequence[Any]] = None) -> str:
     """Ready ``model`` for packed rows; return the attention implementation it will train with.
 
     ``attention="odb_varlen"`` (default): a model whose attention is ``sdpa`` or ``eager``
@@ -117,7 +136,7 @@ def prepare_packed_model(model: Any, collate: Optional[PackedCollate] = None, *,
     model that cannot change its attention, a layer odb_varlen does not compute:
     soft-capping, attention sinks) the model keeps its attention and the log says why.
     ``attention="model"``: keep the model's attention. Then the model is probed
-    (``check_packed_model``, which warns about a dense mask kept).
+    (``check_packed_model`` with ``samples``, which warns about a dense mask kept).
 
     Raises:
         PackedLayoutError: the model mixes packed samples (see ``check_packed_model``).
@@ -134,14 +153,17 @@ def prepare_packed_model(model: Any, collate: Optional[PackedCollate] = None, *,
         raise ValueError(f"packed_attention={attention!r} is not one of {PACKED_ATTENTION}. Rule: 'odb_varlen' "
                          f"switches an sdpa/eager model to per-sample attention on packed rows, 'model' keeps the "
                          f"model's own. Fix: pass packed_attention='odb_varlen' (default) or 'model'.")
+    collate = collate if collate is not None else PackedCollate.for_model(model)
+    _refuse_without_rope(model, collate, _describe(model))  # before any switch: the attention is not the cause
     impl = _attn_impl(model)
-    if attention == "odb_varlen" and impl in _DENSE and _switch_to_varlen(model, impl, collate):
+    if attention == "odb_varlen" and impl in _DENSE and _switch_to_varlen(model, impl, collate, samples):
         return _attn_impl(model)
-    check_packed_model(model, collate)
+    check_packed_model(model, collate, samples=samples)
     return _attn_impl(model)
 
 
-def _switch_to_varlen(model: Any, impl: str, collate: Optional[PackedCollate]) -> bool:
+def _switch_to_varlen(model: Any, impl: str, collate: Optional[PackedCollate],
+                      samples: Optional[Sequence[Any]]) -> bool:
     """Set odb_varlen on the model and probe it; put ``impl`` back (and say why) when that fails."""
     from odb.packed.attention import register_varlen_attention
 
@@ -156,7 +178,7 @@ def _switch_to_varlen(model: Any, impl: str, collate: Optional[PackedCollate]) -
             why = f"set_attn_implementation refused it ({err})"
     if _attn_impl(model) == name:
         try:
-            check_packed_model(model, collate)
+            check_packed_model(model, collate, samples=samples)
         except Exception as err:  # a layer odb_varlen cannot compute (soft-capping, sinks), or samples still mixed
             setter(impl)
             why = f"the probe failed with it ({err})"
@@ -170,6 +192,19 @@ def _switch_to_varlen(model: Any, impl: str, collate: Optional[PackedCollate]) -
     logger.warning(f"odb: {label} keeps attn_implementation={impl!r} on packed rows: odb could not switch it to "
                    f"{name!r} because {why}.")
     return False
+
+
+def _refuse_without_rope(model: Any, collate: PackedCollate, name: str) -> None:
+    """A model with 3-D (mrope) positions and a collate that builds none: refused, whatever a probe says."""
+    if collate.rope_index is None and rope_index_for(model) is not None:
+        raise PackedLayoutError(
+            f"odb refuses layout='packed' for {name} with a collate that builds no 3-D positions: the model gives "
+            f"its tokens 3-D (mrope) rotary positions, which it computes in its forward over the whole sequence (an "
+            f"image's tokens by their temporal, height and width place), and finds the samples of a packed row "
+            f"only from position_ids of 4 rows ([text; t; h; w]). With 1-D position_ids, the images of every sample "
+            f"after a row's first take positions that run on across the row (and, for Qwen2-VL, the row's samples "
+            f"attend to each other). Fix: collate with odb.PackedCollate.for_model(model), which builds the 4-row "
+            f"position_ids with the model's own rope index per sample.")
 
 
 def _attn_impl(model: Any) -> Optional[str]:

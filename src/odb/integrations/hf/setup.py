@@ -7,7 +7,9 @@ import dataclasses
 import inspect
 import logging
 import sys
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -192,10 +194,19 @@ def prepare_packed_rows(trainer: Trainer, attention: str) -> None:
                "(odb then pads each batch to its longest sample).")
     else:
         what, fix = "layout='packed'", "Or use layout='padded'."
+        collate = collator if isinstance(collator, PackedCollate) else None  # its rope index, if any, is probed
     try:
-        prepare_packed_model(model, collate, attention=attention)
+        prepare_packed_model(model, collate, attention=attention, samples=probe_samples(trainer.train_dataset))
     except PackedLayoutError as err:
         raise PackedLayoutError(f"{what} trains on packed rows, and {err} {fix}") from None
+
+
+def probe_samples(dataset: Any, count: int = 8) -> List[Any]:
+    """The first ``count`` samples of a map-style dataset (a VLM's packed-row probe looks for ones with images)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__") \
+            or not hasattr(dataset, "__getitem__"):
+        return []  # a stream: no samples to try; the probe says what it needs
+    return [dataset[i] for i in range(min(count, len(dataset)))]
 
 
 BANNER_BATCH = "Instantaneous batch size per device"
