@@ -39,7 +39,8 @@ def check_run(p: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     counts = {len(r["steps"]) for r in ranks}
     assert len(counts) == 1, f"ranks took different numbers of optimizer steps: {counts}"
     steps = [[i for r in ranks for i in r["steps"][s]["ids"]] for s in range(counts.pop())]
-    assert sorted(i for s in steps for i in s) == list(range(len(VW.dataset(p)))), "every sample exactly once"
+    n = p["n"] if p.get("trl") else len(VW.dataset(p))
+    assert sorted(i for s in steps for i in s) == list(range(n)), "every sample exactly once"
     dummies = 0
     for r in ranks:
         for b in r["seen"]:
@@ -47,7 +48,7 @@ def check_run(p: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
             if not b["dummy"]:
                 assert b["rows"] * b["width"] <= p["budget"], f"batch over token_budget={p['budget']}: {b}"
                 assert b["patches"] <= p["patch_cap"], f"batch over max_image_patches={p['patch_cap']}: {b}"
-    ref = VW.reference_grads(p, steps)
+    ref = VW.trl_reference(p, steps) if p.get("trl") else VW.reference_grads(p, steps)
     errors = [VW.max_rel_error(s["grads"], g) for s, g in zip(ranks[0]["steps"], ref)]
     assert max(errors) < ROPE_FLOAT32, f"step gradients off the token-mean reference: {errors}"
     return {"dummies": dummies, "ghosts": [sum(s["ghosts"] for s in r["steps"]) for r in ranks],
@@ -61,6 +62,28 @@ def test_one_process_trains_exactly(tmp_path, p):
     assert got["dummies"] == 0, "one process needs no dummy image"
 
 
+def test_trl_sft_trainer_trains_a_vlm_exactly(tmp_path):
+    """TRL's vision path (a processor, image samples: DataCollatorForVisionLanguageModeling) through enable_odb:
+    each sample processed alone by TRL's collator, padded by odb into the batch TRL's collator builds."""
+    import datasets
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from odb.integrations.trl_vision import vision_samples
+
+    p = dict(QWEN, trl=True, ga=2)
+    run = VW.trl_train(0, 1, dict(p, out=str(tmp_path)))
+    assert run["collator"] == "DataCollatorForVisionLanguageModeling"
+    check_run(p, [run])
+    raw = datasets.Dataset.from_list(VW.raw_chats(6))
+    trl_collate = DataCollatorForVisionLanguageModeling(V.build_processor("qwen2_vl"))
+    samples, pad, swapped = vision_samples(raw, trl_collate)
+    assert swapped and sum(samples[i]["image_patches"] > 0 for i in range(6)) >= 2
+    ours, theirs = pad([samples[i] for i in range(6)]), trl_collate([dict(s) for s in raw])
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
 def test_two_processes_train_exactly_and_never_hang(tmp_path):
     # DDP: find_unused_parameters=False with gradient checkpointing (the Trainer's choice), True without it
     runs = [dict(QWEN, gc=True, ga=2), dict(QWEN, gc=False, ga=1),
@@ -71,11 +94,12 @@ def test_two_processes_train_exactly_and_never_hang(tmp_path):
     path = tmp_path / "qwen"
     V.build_model("qwen2_vl", seed=0, dtype=torch.float64).save_pretrained(path)
     runs.append(dict(QWEN, gc=True, ga=2, split=True, n=24, fsdp=True, path=str(path)))  # FSDP2 at load time
+    runs.append(dict(QWEN, trl=True, ga=1))  # TRL's SFTTrainer (it sets find_unused_parameters=True for a VLM)
     ranks = run_ranks("vlm_workers:suite", 2, {"runs": runs, "out": str(tmp_path)}, tmp_path / "h", deadline_s=240)
     for k, p in enumerate(runs):
         got = check_run(p, [r[k] for r in ranks])
-        unused = ranks[0][k]["find_unused"]
-        if not p.get("fsdp"):
+        unused = ranks[0][k].get("find_unused")
+        if not p.get("fsdp") and not p.get("trl"):
             assert unused is (not p["gc"]), f"run {k}: the Trainer's find_unused_parameters is {unused}"
         if p.get("split"):
             assert got["dummies"] == got["image_less"][1] > 0, f"run {k}: expected dummies on rank 1 only: {got}"

@@ -50,6 +50,23 @@ def _flat_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def record_batches(trainer: Any, p: Dict[str, Any], seen: List[Dict[str, Any]]) -> None:
+    """Make ``trainer`` (not yet odb-enabled) append to ``seen`` each micro-batch its model gets: rows, width,
+    image patches, and whether it holds odb's dummy image (all-zero pixels)."""
+
+    class Recording(type(trainer)):  # type: ignore[misc]
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+            pixels = inputs.get("pixel_values")
+            patches = 0 if pixels is None else int(pixels.shape[0])  # Qwen2-VL: patches; LLaVA: images
+            if p["model"] == "llava":
+                patches *= (V.LLAVA_IMAGE // V.LLAVA_PATCH) ** 2
+            seen.append({"rows": int(inputs["input_ids"].shape[0]), "width": int(inputs["input_ids"].shape[1]),
+                         "patches": patches, "dummy": pixels is not None and not bool(pixels.ne(0).any())})
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer.__class__ = Recording
+
+
 def train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
     """One Trainer run per ``p``; this rank's record (see the module docstring)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -59,33 +76,25 @@ def train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
     seen: List[Dict[str, Any]] = []
     steps: List[Dict[str, Any]] = []
 
-    class Recording(Trainer):
-        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-            pixels = inputs.get("pixel_values")
-            seen.append({"rows": int(inputs["input_ids"].shape[0]), "width": int(inputs["input_ids"].shape[1]),
-                         "patches": 0 if pixels is None else int(pixels.shape[0]) if p["model"] == "qwen2_vl"
-                         else int(pixels.shape[0]) * (V.LLAVA_IMAGE // V.LLAVA_PATCH) ** 2,
-                         "dummy": pixels is not None and not bool(pixels.ne(0).any())})
-            return super().training_step(model, inputs, num_items_in_batch)
-
     class Steps(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             infos = trainer.odb_step_infos
             grads = _flat_grads(trainer.model)
             steps.append({"ids": [i for info in infos if not info.is_ghost for i in info.sample_ids],
-                          "ghosts": sum(info.is_ghost for info in infos), "lr": trainer.lr_scheduler.get_last_lr()[0],
+                          "ghosts": sum(info.is_ghost for info in infos),
                           "grads": grads if rank == 0 else None})
 
     model = p.get("loaded") or model_for(p)
     options = dict(output_dir=p["out"], use_cpu=True, report_to="none", disable_tqdm=True, optim="sgd",
                    learning_rate=LR, weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant",
-                   gradient_accumulation_steps=p.get("ga", 1), num_train_epochs=1, save_strategy="no", logging_strategy="no", seed=7,
+                   gradient_accumulation_steps=p.get("ga", 1), num_train_epochs=1, save_strategy="no",
+                   logging_strategy="no", seed=7,
                    dataloader_num_workers=0, remove_unused_columns=False, activation_checkpointing=p.get("gc", False),
                    train_sampling_strategy="sequential" if p.get("split") else "random")
     options.update(p.get("args", {}))
     trainer = Trainer(model=model, args=TrainingArguments(**options), train_dataset=dataset(p),
                       data_collator=V.pad_collate)
-    trainer.__class__ = type("RecordingTrainer", (Recording,), {})
+    record_batches(trainer, p, seen)
     enable_odb(trainer, token_budget=p["budget"], image_patches_key=V.PATCHES_KEY,
                max_image_patches=p["patch_cap"], buffer_size=16, global_batch_size=None, **p.get("odb", {}))
     trainer.add_callback(Steps())
@@ -108,21 +117,23 @@ def suite(rank: int, world: int, p: Dict[str, Any]) -> List[Dict[str, Any]]:
             cls = type(V.build_model(run["model"]))
             run["loaded"] = cls.from_pretrained(run["path"], distributed_config=DistributedConfig(fsdp_size=world),
                                                 dtype=torch.float64)
-        out.append(train(rank, world, run))
+        out.append(trl_train(rank, world, run) if run.get("trl") else train(rank, world, run))
     return out
 
 
-def reference_grads(p: Dict[str, Any], steps: Sequence[Sequence[int]]) -> List[Dict[str, torch.Tensor]]:
+def reference_grads(p: Dict[str, Any], steps: Sequence[Sequence[int]],
+                    batches: Any = None) -> List[Dict[str, torch.Tensor]]:
     """Per step, in one process: the gradient of (sum of token losses) / (supervised tokens) over the step's
-    samples, each sample alone (no padding, no other image); then an SGD step of rate ``LR``."""
+    samples, each sample alone (no padding, no other image; ``batches``: each sample's batch of one, else
+    ``pad_collate`` of ``dataset(p)``); then an SGD step of rate ``LR``."""
     model = model_for(p)
-    data = dataset(p)
+    batches = batches if batches is not None else [V.pad_collate([s]) for s in dataset(p)]
     out = []
     for ids in steps:
         model.zero_grad(set_to_none=True)
         total, tokens = torch.zeros((), dtype=torch.float64), 0
         for i in ids:
-            batch = V.pad_collate([data[i]])
+            batch = batches[i]
             count = int((batch["labels"][:, 1:] != V.IGNORE).sum())
             total = total + model(**batch).loss * count
             tokens += count
@@ -142,3 +153,70 @@ def max_rel_error(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) ->
     zero = torch.zeros(())
     diff = max(float((got.get(n, zero) - ref.get(n, zero)).abs().max()) for n in names)
     return diff / max(float(g.abs().max()) for g in ref.values())
+
+
+# ---- TRL's SFTTrainer on raw image chat samples ----------------------------------------------------
+
+
+def raw_chats(n: int, seed: int = 0) -> List[Dict[str, Any]]:
+    """TRL's vision dataset format: ``messages`` (a user turn, then the answer) and ``images`` (0-2 PIL noise
+    images of random sizes; the user turn holds one image entry per image)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(n):
+        count = int(rng.randint(0, 3))
+        images = [V.noise_image(rng, int(rng.randint(12, 48)), int(rng.randint(12, 48))) for _ in range(count)]
+        words = [" ".join(rng.choice(V.WORDS[5:], int(rng.randint(2, 16)))) for _ in range(2)]
+        user = [{"type": "image"}] * count + [{"type": "text", "text": words[0]}]
+        out.append({"messages": [{"role": "user", "content": user},
+                                 {"role": "assistant", "content": [{"type": "text", "text": words[1]}]}],
+                    "images": images})
+    return out
+
+
+def trl_train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
+    """TRL's SFTTrainer (its vision path: a processor and image samples) + enable_odb on the tiny Qwen2-VL."""
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from odb.integrations.trl import enable_odb
+
+    steps: List[Dict[str, Any]] = []
+
+    class Steps(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            infos = trainer.odb_step_infos
+            grads = _flat_grads(trainer.model)  # all ranks: gathering a sharded gradient is a collective
+            steps.append({"ids": [i for info in infos if not info.is_ghost for i in info.sample_ids],
+                          "ghosts": sum(info.is_ghost for info in infos), "grads": grads if rank == 0 else None})
+
+    args = SFTConfig(output_dir=p["out"], use_cpu=True, report_to="none", disable_tqdm=True, optim="sgd",
+                     learning_rate=LR, weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant",
+                     gradient_accumulation_steps=p.get("ga", 1), num_train_epochs=1, save_strategy="no",
+                     logging_strategy="no", seed=7, dataloader_num_workers=0,
+                     activation_checkpointing=p.get("gc", False), bf16=False)
+    import datasets
+
+    trainer = SFTTrainer(model=model_for(p), args=args, train_dataset=datasets.Dataset.from_list(raw_chats(p["n"])),
+                         processing_class=V.build_processor(p["model"]))
+    seen: List[Dict[str, Any]] = []
+    record_batches(trainer, p, seen)
+    enable_odb(trainer, token_budget=p["budget"], image_patches_key="image_patches", max_image_patches=p["patch_cap"],
+               buffer_size=16, global_batch_size=None)
+    trainer.add_callback(Steps())
+    collator = type(trainer.data_collator).__name__
+    trainer.train()
+    return {"steps": steps, "collator": collator, "global_step": trainer.state.global_step, "seen": seen}
+
+
+def trl_reference(p: Dict[str, Any], steps: Sequence[Sequence[int]]) -> List[Dict[str, torch.Tensor]]:
+    """``reference_grads`` over TRL's collator output for each raw sample alone."""
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    collate = DataCollatorForVisionLanguageModeling(V.build_processor(p["model"]))
+    import datasets
+
+    data = [collate([dict(s)]) for s in datasets.Dataset.from_list(raw_chats(p["n"]))]
+    return reference_grads(p, steps, data)

@@ -21,6 +21,7 @@ from odb.config import ODBConfig
 from odb.loader.length_probe import first_oversize
 from odb.loader.dataloader import ODBDataLoader
 from odb.data.sampling import ShardSampler
+from odb.integrations.trl_vision import vision_samples
 from odb.integrations.vlm import imageless_guard
 
 STATE_VERSION = 1
@@ -47,7 +48,11 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
 
     args = trainer.args
     dataset, collator = trainer.train_dataset, trainer.data_collator
-    if is_hf_dataset(dataset):
+    # TRL's vision-language collator processes samples: odb reads each one processed alone, then pads them
+    dataset, collator, processed = vision_samples(dataset, collator)
+    if processed:
+        pass  # TRL's collator reads only its own fields of the raw samples
+    elif is_hf_dataset(dataset):
         dataset = trainer._remove_unused_columns(dataset, description="Training")
     else:
         collator = trainer._get_collator_with_removed_columns(collator, description="Training")
