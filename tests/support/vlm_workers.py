@@ -11,6 +11,7 @@ dummy image (all-zero pixels). ``reference_grads`` replays the steps in one proc
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -110,6 +111,7 @@ def suite(rank: int, world: int, p: Dict[str, Any]) -> List[Dict[str, Any]]:
         W._join_torch_distributed(rank, world)
     out = []
     for k, run in enumerate(p["runs"]):
+        start = time.perf_counter()
         run = dict(run, out=os.path.join(p["out"], str(k)))
         if run.get("fsdp"):
             from transformers.distributed import DistributedConfig
@@ -118,6 +120,7 @@ def suite(rank: int, world: int, p: Dict[str, Any]) -> List[Dict[str, Any]]:
             run["loaded"] = cls.from_pretrained(run["path"], distributed_config=DistributedConfig(fsdp_size=world),
                                                 dtype=torch.float64)
         out.append(trl_train(rank, world, run) if run.get("trl") else train(rank, world, run))
+        out[-1]["seconds"] = time.perf_counter() - start
     return out
 
 
