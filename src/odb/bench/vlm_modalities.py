@@ -9,6 +9,12 @@ Plans ``odb.bench.vlm_data`` samples on ``world`` ranks (threads joined by
 - **aligned**: images and text-only samples planned apart, so every micro-batch holds one
   modality (what steps aligned by modality across ranks need at least): micro-batches per rank.
 
+It also prints the VLM batching workload on one rank (``batching``): fixed batches of B
+samples, transformers' ``LengthGroupedSampler`` in batches of B (``group_by_length``) and odb
+padded, every arm under one memory cap (``token_budget`` padded tokens and
+``max_image_patches`` vision patches per micro-batch; B is the largest that fits the longest
+sample and the most patches): micro-batches and padding. Plans only, no training.
+
 Run: ``python -m odb.bench.vlm_modalities`` (docs/vlm.md quotes its output).
 
 Example:
@@ -97,7 +103,42 @@ def compare(name: str, n: int, token_budget: int, max_image_patches: int, world:
             "aligned_padding": 1 - sum(r["real"] for p in apart for r in p) / sum(r["padded"] for p in apart for r in p)}
 
 
+def _cost(groups: Sequence[Sequence[int]], lengths: Sequence[int], patches: Sequence[int]) -> Dict[str, Any]:
+    real = sum(lengths)
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    return {"micro_batches": len(groups), "padding": 1 - real / padded,
+            "max_patches": max(sum(patches[i] for i in g) for g in groups)}
+
+
+def batching(name: str, n: int, token_budget: int, max_image_patches: int, seed: int = 0) -> Dict[str, Dict[str, Any]]:
+    """Per arm (fixed, group_by_length, odb): micro-batches, padding share and the most patches in a micro-batch."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    samples = V.vlm_samples(name, n, seed=seed)
+    lengths = [len(s["input_ids"]) for s in samples]
+    patches = [int(s[V.PATCHES_KEY]) for s in samples]
+    b = max(1, min(token_budget // max(lengths), max_image_patches // max(max(patches), 1)))
+    g = torch.Generator().manual_seed(seed)
+    shuffled = torch.randperm(n, generator=g).tolist()
+    grouped = list(LengthGroupedSampler(b, lengths=lengths, generator=torch.Generator().manual_seed(seed)))
+    out = {f"fixed (B={b})": _cost([shuffled[i:i + b] for i in range(0, n, b)], lengths, patches),
+           f"group_by_length (B={b})": _cost([grouped[i:i + b] for i in range(0, n, b)], lengths, patches)}
+    groups = []
+    loader = odb.ODBDataLoader(_Items(samples), token_budget=token_budget, image_patches_key=V.PATCHES_KEY,
+                               max_image_patches=max_image_patches, seed=seed, buffer_size=64,
+                               collate_fn=V.pad_collate)
+    for batch in loader:
+        groups.append(list(odb.pop_step_info(batch).sample_ids))
+    out["odb padded"] = _cost(groups, lengths, patches)
+    return out
+
+
 def main() -> None:
+    for args in (("qwen2_vl", 480, 2048, 2048), ("llava", 480, 1024, 256)):
+        arms = batching(*args)
+        print(f"batching {args[0]}, {args[1]} samples, cap token_budget={args[2]}, max_image_patches={args[3]}: " +
+              "; ".join(f"{arm}: {c['micro_batches']} micro-batches, padding {c['padding']:.3f}, at most "
+                        f"{c['max_patches']} patches" for arm, c in arms.items()))
     for args in (("qwen2_vl", 96, 1024, 1024), ("qwen2_vl", 480, 512, 512), ("llava", 480, 512, 128)):
         r = compare(*args)
         print(f"{r['model']}, {r['samples']} samples, token_budget={r['token_budget']}, max_image_patches="
