@@ -1,7 +1,7 @@
 """odb's dummy image for image-less micro-batches (odb.integrations.vlm) adds exactly zero, on the real models.
 
-For each model odb knows (Qwen2-VL and LLaVA from odb.bench.vlm_data; Qwen2.5-VL and Qwen3-VL
-from tiny configs here, float64): a padded text-only batch trains to the same loss and gradients
+For each model odb knows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA from odb.bench.vlm_data,
+float64): a padded text-only batch trains to the same loss and gradients
 with the dummy as without it, and the vision tower's gradients exist and are exact zeros. With
 a free padding slot the batch keeps its shape and everything is bitwise equal; a batch without
 one gets a column, and agrees to float32-rotary precision (the models compute rotary angles in
@@ -21,34 +21,12 @@ from odb.integrations.vlm import VisionDummyCollate, dummy_image_for, imageless_
 VISION = ("visual", "vision_tower", "multi_modal_projector")
 
 
-def qwen_family(kind: str) -> torch.nn.Module:
-    """A tiny float64 Qwen2.5-VL or Qwen3-VL from a config (vocabulary 64; image token 60)."""
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                              Qwen3VLForConditionalGeneration)
-
-    torch.manual_seed(0)
-    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, pad_token_id=0, bos_token_id=None, eos_token_id=2, use_cache=False)
-    vision = dict(hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    ids = dict(image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
-    if kind == "qwen2_5_vl":
-        cfg = Qwen2_5_VLConfig(text_config=dict(text, rope_parameters=rope), vision_config=dict(
-            vision, depth=1, window_size=16, fullatt_block_indexes=[0]), **ids)
-        return Qwen2_5_VLForConditionalGeneration(cfg).double()
-    cfg = Qwen3VLConfig(text_config=dict(text, head_dim=16, rope_parameters=dict(rope, mrope_interleaved=True)),
-                        vision_config=dict(vision, depth=2, num_position_embeddings=16, deepstack_visual_indexes=[0]),
-                        **ids)
-    return Qwen3VLForConditionalGeneration(cfg).double()
-
-
 def build(kind: str) -> torch.nn.Module:
-    return V.build_model(kind, dtype=torch.float64) if kind in V.MODELS else qwen_family(kind)
+    return V.build_model(kind, dtype=torch.float64)
 
 
 def text_batch(free_slot: bool) -> Dict[str, torch.Tensor]:
-    """Two rows of text (ids 10-39), right-padded when ``free_slot``; labels -100 on the first three tokens."""
+    """Two rows of text (ids 10-39: plain words), right-padded when ``free_slot``; labels -100 on the first three tokens."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(10, 40, (2, 9), generator=g)  # plain words of every vocabulary here, no special token
     mask = torch.ones_like(ids)

@@ -41,6 +41,9 @@ import numpy as np
 import torch
 
 MODELS = ("qwen2_vl", "llava")
+# Qwen2.5-VL and Qwen3-VL take the samples of Qwen2-VL's processor (same image patches, tokens and template
+# here); build_model builds them too.
+QWEN_FAMILY = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 PATCHES_KEY = "image_patches"  # the samples' image-patch count (an int): pass it as image_patches_key
 IGNORE = -100
 PAD = "<pad>"
@@ -72,9 +75,11 @@ _LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
 
-def _check(name: str) -> None:
-    if name not in MODELS:
-        raise ValueError(f"vlm_data: model {name!r} is not one of {MODELS}. Fix: pass 'qwen2_vl' or 'llava'.")
+def _check(name: str) -> str:
+    """The processor's model of ``name``: 'qwen2_vl' for the Qwen family, else 'llava'."""
+    if name not in QWEN_FAMILY + ("llava",):
+        raise ValueError(f"vlm_data: model {name!r} is not one of {QWEN_FAMILY + ('llava',)}. Fix: pass one of them.")
+    return "qwen2_vl" if name in QWEN_FAMILY else "llava"
 
 
 @functools.lru_cache(maxsize=4)
@@ -83,7 +88,7 @@ def build_tokenizer(name: str) -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    _check(name)
+    name = _check(name)
     special = _QWEN_SPECIAL if name == "qwen2_vl" else _LLAVA_SPECIAL
     vocab = {w: i for i, w in enumerate((PAD, "<unk>") + special + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -118,7 +123,7 @@ def build_processor(name: str, max_side: int = 64) -> Any:
     merge 2: at most ``(max_side / 8)^2`` image tokens); LLaVA's images are always
     ``LLAVA_IMAGE`` pixels square.
     """
-    _check(name)
+    name = _check(name)
     tok = build_tokenizer(name)
     if name == "qwen2_vl":
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -140,31 +145,21 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, at
                 hidden: int = 32, layers: int = 2) -> torch.nn.Module:
     """A tiny ``name`` model with random weights (seeded), its vocabulary that of ``build_tokenizer(name)``.
 
-    Text decoder: ``layers`` layers of width ``hidden``, 2 heads (1 key/value head); vision
-    tower: one block (Qwen2-VL) or two CLIP layers (LLaVA; it reads the last one, so only
-    CLIP's ``post_layernorm``, which feeds the unused pooled output, gets no gradient) of
-    width 16. ``use_cache`` is off, as in training.
+    ``name``: one of ``QWEN_FAMILY`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or ``"llava"``. Text
+    decoder: ``layers`` layers of width ``hidden``, 2 heads (1 key/value head); vision
+    tower of width 16: one block (Qwen2-VL), two (Qwen2.5-VL: a windowed one and a full
+    one; Qwen3-VL: with a deepstack layer) or two CLIP layers (LLaVA; it reads the last
+    one, so only CLIP's ``post_layernorm``, which feeds the unused pooled output, gets no
+    gradient). ``use_cache`` is off, as in training.
     """
-    _check(name)
     tok = build_tokenizer(name)
     ids = tok.get_vocab()
-    text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, pad_token_id=0,
-                bos_token_id=None, eos_token_id=tok.eos_token_id, use_cache=False)
+    text: Dict[str, Any] = dict(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, pad_token_id=0,
+        bos_token_id=None, eos_token_id=tok.eos_token_id, use_cache=False)
     torch.manual_seed(seed)
-    if name == "qwen2_vl":
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-        half = hidden // 4  # head_dim / 2 rotary frequencies, split over (t, h, w)
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
-                                   "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
-        cfg = Qwen2VLConfig(text_config=text, vision_config=dict(
-            depth=1, embed_dim=16, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=QWEN_PATCH,
-            spatial_merge_size=2, temporal_patch_size=2), image_token_id=ids["<|image_pad|>"],
-            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"], attn_implementation=attn_implementation)
-        model: torch.nn.Module = Qwen2VLForConditionalGeneration(cfg)
-    else:
+    if name == "llava":
         from transformers import LlavaConfig, LlavaForConditionalGeneration
 
         cfg = LlavaConfig(text_config=dict(text, model_type="llama"), vision_config=dict(
@@ -172,7 +167,29 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, at
             num_attention_heads=2, image_size=LLAVA_IMAGE, patch_size=LLAVA_PATCH, projection_dim=16),
             image_token_id=ids["<image>"], vision_feature_select_strategy="default", vision_feature_layer=-1,
             projector_hidden_act="gelu", attn_implementation=attn_implementation)
-        model = LlavaForConditionalGeneration(cfg)
+        return LlavaForConditionalGeneration(cfg).to(dtype)
+    import transformers
+
+    half = hidden // 4  # head_dim / 2 rotary frequencies, split over (t, h, w)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                               "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+    vision: Dict[str, Any] = dict(hidden_size=16, num_heads=2, patch_size=QWEN_PATCH, spatial_merge_size=2,
+                                  temporal_patch_size=2)
+    if name == "qwen2_vl":
+        vision.update(depth=1, embed_dim=16, hidden_size=hidden, mlp_ratio=2)
+    elif name == "qwen2_5_vl":
+        vision.update(depth=2, intermediate_size=32, out_hidden_size=hidden, window_size=16, fullatt_block_indexes=[1])
+    else:
+        text.update(head_dim=hidden // 2)
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision.update(depth=2, intermediate_size=32, out_hidden_size=hidden, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0])
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[name]
+    cfg = getattr(transformers, f"{prefix}Config")(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], attn_implementation=attn_implementation)
+    model: torch.nn.Module = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg)
     return model.to(dtype)
 
 
@@ -193,9 +210,10 @@ def vlm_samples(name: str, n: int, seed: int = 0, image_share: float = 0.5, max_
     ``labels`` (the prompt -100, the answer and its end token supervised; unshifted, as
     HF causal LMs shift inside), ``attention_mask``; for Qwen2-VL ``mm_token_type_ids``;
     for samples with images ``pixel_values`` and, for Qwen2-VL, ``image_grid_thw``; and
-    ``image_patches`` (int: vision-tower patches, 0 without images).
+    ``image_patches`` (int: vision-tower patches, 0 without images). Qwen2.5-VL and
+    Qwen3-VL get Qwen2-VL's samples.
     """
-    _check(name)
+    name = _check(name)
     proc = build_processor(name, max(sides))
     tok = proc.tokenizer
     rng = np.random.RandomState(seed)
