@@ -26,7 +26,8 @@ def build(kind: str) -> torch.nn.Module:
 
 
 def text_batch(free_slot: bool) -> Dict[str, torch.Tensor]:
-    """Two rows of text (ids 10-39: plain words), right-padded when ``free_slot``; labels -100 on the first three tokens."""
+    """Two rows of text (ids 10-39: plain words), right-padded when ``free_slot``; the first three tokens
+    unsupervised."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(10, 40, (2, 9), generator=g)  # plain words of every vocabulary here, no special token
     mask = torch.ones_like(ids)

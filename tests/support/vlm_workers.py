@@ -90,7 +90,7 @@ def train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
                    learning_rate=LR, weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant",
                    gradient_accumulation_steps=p.get("ga", 1), num_train_epochs=1, save_strategy="no",
                    logging_strategy="no", seed=7,
-                   dataloader_num_workers=0, remove_unused_columns=False, activation_checkpointing=p.get("gc", False),
+                   dataloader_num_workers=0, remove_unused_columns=False, gradient_checkpointing=p.get("gc", False),
                    train_sampling_strategy="sequential" if p.get("split") else "random")
     options.update(p.get("args", {}))
     trainer = Trainer(model=model, args=TrainingArguments(**options), train_dataset=dataset(p),
@@ -199,7 +199,7 @@ def trl_train(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
                      learning_rate=LR, weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant",
                      gradient_accumulation_steps=p.get("ga", 1), num_train_epochs=1, save_strategy="no",
                      logging_strategy="no", seed=7, dataloader_num_workers=0,
-                     activation_checkpointing=p.get("gc", False), bf16=False)
+                     gradient_checkpointing=p.get("gc", False), bf16=False)
     import datasets
 
     trainer = SFTTrainer(model=model_for(p), args=args, train_dataset=datasets.Dataset.from_list(raw_chats(p["n"])),

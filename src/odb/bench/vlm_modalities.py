@@ -95,12 +95,14 @@ def compare(name: str, n: int, token_budget: int, max_image_patches: int, world:
     apart = [plan_ranks(part, dummy, world, token_budget, max_image_patches) for part in (images, text)]
     imageless = sum(r["imageless"] for r in mixed)
     return {"model": name, "samples": n, "token_budget": token_budget, "max_image_patches": max_image_patches,
-            "micro_batches": mixed[0]["batches"], "imageless": imageless, "all_micro_batches": world * mixed[0]["batches"],
+            "micro_batches": mixed[0]["batches"], "imageless": imageless,
+            "all_micro_batches": world * mixed[0]["batches"],
             "dummy_patches": imageless * per_dummy, "real_patches": sum(s[V.PATCHES_KEY] for s in samples),
             "extended": sum(r["extended"] for r in mixed),
             "padding": 1 - sum(r["real"] for r in mixed) / sum(r["padded"] for r in mixed),
             "aligned_micro_batches": sum(p[0]["batches"] for p in apart),
-            "aligned_padding": 1 - sum(r["real"] for p in apart for r in p) / sum(r["padded"] for p in apart for r in p)}
+            "aligned_padding": 1 - sum(r["real"] for p in apart for r in p) / sum(r["padded"] for p in apart
+                                                                                  for r in p)}
 
 
 def _cost(groups: Sequence[Sequence[int]], lengths: Sequence[int], patches: Sequence[int]) -> Dict[str, Any]:
