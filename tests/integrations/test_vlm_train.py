@@ -111,7 +111,7 @@ def test_two_processes_train_exactly_and_never_hang(tmp_path):
         V.build_model("qwen2_vl", seed=0, dtype=torch.float64).save_pretrained(path)
         runs.append(dict(QWEN, gc=True, ga=2, split=True, fsdp=True, path=str(path)))  # FSDP2 at load time
     if HAS_TRL:
-        runs.append(dict(QWEN, trl=True, ga=1))  # TRL's SFTTrainer (it sets find_unused_parameters=True for a VLM)
+        runs.append(dict(QWEN, trl=True, ga=1, gc=True))  # TRL: checkpointing, find_unused_parameters=True
     ranks = run_ranks("vlm_workers:suite", 2, {"runs": runs, "out": str(tmp_path)}, tmp_path / "h", deadline_s=240)
     for k, p in enumerate(runs):
         same = [r[k - 1] for r in ranks] if k in (1, 3) else None
