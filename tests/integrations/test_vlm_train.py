@@ -11,8 +11,8 @@ batch against a sample alone); a wrong loss scale or a lost image is off by far 
 
 Image-less ranks: under DDP with find_unused_parameters=False (the Trainer's choice with
 gradient checkpointing) and under FSDP2, a rank whose micro-batch holds no image skipped the
-vision tower and the ranks hung (rank 1 raised in DDP's reducer while rank 0 waited in its
-all-reduce). odb now collates a dummy image into such micro-batches
+vision tower and the ranks hung (this test, without the dummy: both ranks silent until the
+240 s deadline). odb now collates a dummy image into such micro-batches
 (odb.integrations.vlm): the split runs give rank 0 every image and rank 1 none, with ghost
 steps on rank 1, and must train exactly. Worker functions: tests/support/vlm_workers.py.
 """
