@@ -78,7 +78,8 @@ def test_which_batches_get_the_guard():
     qwen = build("qwen2_vl")
     assert imageless_guard(list, qwen, world_size=1, ddp_finds_unused=False) is list  # one process: no collective
     assert imageless_guard(list, torch.nn.Linear(2, 2), world_size=2, ddp_finds_unused=False) is list  # no vision
-    assert isinstance(imageless_guard(list, qwen, world_size=2, ddp_finds_unused=True), VisionDummyCollate)
+    assert imageless_guard(list, qwen, world_size=2, ddp_finds_unused=True) is list  # DDP tolerates a skip
+    assert isinstance(imageless_guard(list, qwen, world_size=2, ddp_finds_unused=False), VisionDummyCollate)
 
     class Unknown(torch.nn.Module):  # a VLM odb has no dummy for
         config = type("Config", (), {"vision_config": object(), "model_type": "other_vlm", "image_token_id": 5})()
@@ -91,3 +92,6 @@ def test_which_batches_get_the_guard():
         guard([None])
     images = {"input_ids": torch.ones(1, 3, dtype=torch.long), "pixel_values": torch.ones(4, 3)}
     assert VisionDummyCollate(lambda s: images, None)([None]) is images  # a batch with images passes untouched
+    packed = {"input_ids": torch.ones(1, 5, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    with pytest.raises(ValueError, match="packed row .* Fix: layout='padded'"):
+        VisionDummyCollate(lambda s: packed, dummy_image_for(qwen))([None])

@@ -2,7 +2,7 @@
 
 Under DDP with ``find_unused_parameters=False`` (the Trainer's choice with gradient
 checkpointing) and under FSDP or DeepSpeed, every rank must run the same modules in
-every micro-batch: a rank whose micro-batch holds no image skips the vision tower, and
+every micro-batch (DDP with ``find_unused_parameters=True`` tolerates a skipped module): a rank whose micro-batch holds no image skips the vision tower, and
 the ranks' gradient all-reduces (DDP) or parameter all-gathers (FSDP) fall out of step,
 a silent hang. ``VisionDummyCollate`` wraps the collator: a batch without images gets
 one dummy image (zeros) whose placeholder tokens sit in padding slots (``attention_mask``
@@ -164,6 +164,12 @@ def add_dummy_image(batch: Dict[str, Any], dummy: DummyImage) -> Dict[str, Any]:
         ([[4, 5, 7], [6, 7, 0]], [[1, 1, 0], [1, 0, 0]], (1, 3, 4, 4))
     """
     ids = batch["input_ids"]
+    if "attention_mask" not in batch and ("position_ids" in batch or "cu_seq_lens_q" in batch):
+        raise ValueError("odb's dummy image for an image-less micro-batch needs padding slots, and this batch is a "
+                         "packed row (position_ids or cu_seq_lens, no attention_mask). Rule: under several "
+                         "processes every rank must run the vision tower in every micro-batch. Fix: layout='padded' "
+                         "for a vision-language model under FSDP, DeepSpeed or DDP with find_unused_parameters=False, "
+                         "or DDP with find_unused_parameters=True.")
     if ids.ndim != 2:
         raise ValueError(f"odb's dummy image needs input_ids of shape (rows, width); got {tuple(ids.shape)}. Fix: "
                          f"collate padded rows (odb's layout='padded').")
@@ -204,20 +210,18 @@ def imageless_guard(collate: Callable[[Any], Any], model: Any, *, world_size: in
                     ddp_finds_unused: bool) -> Callable[[Any], Any]:
     """``collate`` wrapped in ``VisionDummyCollate`` where an image-less micro-batch could hang the ranks.
 
-    Unchanged for one process or a model without a vision tower. A known model always gets
-    the dummy (it runs under DDP, FSDP and DeepSpeed alike); another vision-language model
-    gets the error at its first image-less batch, unless plain DDP finds unused parameters
-    (``ddp_finds_unused``), which tolerates a rank that skips a module.
+    Unchanged for one process, a model without a vision tower, or plain DDP that finds unused
+    parameters (``ddp_finds_unused``: it tolerates a rank that skips a module). Otherwise (DDP
+    with ``find_unused_parameters=False``, FSDP, DeepSpeed) a known model gets the dummy and
+    another vision-language model the error at its first image-less batch.
 
     Example:
         >>> imageless_guard(list, torch.nn.Linear(2, 2), world_size=2, ddp_finds_unused=False) is list
         True
     """
-    if world_size <= 1 or not is_vision_language(model):
+    if world_size <= 1 or ddp_finds_unused or not is_vision_language(model):
         return collate
     dummy = dummy_image_for(model)
-    if dummy is None and ddp_finds_unused:
-        return collate
     name = type(getattr(model, "module", model)).__name__
     fix = ("under DDP, set TrainingArguments(ddp_find_unused_parameters=True) (non-reentrant gradient checkpointing, "
            "the default, allows it); under FSDP or DeepSpeed, give every sample an image, or collate a dummy image of "
