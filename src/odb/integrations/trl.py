@@ -24,9 +24,11 @@ What TRL's ``DataCollatorForLanguageModeling`` implies, applied when odb is enab
   probed once (``odb.check_packed_model``) and refused if a packed sample sees the others;
 - ``pad_to_multiple_of`` becomes odb's, so a padded batch stays within the budget.
 
+- TRL's vision-language collator (a processor and image samples): each sample is read
+  processed alone by that collator and odb pads them (``odb.integrations.trl_vision``).
+
 Refused, with the reason and the fix: ``packing=True`` (rows of ``max_length`` built
-before odb sees them), TRL's vision-language collator (it tokenizes inside the
-collator, after odb has batched), and odb options that contradict the collator.
+before odb sees them) and odb options that contradict the collator.
 
 Example:
     >>> from trl import SFTConfig, SFTTrainer                                    # doctest: +SKIP

@@ -120,13 +120,8 @@ def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, An
             f"with padding_free=True and no packing).")
     collator = getattr(trainer, "data_collator", None)
     vision = getattr(sft, "DataCollatorForVisionLanguageModeling", None)
-    if vision is not None and isinstance(collator, vision):
-        raise ValueError(
-            "odb cannot batch an SFTTrainer with TRL's DataCollatorForVisionLanguageModeling: it applies the chat "
-            "template, tokenizes and processes images inside the collator, after odb has batched, so odb cannot "
-            "measure a sample's tokens. Fix: prepare the dataset into input_ids (and pixel values) yourself, pass "
-            "dataset_kwargs={'skip_prepare_dataset': True} and a data_collator that pads them, and give odb a "
-            "length_fn; or train without odb.")
+    if vision is not None and isinstance(collator, vision):  # samples processed alone (odb.integrations.trl_vision)
+        return _vision_options(collator, config, dict(options))
     if not isinstance(collator, sft.DataCollatorForLanguageModeling):
         return options  # a collator of the user's: odb counts labels as for any Trainer
     # TRL < 1.9: the collator builds the labels from completion_mask and assistant_masks (it has completion_only_loss);
@@ -134,6 +129,23 @@ def sft_options(trainer: Any, config: Optional[ODBConfig], options: Dict[str, An
     # mask columns, and the collator reads labels only (a labels column of the user's is taken as it is, masks or not).
     completion_only = getattr(collator, "completion_only_loss", None)
     return _collator_options(collator, config, dict(options), shift, completion_only)
+
+
+def _vision_options(collator: Any, config: Optional[ODBConfig], out: Dict[str, Any]) -> Dict[str, Any]:
+    """TRL's vision-language collator: odb's padded layout, its ``pad_to_multiple_of``; odb counts the labels it
+    builds (the default count)."""
+    name = type(collator).__name__
+    check_layout(name, False, _given("layout", config, out, None), "",
+                 "leave layout out (TRL pads vision-language batches; packed rows with images are not supported)")
+    pad = int(collator.pad_to_multiple_of or 1)
+    given = _given("pad_to_multiple_of", config, out, None)
+    if given is None and pad > 1:
+        out["pad_to_multiple_of"] = pad
+    elif given is not None and given % pad:
+        raise ValueError(f"odb got pad_to_multiple_of={given} but {name} pads to a multiple of {pad}. Rule: odb's "
+                         f"padded length must not be shorter than the collator's, or batches exceed token_budget. "
+                         f"Fix: pass pad_to_multiple_of={pad} (or a multiple of it), or leave it out.")
+    return out
 
 
 def _given(name: str, config: Optional[ODBConfig], options: Dict[str, Any], default: Any) -> Any:

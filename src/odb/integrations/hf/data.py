@@ -21,6 +21,8 @@ from odb.config import ODBConfig
 from odb.loader.length_probe import first_oversize
 from odb.loader.dataloader import ODBDataLoader
 from odb.data.sampling import ShardSampler
+from odb.integrations.trl_vision import vision_samples
+from odb.integrations.vlm import imageless_guard
 
 STATE_VERSION = 1
 
@@ -46,10 +48,17 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
 
     args = trainer.args
     dataset, collator = trainer.train_dataset, trainer.data_collator
-    if is_hf_dataset(dataset):
+    # TRL's vision-language collator processes samples: odb reads each one processed alone, then pads them
+    dataset, collator, processed = vision_samples(dataset, collator)
+    if processed:
+        pass  # TRL's collator reads only its own fields of the raw samples
+    elif is_hf_dataset(dataset):
         dataset = trainer._remove_unused_columns(dataset, description="Training")
     else:
         collator = trainer._get_collator_with_removed_columns(collator, description="Training")
+    # a vision-language model's image-less micro-batch gets a dummy image, so no rank skips the vision tower
+    collator = imageless_guard(collator, trainer.model, world_size=args.world_size,
+                               ddp_finds_unused=ddp_finds_unused(trainer))
     shuffle = getattr(args, "train_sampling_strategy", "random") != "sequential"
     sampler = None
     if not isinstance(dataset, IterableDataset):
@@ -67,6 +76,17 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
         drop_last=args.dataloader_drop_last, lengths=lengths,
         worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index), **options)
+
+
+def ddp_finds_unused(trainer: Any) -> bool:
+    """Whether the Trainer wraps its model in plain DDP with ``find_unused_parameters=True`` (no FSDP, DeepSpeed
+    or parameters sharded at load), which tolerates a rank that skips a module."""
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        return False
+    if any(type(w).__name__ == "DTensor" for w in trainer.model.parameters()):
+        return False
+    handler = getattr(trainer.accelerator, "ddp_handler", None)
+    return bool(getattr(handler, "find_unused_parameters", False))
 
 
 def check_fits(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[int]]) -> None:

@@ -23,6 +23,8 @@ What changes in the Trainer (training only; evaluation and prediction are untouc
   ``odb_samples_per_second``, ``odb_mean_batch_size`` and ``odb_ghost_steps``;
 - checkpoints hold ``odb_state_rank{R}.json``; ``train(resume_from_checkpoint=...)``
   continues the interrupted epoch exactly (the Trainer's batch skipping is not used).
+- under DDP without ``find_unused_parameters``, FSDP or DeepSpeed, a vision-language model's
+  micro-batch without images gets a dummy image that adds exactly zero (``odb.integrations.vlm``).
 """
 
 from __future__ import annotations
