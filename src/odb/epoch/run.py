@@ -205,7 +205,7 @@ class EpochRun:
             self.register(sid, int(index), sample, meta)
         carry = np.asarray(state["carry"], dtype=np.int64)
         self.planner.load_state_dict({k: state[k] for k in ("planner", "carry")}, self.pool.lengths(carry),
-                                     self.pool.patches(carry) if self.cfg.image_patches_key else None)
+                                     self.pool.side(carry, self.aligner.side))
         if state["ghost"] is not None:
             gid = int(state["ghost"])
             index, sample, meta = samples[gid]
@@ -250,18 +250,22 @@ class EpochRun:
             self.cfg = self.cfg.replace(token_budget=budget)
             self.planner.set_config(self.cfg)
 
-    def set_plan_costs(self, token_budget: int, quadratic_length: Optional[int], sample_cost: float) -> None:
+    def set_plan_costs(self, token_budget: int, quadratic_length: Optional[int], sample_cost: float,
+                       loss_token_cost: float = 0.0, image_patch_cost: float = 0.0) -> None:
         """Plan the next windows under these costs (token_budget="auto"; steps already planned keep theirs)."""
         cfg = self.cfg
-        if (token_budget, quadratic_length, float(sample_cost)) != (cfg.token_budget, cfg.quadratic_length,
-                                                                     float(cfg.sample_cost)):
-            self.cfg = cfg.replace(token_budget=int(token_budget), quadratic_length=quadratic_length,
-                                   sample_cost=float(sample_cost))
+        new = (int(token_budget), quadratic_length, float(sample_cost), float(loss_token_cost),
+               float(image_patch_cost))
+        if new != (cfg.token_budget, cfg.quadratic_length, float(cfg.sample_cost), float(cfg.loss_token_cost),
+                   float(cfg.image_patch_cost)):
+            self.cfg = cfg.replace(token_budget=new[0], quadratic_length=new[1], sample_cost=new[2],
+                                   loss_token_cost=new[3], image_patch_cost=new[4])
             self.planner.set_config(self.cfg)
 
     def _apply_plan(self, plan: Any) -> None:
         self.auto_plan = plan
-        self.set_plan_costs(plan.token_budget, plan.quadratic_length, plan.sample_cost)
+        self.set_plan_costs(plan.token_budget, plan.quadratic_length, plan.sample_cost, plan.loss_token_cost,
+                            plan.image_patch_cost)
 
     def _auto_window(self) -> Optional[int]:
         """token_budget="auto", before planning a window: its plan (see AutoControl), and its freeze point
@@ -332,7 +336,7 @@ class EpochRun:
 
     def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
         cfg = self.cfg
-        patches = self.pool.patches(ids) if cfg.image_patches_key else None
+        patches = self.pool.side(ids, self.aligner.side)  # image patches and supervised tokens, when they count
         lengths = self.pool.lengths(ids)
         if self.auto is not None and len(lengths) and cfg.oversize != "skip":
             self.auto.check_length(int(lengths.sum(axis=1).max()))  # refuses what no batch can hold under the cap
@@ -490,7 +494,7 @@ class EpochRun:
         padded = self.planner.cost.group_tokens(lengths)
         local_loss = 0 if ghost else plan.local_loss_tokens
         if self.auto is not None and not ghost:
-            self.auto.planned(self.step, self.planner.cost.pad(lengths))
+            self.auto.planned(self.step, self.planner.cost.pad(lengths), [m[1] for m in metas], [m[2] for m in metas])
         info = ODBStepInfo(
             step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
             all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,
