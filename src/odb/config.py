@@ -108,7 +108,10 @@ class ODBConfig:
         image_patch_cost: what one image patch costs, in tokens-equivalent (default 0: patches bound
             only by ``max_image_patches``): a batch's cost adds the sum of its samples' patches times
             this, so one budget plans the language model's tokens and the vision tower's patches
-            together. Needs ``image_patches_key``. ``token_budget="auto"`` sets it from its fit.
+            together. Needs ``image_patches_key``. ``token_budget="auto"`` sets it from its fit. The
+            weight is the model's (vision tower against language model): 0.57 (plain loss) to 0.70
+            (chunked loss) for Qwen2-VL-2B's shapes, measured by scripts/measure_patch_cost.py; no one
+            value fits every model, hence 0 by default (docs/cost-model.md).
         loss_token_cost: what one supervised token (label != ``ignore_index``) costs beyond its
             token, in tokens-equivalent (default 0): for a chunked or fused loss, whose logits exist
             for supervised tokens only (memory ~ vocabulary x bytes each). ``token_budget="auto"``
