@@ -22,6 +22,8 @@ from odb.plan.planner import plan_window
 from odb.plan.step_model import shape_features
 from odb.train.memory import ActivationMeter
 
+from hf_workers import pad_collate
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 8192
@@ -65,18 +67,6 @@ def _samples(rng: np.random.Generator, n: int) -> List[Dict[str, Any]]:
     return out
 
 
-def _collate(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
-    width = max(len(s["input_ids"]) for s in samples)
-    batch = {"input_ids": torch.zeros(len(samples), width, dtype=torch.long),
-             "labels": torch.full((len(samples), width), -100, dtype=torch.long),
-             "attention_mask": torch.zeros(len(samples), width, dtype=torch.long)}
-    for row, s in enumerate(samples):
-        n = len(s["input_ids"])
-        batch["input_ids"][row, :n], batch["labels"][row, :n], batch["attention_mask"][row, :n] = \
-            s["input_ids"], s["labels"], 1
-    return batch
-
-
 def _run(chunked: bool, steps: int = 30) -> Dict[str, Any]:
     """Windows planned under each proposal, every step measured and fed back."""
     rng = np.random.default_rng(0)
@@ -93,7 +83,7 @@ def _run(chunked: bool, steps: int = 30) -> Dict[str, Any]:
             supervised = np.array([int((s["labels"][1:] != -100).sum()) for s in window])
             side = np.stack([np.zeros_like(supervised), supervised], axis=1)
             for g in plan_window(lengths, np.arange(len(window)), plan.cost_model(), final=True, patches=side).groups:
-                model(**_collate([window[i] for i in g])).backward()
+                model(**pad_collate([window[i] for i in g])).backward()
                 model.zero_grad(set_to_none=True)
                 peaks.append(meter())
                 tokens.append(int(lengths[g].sum()))
