@@ -61,9 +61,6 @@ class SamplePool:
         return np.array(rows, dtype=np.int64).reshape(len(rows), -1) if rows else \
             np.empty((0, self.dims()), dtype=np.int64)
 
-    def patches(self, ids: Iterable[int]) -> np.ndarray:
-        return np.array([self._meta[int(i)][2] for i in ids], dtype=np.int64)
-
     def side(self, ids: Iterable[int], needed: bool = True) -> Optional[np.ndarray]:
         """(n, 2) image patches and supervised tokens of these samples: the planner's side counts
         (odb.plan.cost.split_side); None when not ``needed`` (no patch cap, no side cost).
