@@ -105,6 +105,17 @@ class ODBConfig:
             (attention grows with L^2; as lhotse's quadratic duration).
         image_patches_key: sample field holding the number of image patches.
         max_image_patches: cap on the sum of image patches in one batch.
+        image_patch_cost: what one image patch costs, in tokens-equivalent (default 0: patches bound
+            only by ``max_image_patches``): a batch's cost adds the sum of its samples' patches times
+            this, so one budget plans the language model's tokens and the vision tower's patches
+            together. Needs ``image_patches_key``. ``token_budget="auto"`` sets it from its fit. The
+            weight is the model's (vision tower against language model): 0.57 (plain loss) to 0.70
+            (chunked loss) for Qwen2-VL-2B's shapes, measured by scripts/measure_patch_cost.py; no one
+            value fits every model, hence 0 by default (docs/cost-model.md).
+        loss_token_cost: what one supervised token (label != ``ignore_index``) costs beyond its
+            token, in tokens-equivalent (default 0): for a chunked or fused loss, whose logits exist
+            for supervised tokens only (memory ~ vocabulary x bytes each). ``token_budget="auto"``
+            sets it from its fit. See docs/cost-model.md.
         oversize: what to do with one sample that alone costs more than the budget:
             "error" (default), "alone" (its own batch) or "skip" (counted, warned).
         seed: seed of shuffling and batch order; None takes the DataLoader's
@@ -220,6 +231,8 @@ class ODBConfig:
     layout: Layout = "padded"
     distributed: bool = True
     sample_cost: float = 0.0
+    image_patch_cost: float = 0.0
+    loss_token_cost: float = 0.0
     memory_cap_bytes: Optional[int] = None
     memory_fraction: float = 0.9
     memory_meter: Optional[Callable[[], Optional[float]]] = None
@@ -315,10 +328,16 @@ class ODBConfig:
 
     def _check_auto(self) -> None:
         """The options of ``token_budget="auto"`` (and ``sample_cost``, ``balance``, usable without it)."""
-        if isinstance(self.sample_cost, bool) or not isinstance(self.sample_cost, (int, float)) or \
-                not math.isfinite(self.sample_cost) or self.sample_cost < 0:
-            _fail("sample_cost", self.sample_cost, "must be a finite number >= 0 (tokens-equivalent per sample)",
-                  "pass 0.0 (none) or e.g. 16.0")
+        for name, per, example in (("sample_cost", "sample", "16.0"), ("image_patch_cost", "image patch", "0.25"),
+                                   ("loss_token_cost", "supervised token", "2.0")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                _fail(name, value, f"must be a finite number >= 0 (tokens-equivalent per {per})",
+                      f"pass 0.0 (none) or e.g. {example}")
+        if self.image_patch_cost and self.image_patches_key is None:
+            _fail("image_patch_cost", self.image_patch_cost, "prices image patches, which odb reads from "
+                  "image_patches_key (None here)", "set image_patches_key (and max_image_patches), or "
+                  "image_patch_cost=0.0")
         from odb.plan.pairing import PAIRINGS
 
         if self.balance not in PAIRINGS:
@@ -506,7 +525,8 @@ PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_s
                 "quadratic_length",
                 "max_image_patches", "oversize", "gradient_accumulation_steps", "global_batch_size", "micro_batch_cost",
                 "join", "loss_scaling",
-                "budget_schedule", "probe_worst_case", "layout", "sample_cost", "auto_start_budget", "auto_margin",
+                "budget_schedule", "probe_worst_case", "layout", "sample_cost", "image_patch_cost", "loss_token_cost",
+                "auto_start_budget", "auto_margin",
                 "balance")
 
 

@@ -296,8 +296,8 @@ def test_two_thread_ranks_plan_every_window_with_the_agreed_budget(monkeypatch, 
     timed = []
     original_time = AutoControl.time_cost
 
-    def time_cost(self: AutoControl, mark: Any, lengths: Any) -> Any:  # balance="time": pairs by predicted seconds
-        seconds = original_time(self, mark, lengths)
+    def time_cost(self: AutoControl, mark: Any, lengths: Any, side: Any = None) -> Any:  # balance="time": seconds
+        seconds = original_time(self, mark, lengths, side)
         timed.append(seconds is not None)
         return seconds
 

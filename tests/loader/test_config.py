@@ -113,6 +113,9 @@ INVALID = [
     ("shape_buckets", {"shape_buckets": 8, "layout": "packed"}, ValueError, _BAD),
     # token_budget="auto" and its options (docs/options.md)
     ("sample_cost", {"sample_cost": -1.0}, ValueError, _BAD),
+    ("image_patch_cost", {"image_patch_cost": -1.0}, ValueError, _BAD),
+    ("image_patch_cost", {"image_patch_cost": 0.5}, ValueError, _BAD),  # needs image_patches_key
+    ("loss_token_cost", {"loss_token_cost": float("nan")}, ValueError, _BAD),
     ("balance", {"balance": "speed"}, ValueError, _BAD),
     ("balance", {"balance": "time"}, ValueError, _BAD),  # needs token_budget="auto"
     ("memory_cap_bytes", {"memory_cap_bytes": 0}, ValueError, _BAD),

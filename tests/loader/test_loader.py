@@ -271,6 +271,21 @@ def test_image_patch_cap():
     assert any(len(b["idx"]) > 1 for b in batches)
 
 
+def test_image_patch_cost_plans_text_and_vision_under_one_budget():
+    # each patch weighs a quarter token: a batch's padded tokens plus its patches / 4 stay within the budget,
+    # the patch cap stays hard, and image-heavy batches hold fewer samples than the cap alone gives
+    patches = known_lengths(N, 0, 200, seed=3)
+    data = LengthDataset(LENGTHS, extra={"patches": patches})
+    priced = epoch(make(data, image_patches_key="patches", max_image_patches=400, image_patch_cost=0.25))
+    capped = epoch(make(data, image_patches_key="patches", max_image_patches=400))
+    assert flat_ids(priced) == list(range(N))
+    for b in priced:
+        tokens = len(b["idx"]) * max(LENGTHS[i] for i in b["idx"])
+        assert tokens + 0.25 * sum(patches[i] for i in b["idx"]) <= BUDGET
+        assert sum(patches[i] for i in b["idx"]) <= 400
+    assert len(priced) > len(capped)
+
+
 BAD_INPUTS = [
     ("batch_size", dict(batch_size=8), False, ValueError, "batch_size=8"),
     ("batch_sampler", dict(batch_sampler=BatchSampler(SequentialSampler(range(N)), 2, False)), False,

@@ -8,7 +8,7 @@ which the planner's cost ("tokens") does not give here.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import numpy as np
 import pytest
@@ -33,7 +33,7 @@ class SamplesPairing:
     def ready(self) -> bool:
         return True
 
-    def price(self, padded: np.ndarray) -> int:
+    def price(self, padded: np.ndarray, side: Optional[np.ndarray] = None) -> int:
         SamplesPairing.priced += 1
         return len(padded)
 

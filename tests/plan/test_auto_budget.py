@@ -24,8 +24,8 @@ from odb.plan.planner import plan_window
 from odb.plan.step_model import shape_features
 
 CAP = 80e9
-EAGER = np.array([1e6, 2e3, 5e6, 20e9])  # attention scores: 2e3 bytes per token x length
-LINEAR = np.array([1e6, 0.0, 5e6, 20e9])  # a fused attention kernel: memory linear in tokens
+EAGER = np.array([1e6, 2e3, 5e6, 20e9, 0.0, 0.0])  # attention scores: 2e3 bytes per token x length
+LINEAR = np.array([1e6, 0.0, 5e6, 20e9, 0.0, 0.0])  # a fused attention kernel: memory linear in tokens
 GRID = [16, 24, 64, 100, 256, 333, 512, 1000, 1024, 2048, 3000, 4096, 8192]
 
 
@@ -155,7 +155,7 @@ def test_plan_encode_decode_and_agree_is_the_most_conservative():
     assert agree(plans) == BudgetPlan(4000, 700, 1.5)
     assert AutoBudget.agree(np.stack([p.encode() for p in plans])) == BudgetPlan(4000, 700, 1.5)
     assert agree([BudgetPlan(10, None, 0.0), BudgetPlan(12, None, 0.0)]).quadratic_length is None
-    assert BudgetPlan(10, None, 0.0011).encode().tolist() == [10, 0, 2]  # thousandths, rounded up
+    assert BudgetPlan(10, None, 0.0011).encode().tolist() == [10, 0, 2, 0, 0]  # thousandths, rounded up
     with pytest.raises(ValueError, match="no plans"):
         agree([])
     with pytest.raises(ValueError, match="token_budget=0"):
@@ -311,7 +311,7 @@ def test_time_cost_predicts_a_group_seconds_once_fitted():
     ab = AutoBudget(CAP, 1000)
     assert ab.time_cost([100, 200]) is None
     rng = np.random.default_rng(6)
-    secs = np.array([2e-6, 1e-9, 1e-4, 0.05])
+    secs = np.array([2e-6, 1e-9, 1e-4, 0.05, 0.0, 0.0])
     for _ in range(20):
         g = rng.integers(16, 4097, size=int(rng.integers(1, 20)))
         ab.observe(shape_features(g), seconds=float(shape_features(g) @ secs))
@@ -347,7 +347,7 @@ def test_metrics_report_the_models_and_the_plan():
     assert m["memory_coefficients"]["square_tokens"] == pytest.approx(2e3, rel=1e-6)
     assert m["memory_relative_error"] < 1e-9 and m["memory_upper_factor"] == pytest.approx(1.01)
     assert m["last_plan"] == {"token_budget": plan.token_budget, "quadratic_length": plan.quadratic_length,
-                              "sample_cost": plan.sample_cost}
+                              "sample_cost": plan.sample_cost, "loss_token_cost": 0.0, "image_patch_cost": 0.0}
     assert m["effective_cap"] == CAP and m["time_coefficients"] is None
     json.dumps(m)
 
@@ -366,7 +366,7 @@ def test_longest_fitting_length_is_the_largest_length_under_the_cap(a, b, monkey
     exactly linear model fitted by NNLS), (-a + sqrt(a^2 + 4 b room)) / 2b gave 0, and a 50-token sample
     'could not fit' a cap of 400 such samples (seen under load in the packed auto loader test)."""
     ab = AutoBudget(54_400, 60)
-    monkeypatch.setattr(ab, "_upper_coefficients", lambda: np.array([a, b, 0.0, 0.0]))
+    monkeypatch.setattr(ab, "_upper_coefficients", lambda: np.array([a, b, 0.0, 0.0, 0.0, 0.0]))
     usable = 0.9 * 54_400
     longest = ab.longest_fitting_length()
     assert a * longest + b * longest ** 2 <= usable < a * (longest + 1) + b * (longest + 1) ** 2

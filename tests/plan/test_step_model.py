@@ -9,11 +9,12 @@ import pytest
 
 from odb.plan.step_model import FEATURES, StepModel, nnls, shape_features, window_features
 
-TRUE = np.array([2.0e5, 150.0, 3.0e6, 4.0e9])  # bytes per token, per token x length, per sample, constant
+# bytes per token, per token x length, per sample, constant; none per supervised token or image patch
+TRUE = np.array([2.0e5, 150.0, 3.0e6, 4.0e9, 0.0, 0.0])
 
 
 def _shapes(rng: np.random.Generator, n: int, packed: bool = False) -> np.ndarray:
-    """(n, 4) features of random batches: B in [1, 64], lengths in [16, 4096]."""
+    """(n, 6) features of random batches: B in [1, 64], lengths in [16, 4096]."""
     rows = []
     for _ in range(n):
         b = int(rng.integers(1, 65))
@@ -28,11 +29,12 @@ def _fill(model: StepModel, feats: np.ndarray, values: np.ndarray) -> None:
 
 
 def test_shape_features_padded_and_packed_literal():
-    assert shape_features([3, 5, 4]).tolist() == [15.0, 75.0, 3.0, 1.0]
-    assert shape_features([3, 5, 4], packed=True).tolist() == [12.0, 50.0, 3.0, 1.0]
+    assert shape_features([3, 5, 4]).tolist() == [15.0, 75.0, 3.0, 1.0, 0.0, 0.0]
+    assert shape_features([3, 5, 4], packed=True).tolist() == [12.0, 50.0, 3.0, 1.0, 0.0, 0.0]
     # (B, D): the first dimension only
-    assert shape_features(np.array([[3, 100], [5, 100]])).tolist() == [10.0, 50.0, 2.0, 1.0]
-    assert window_features([[2], [1, 3]], packed=True).tolist() == [[2.0, 4.0, 1.0, 1.0], [4.0, 10.0, 2.0, 1.0]]
+    assert shape_features(np.array([[3, 100], [5, 100]])).tolist() == [10.0, 50.0, 2.0, 1.0, 0.0, 0.0]
+    assert window_features([[2], [1, 3]], packed=True).tolist() == [[2.0, 4.0, 1.0, 1.0, 0.0, 0.0],
+                                                                   [4.0, 10.0, 2.0, 1.0, 0.0, 0.0]]
     assert window_features([]).shape == (0, len(FEATURES))
 
 
@@ -98,7 +100,7 @@ def test_wild_outliers_are_ignored():
 def test_coefficients_stay_nonnegative_when_the_truth_has_a_negative_term():
     rng = np.random.default_rng(4)
     feats = _shapes(rng, 80)
-    values = feats @ np.array([2.0e5, 0.0, -5.0e6, 4.0e9])  # a "negative per-sample cost"
+    values = feats @ np.array([2.0e5, 0.0, -5.0e6, 4.0e9, 0.0, 0.0])  # a "negative per-sample cost"
     assert (values > 0).all()
     m = StepModel("memory")
     _fill(m, feats, values)

@@ -55,7 +55,8 @@ def make(case: str) -> Any:
     if case == "padded_accumulation":
         return odb.ODBDataLoader(data, token_budget=96, gradient_accumulation_steps=2, **common), None
     if case == "global_batch_packed":
-        return odb.ODBDataLoader(data, token_budget=128, global_batch_size=16, layout="packed", **common), None
+        packed = dict(common, collate_fn=odb.PackedCollate())  # (the collate makes no difference to the plan)
+        return odb.ODBDataLoader(data, token_budget=128, global_batch_size=16, layout="packed", **packed), None
     if case == "auto":
         stepper = Stepper()
         loader = odb.ODBDataLoader(data, token_budget="auto", memory_cap_bytes=136 * 300,

@@ -117,8 +117,8 @@ from odb.plan.plan_costs import PlanCosts
         """The next epoch's window budget."""
         opts = self.options
         start = self.start_budget or (opts.auto_start_budget if opts is not None else None) or PROVISIONAL_BUDGET
-        return AutoWindows(self, PlanCosts((int(start),), None if opts is None else opts.quadratic_length,
-                                           0.0 if opts is None else float(opts.sample_cost)))
+        costs = PlanCosts((int(start),)) if opts is None else PlanCosts.of(opts).with_budget(int(start))
+        return AutoWindows(self, costs)
 
     def epoch_starts(self, peek: Callable[[int], Any], resumed: bool) -> None:
         """An epoch starts: the first epoch sets the start budget (``auto_start_budget``, else twice the
@@ -169,12 +169,14 @@ from odb.plan.plan_costs import PlanCosts
             self.resumed_state = resumed
 
     # ---- batch thread --------------------------------------------------------------
-    def planned(self, step: int, lengths: np.ndarray) -> None:
-        """Step ``step`` was made from samples of (n, D) padded ``lengths`` (not for ghosts)."""
+    def planned(self, step: int, lengths: np.ndarray, supervised: Any = None, patches: Any = None) -> None:
+        """Step ``step`` was made from samples of (n, D) padded ``lengths``, with these supervised tokens and
+        image patches per sample (not for ghosts)."""
         from odb.plan.step_model import shape_features
 
         lengths = np.asarray(lengths)
-        features = shape_features(lengths.sum(axis=1) if lengths.ndim == 2 else lengths, self.packed)
+        features = shape_features(lengths.sum(axis=1) if lengths.ndim == 2 else lengths, self.packed, supervised,
+                                  patches)
         with self.lock:
             self.features[int(step)] = features
 
@@ -219,14 +221,17 @@ from odb.plan.plan_costs import PlanCosts
         entry = self.frozen.get(mark) if mark is not None else None
         return None if entry is None else entry[1]
 
-    def time_cost(self, mark: Optional[int], lengths: np.ndarray) -> Optional[float]:
-        """Predicted seconds of a batch of ``lengths`` under the model frozen at ``mark`` (None: unfitted)."""
+    def time_cost(self, mark: Optional[int], lengths: np.ndarray, side: Optional[np.ndarray] = None
+                  ) -> Optional[float]:
+        """Predicted seconds of a batch of ``lengths`` (and side counts: (n, 2) image patches, supervised
+        tokens) under the model frozen at ``mark`` (None: unfitted)."""
         with self.lock:
             model = self._frozen_model(mark)
             if model is None:
                 return None
             lengths = np.asarray(lengths)
-            return model.time_cost(lengths.sum(axis=1) if lengths.ndim == 2 else lengths)
+            patches, supervised = (None, None) if side is None else (np.asarray(side)[:, 0], np.asarray(side)[:, 1])
+            return model.time_cost(lengths.sum(axis=1) if lengths.ndim == 2 else lengths, supervised, patches)
 
     # ---- training thread -----------------------------------------------------------
     def measure_explicitly(self, lookahead: int) -> None:
@@ -337,7 +342,9 @@ from odb.plan.plan_costs import PlanCosts
                     value = value or {}
                     key, value = "", {"token_budget": value.get("token_budget"),
                                       "quadratic_length": value.get("quadratic_length"),
-                                      "sample_cost": value.get("sample_cost")}
+                                      "sample_cost": value.get("sample_cost"),
+                                      "loss_token_cost": value.get("loss_token_cost"),
+                                      "image_patch_cost": value.get("image_patch_cost")}
                 if isinstance(value, dict):  # coefficients: one scalar each
                     out.update({f"auto_{key + '_' if key else ''}{k}": v for k, v in value.items()})
                 else:

@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, Dict, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -52,8 +52,9 @@ class WindowBudget(Protocol):
     def freeze_point(self, step: int) -> int:
         """The step whose measurements the window's models hold (what ``balance`` pairings freeze at)."""
 
-    def made(self, step: int, padded: np.ndarray) -> None:
-        """Step ``step`` was made of samples of (n, D) padded lengths (not ghosts)."""
+    def made(self, step: int, padded: np.ndarray, supervised: Sequence[int], patches: Sequence[int]) -> None:
+        """Step ``step`` was made of samples of (n, D) padded lengths, with these supervised tokens and image
+        patches each (not ghosts)."""
 
     def check_length(self, length: int) -> None:
         """Refuse a sample that no batch can hold (the memory model's cap); fixed budgets refuse nothing here."""
@@ -141,7 +142,7 @@ class FixedBudget:
     def freeze_point(self, step: int) -> int:
         return step
 
-    def made(self, step: int, padded: np.ndarray) -> None:
+    def made(self, step: int, padded: np.ndarray, supervised: Sequence[int], patches: Sequence[int]) -> None:
         pass
 
     def check_length(self, length: int) -> None:
@@ -185,7 +186,8 @@ class AutoWindows:
 
     def _apply(self, plan: Any) -> None:
         self.plan = plan
-        self.costs = PlanCosts((int(plan.token_budget),), plan.quadratic_length, float(plan.sample_cost))
+        self.costs = PlanCosts((int(plan.token_budget),), plan.quadratic_length, float(plan.sample_cost),
+                               float(plan.loss_token_cost), float(plan.image_patch_cost))
 
     def next_window(self, *, step: int, window_index: int, planned: int, alone: bool = False) -> PlanCosts:
         self._frozen_at = 0 if self.mark is None else self.mark
@@ -208,8 +210,8 @@ class AutoWindows:
     def freeze_point(self, step: int) -> int:
         return self._frozen_at
 
-    def made(self, step: int, padded: np.ndarray) -> None:
-        self.control.planned(step, padded)
+    def made(self, step: int, padded: np.ndarray, supervised: Sequence[int], patches: Sequence[int]) -> None:
+        self.control.planned(step, padded, supervised, patches)
 
     def check_length(self, length: int) -> None:
         self.control.check_length(int(length))

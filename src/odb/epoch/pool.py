@@ -61,8 +61,17 @@ class SamplePool:
         return np.array(rows, dtype=np.int64).reshape(len(rows), -1) if rows else \
             np.empty((0, self.dims()), dtype=np.int64)
 
-    def patches(self, ids: Iterable[int]) -> np.ndarray:
-        return np.array([self._meta[int(i)][2] for i in ids], dtype=np.int64)
+    def side(self, ids: Iterable[int], needed: bool = True) -> Optional[np.ndarray]:
+        """(n, 2) image patches and supervised tokens of these samples: the planner's side counts
+        (odb.plan.cost.split_side); None when not ``needed`` (no patch cap, no side cost).
+
+        Example:
+            >>> pool = SamplePool(); pool.add(0, "s", ((5,), 4, 16), index=0); pool.side([0]).tolist()
+            [[16, 4]]
+        """
+        if not needed:
+            return None
+        return np.array([[self._meta[int(i)][2], self._meta[int(i)][1]] for i in ids], dtype=np.int64).reshape(-1, 2)
 
     def loss_tokens(self, ids: Iterable[int]) -> int:
         return sum(self._meta[int(i)][1] for i in ids)
@@ -104,3 +113,15 @@ class SamplePool:
 
     def sample(self, sid: int) -> Optional[Any]:
         return self._samples.get(sid)
+
+
+def side_needed(cfg: Any, auto: bool) -> bool:
+    """Whether the planner needs the samples' side counts (``SamplePool.side``): a patch cap, a side cost,
+    or token_budget="auto" (whose plans may price supervised tokens and patches from one window to the next).
+
+    Example:
+        >>> from odb.config import ODBConfig
+        >>> side_needed(ODBConfig(token_budget=64), False), side_needed(ODBConfig(token_budget=64), True)
+        (False, True)
+    """
+    return bool(auto or cfg.image_patches_key is not None or cfg.image_patch_cost or cfg.loss_token_cost)

@@ -30,16 +30,16 @@ import numpy as np
 
 from odb.comm.agreement import agreed_values, check_agreement, fingerprint
 from odb.comm.protocol import ODBOptionMismatch
-from odb.epoch.pool import SamplePool
+from odb.epoch.pool import SamplePool, side_needed
 from odb.plan.align import StepPlan, global_steps, local_steps, shared_step_order
-from odb.plan.auto_budget import agree
+from odb.plan.budget_plan import PLAN_FIELDS, agree
 from odb.plan.fitting import cost_rank_order, decide_splits, decide_trim, decide_window, must_emit
 from odb.plan.pairing import Pairing, TokenPairing
 from odb.plan.planner import balanced_partition
 from odb.plan.window import WindowPlanner
 
 Step = Tuple[StepPlan, Optional[np.ndarray]]
-PLAN_SIZE = 3  # int64 of an encoded BudgetPlan (odb.plan.auto_budget.BudgetPlan.encode)
+PLAN_SIZE = PLAN_FIELDS  # int64 of an encoded BudgetPlan (odb.plan.budget_plan.BudgetPlan.encode)
 AUTO_SIZE = PLAN_SIZE + 1  # the header's auto part: the encoded plan, and whether this rank's time model predicts
 CONFIRM_STEPS = 4  # steps confirmed by one exchange (the same on every rank: it shapes the protocol)
 
@@ -80,6 +80,7 @@ class RankAligner:
         # Every header has room for a plan proposal (zeros without token_budget="auto"), so that ranks with
         # and without "auto" exchange messages of one shape and the options check names the difference.
         self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (None: none sent)
+        self.side = side_needed(planner.cfg, planner.cfg.auto)  # the planner prices (or caps) patches, supervised tokens
         # how ranks pair their groups (balance): by the criterion's price in a window where it is ready on every
         # rank (a flag in the header), else by the planner's cost
         self.pairing = pairing if pairing is not None else TokenPairing()
@@ -102,13 +103,13 @@ class RankAligner:
     # ---- alignment ---------------------------------------------------------------------
     def cost(self, group: np.ndarray) -> int:
         """The planner's cost of a group (``CostModel.group_cost``)."""
-        return self.planner.cost.group_cost(self.pool.lengths(group))
+        return self.planner.cost.group_cost(self.pool.lengths(group), self.pool.side(group, self.side))
 
     def pair_cost(self, group: np.ndarray) -> int:
         """What ranks compare to pair groups of similar cost: the pairing criterion's price where every rank's
         criterion is ready this window (balance="time": predicted microseconds), else ``cost``."""
         if self._ready_all and self.pairing.prices:
-            price = self.pairing.price(self.planner.cost.pad(self.pool.lengths(group)))
+            price = self.pairing.price(self.planner.cost.pad(self.pool.lengths(group)), self.pool.side(group))
             if price is not None:
                 return price
         return self.cost(group)
@@ -206,7 +207,7 @@ class RankAligner:
     def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[np.ndarray]:
         """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""
         ids = np.concatenate(groups)
-        patches = self.pool.patches(ids) if self.planner.cfg.image_patches_key else None
+        patches = self.pool.side(ids, self.side)
         parts = balanced_partition(self.pool.lengths(ids), ids, self.planner.cost, n_steps, patches)
         return [ids[p] for p in parts]
 
@@ -225,8 +226,7 @@ class RankAligner:
         trim = decide_trim([self.cost(g) for g in groups], n_steps, planned_final or self.whole_windows)
         for k in trim.defer.tolist():
             g = groups[k]
-            self.planner.defer(g, self.pool.lengths(g), self.pool.patches(g) if self.planner.cfg.image_patches_key
-                               else None)
+            self.planner.defer(g, self.pool.lengths(g), self.pool.side(g, self.side))
         out = [groups[k] for k in trim.keep.tolist()]
         if trim.rebalance:
             out = self._rebalance(out, n_steps)

@@ -176,8 +176,7 @@ class EpochRun:
         self.budget.load_state_dict(state["budget"])
         self.planner.set_costs(self.budget.costs)
         carry = np.asarray(state["planner"]["carry"], dtype=np.int64)
-        self.planner.load_state_dict(state["planner"], self.pool.lengths(carry),
-                                     self.pool.patches(carry) if self.cfg.image_patches_key else None)
+        self.planner.load_state_dict(state["planner"], self.pool.lengths(carry), self.pool.side(carry, self.aligner.side))
         position = state["position"]
         if position["ghost"] is not None:
             gid = int(position["ghost"])
@@ -261,7 +260,7 @@ class EpochRun:
 
     def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
         cfg = self.cfg
-        patches = self.pool.patches(ids) if cfg.image_patches_key else None
+        patches = self.pool.side(ids, self.aligner.side)  # image patches and supervised tokens, when they count
         lengths = self.pool.lengths(ids)
         if len(lengths) and cfg.oversize != "skip":
             self.budget.check_length(int(lengths.sum(axis=1).max()))  # refuses what no batch can hold (auto's cap)
@@ -415,7 +414,7 @@ class EpochRun:
         padded = self.planner.cost.group_tokens(lengths)
         local_loss = 0 if ghost else plan.local_loss_tokens
         if not ghost:
-            self.budget.made(self.step, self.planner.cost.pad(lengths))
+            self.budget.made(self.step, self.planner.cost.pad(lengths), [m[1] for m in metas], [m[2] for m in metas])
         info = ODBStepInfo(
             step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
             all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,

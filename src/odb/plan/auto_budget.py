@@ -1,18 +1,23 @@
 """``token_budget="auto"``: the planner's settings from a memory model fitted on the run (pure numpy).
 
 ``AutoBudget`` fits two ``StepModel``\\ s online, the peak memory of a step and its seconds,
-each ``a * tokens + b * square_tokens + c * samples + d`` of the batch's shape
-(``odb.plan.step_model``). Each window it proposes the planner's settings (``BudgetPlan``)
-so that every batch the planner accepts stays, by the memory model's *upper* bound, under
-``(1 - margin)`` x the memory cap. With C' that share of the cap (less the constant d), a
-padded batch of B samples of longest length L fits when::
+each ``a * tokens + b * square_tokens + c * samples + d + e * supervised_tokens + f *
+image_patches`` of the batch (``odb.plan.step_model``). Each window it proposes the planner's
+settings (``BudgetPlan``, ``odb.plan.budget_plan``) so that every batch the planner accepts
+stays, by the memory model's *upper* bound, under ``(1 - margin)`` x the memory cap. With C'
+that share of the cap (less the constant d), a padded batch of B samples of longest length L,
+with S supervised tokens and P image patches in all, fits when::
 
-    B * (a L + b L^2 + c) + d <= C'   <=>   B * (L + L^2 / q + c / a) <= (C' - d) / a,   q = a / b
+    B (a L + b L^2 + c) + e S + f P + d <= C'
+        <=>   B (L + L^2 / q + c / a) + (e / a) S + (f / a) P <= (C' - d) / a,   q = a / b
 
-which is exactly ``CostModel((token_budget,), quadratic_length=q, sample_cost=s)`` with
-``token_budget = floor((C' - d) / a)``, ``q = floor(a / b)`` (None when b is 0) and
-``s = c / a`` rounded up to a thousandth: each rounding errs on the safe side. Packed rows
-(the sum over their samples) map the same way.
+which is exactly ``CostModel((token_budget,), quadratic_length=q, sample_cost=c / a,
+loss_token_cost=e / a, image_patch_cost=f / a)`` with ``token_budget = floor((C' - d) / a)``,
+``q = floor(a / b)`` (None when b is 0) and each cost rounded up to a thousandth: each rounding
+errs on the safe side. Packed rows (the sum over their samples) map the same way. ``e`` is what a
+supervised token costs beyond a token: about vocabulary x bytes with a chunked or fused loss
+(logits for supervised tokens only), about 0 with a plain cross-entropy (whose logits for every
+token are in ``a``). ``f`` is the vision tower's memory per image patch.
 
 Before the memory model is fitted (a few steps of varied shapes) the proposal is the start
 budget, grown by at most ``growth`` per proposal, and to no more than the budget at which the
@@ -23,7 +28,7 @@ which adds the coefficients' uncertainty: a noiseless fit jumps to its budget at
 noisy one far from the shapes it measured extrapolates no further than its standard errors
 allow. An out-of-memory step lowers the effective cap below that batch's prediction and
 shrinks the next proposal to at most 0.9 x the last. Under several
-ranks each sends its plan (``BudgetPlan.encode``, three int64) in the per-window exchange and
+ranks each sends its plan (``BudgetPlan.encode``, ``PLAN_FIELDS`` int64) in the per-window exchange and
 all plan with ``agree``: the most conservative of them.
 """
 
@@ -35,90 +40,13 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 
-from odb.plan.cost import CostModel
+from odb.plan.budget_plan import MAX_BUDGET, PLAN_FIELDS, BudgetPlan, agree, plan_of_coefficients
 from odb.plan.step_model import StepModel, shape_features
 
-_MAX_BUDGET = 2 ** 40  # no budget, quadratic length or sample cost beyond this (int64-safe, float-exact)
-_MILLI = 1000
+__all__ = ["AutoBudget", "BudgetPlan", "PLAN_FIELDS", "agree", "merge_states"]
+
 _STATE_KEYS = ("version", "cap", "effective_cap", "packed", "margin", "growth", "min_budget", "budget", "last",
                "window_rate", "oom_pending", "ooms", "memory", "time")
-
-
-def _ceil_milli(x: float) -> float:
-    """x rounded up to a thousandth (a hair of float error forgiven)."""
-    return math.ceil(x * _MILLI - 1e-6) / _MILLI
-
-
-@dataclasses.dataclass(frozen=True)
-class BudgetPlan:
-    """The planner's settings for one window: ``token_budget``, ``quadratic_length`` (None: no
-    quadratic term), ``sample_cost`` (tokens-equivalent per sample, a multiple of 1/1000).
-
-    Example:
-        >>> p = BudgetPlan(4096, 2048, 12.5)
-        >>> p.encode().tolist(), BudgetPlan.decode(p.encode()) == p
-        ([4096, 2048, 12500], True)
-        >>> p.cost_model().batch_cost(np.array([[100], [100]]))   # 2 x (100 + 100**2 / 2048 + 12.5)
-        234.765625
-    """
-
-    token_budget: int
-    quadratic_length: Optional[int] = None
-    sample_cost: float = 0.0
-
-    def __post_init__(self) -> None:
-        q = self.quadratic_length
-        if int(self.token_budget) < 1 or (q is not None and int(q) < 1) or not (0 <= self.sample_cost < math.inf):
-            raise ValueError(
-                f"BudgetPlan(token_budget={self.token_budget!r}, quadratic_length={q!r}, "
-                f"sample_cost={self.sample_cost!r}): the budget and quadratic length must be ints >= 1 (or "
-                f"quadratic_length None) and sample_cost a finite float >= 0. Fix: pass such values.")
-
-    def encode(self) -> np.ndarray:
-        """(3,) int64: budget, quadratic length (0 for None), sample cost in thousandths rounded up."""
-        q = 0 if self.quadratic_length is None else int(self.quadratic_length)
-        return np.array([int(self.token_budget), q, math.ceil(self.sample_cost * _MILLI - 1e-6)], dtype=np.int64)
-
-    @staticmethod
-    def decode(values: Any) -> "BudgetPlan":
-        """The plan ``encode`` wrote.
-
-        Example:
-            >>> BudgetPlan.decode([100, 0, 1])
-            BudgetPlan(token_budget=100, quadratic_length=None, sample_cost=0.001)
-        """
-        v = np.asarray(values, dtype=np.int64).ravel()
-        if v.shape != (3,):
-            raise ValueError(
-                f"encoded budget plan {v.tolist()}: a plan encodes as 3 int64 (budget, quadratic length or 0, "
-                f"sample cost in thousandths). Fix: pass BudgetPlan.encode()'s output.")
-        return BudgetPlan(int(v[0]), None if v[1] == 0 else int(v[1]), int(v[2]) / _MILLI)
-
-    def cost_model(self, **kwargs: Any) -> CostModel:
-        """The CostModel of this plan (further CostModel keywords, e.g. ``layout="packed"``, pass through)."""
-        return CostModel((int(self.token_budget),), quadratic_length=self.quadratic_length,
-                         sample_cost=self.sample_cost, **kwargs)
-
-
-def agree(plans: Union[Sequence[BudgetPlan], np.ndarray]) -> BudgetPlan:
-    """The most conservative plan of several ranks': the least budget, the least quadratic length
-    (None counts as infinite), the largest sample cost. Takes BudgetPlans or their (n, 3) encodings.
-
-    Example:
-        >>> agree([BudgetPlan(900, None, 0.5), BudgetPlan(1000, 300, 0.25)])
-        BudgetPlan(token_budget=900, quadratic_length=300, sample_cost=0.5)
-        >>> agree(np.array([[900, 0, 500], [1000, 0, 250]]))
-        BudgetPlan(token_budget=900, quadratic_length=None, sample_cost=0.5)
-    """
-    if isinstance(plans, np.ndarray):
-        arr = plans.reshape(-1, 3).astype(np.int64)
-    else:
-        arr = np.array([p.encode() for p in plans], dtype=np.int64).reshape(-1, 3)
-    if len(arr) == 0:
-        raise ValueError("agree() got no plans: it needs every rank's plan (at least one). "
-                         "Fix: pass the plans gathered from all ranks.")
-    qs = arr[:, 1][arr[:, 1] > 0]
-    return BudgetPlan(int(arr[:, 0].min()), int(qs.min()) if len(qs) else None, int(arr[:, 2].max()) / _MILLI)
 
 
 class AutoBudget:
@@ -136,13 +64,15 @@ class AutoBudget:
 
     Example:
         >>> ab = AutoBudget(cap=1e6, start_budget=1000)
-        >>> ab.propose()
-        BudgetPlan(token_budget=1000, quadratic_length=None, sample_cost=0.0)
-        >>> for b, l in [(4, 100), (2, 300), (8, 50), (1, 600), (3, 200), (6, 120), (5, 70)]:
-        ...     f = shape_features([l] * b)
-        ...     ab.observe(f, peak=100.0 * f[0] + 0.5 * f[1] + 1000.0 * f[2] + 2e5)
-        >>> ab.propose()   # fitted: budget (0.9 x 1e6 / 1.01 - 2e5) / 100, q = 100 / 0.5, 1000 / 100 a sample
-        BudgetPlan(token_budget=6910, quadratic_length=200, sample_cost=10.0)
+        >>> ab.propose().token_budget
+        1000
+        >>> for b, l, s in [(4, 100, 30), (2, 300, 290), (8, 50, 10), (1, 600, 100), (3, 200, 200), (6, 120, 60),
+        ...                 (5, 70, 35)]:
+        ...     f = shape_features([l] * b, supervised=[s] * b)
+        ...     ab.observe(f, peak=100.0 * f[0] + 0.5 * f[1] + 1000.0 * f[2] + 2e5 + 300.0 * f[4])
+        >>> p = ab.propose()   # fitted: budget (0.9 x 1e6 / 1.01 - 2e5) / 100, q ~ 100 / 0.5 (floored)
+        >>> p.token_budget, p.quadratic_length in (199, 200), p.sample_cost, p.loss_token_cost  # 1000 / 100, 300 / 100
+        (6910, True, 10.0, 3.0)
     """
 
     def __init__(self, cap: float, start_budget: int, *, packed: bool = False, margin: float = 0.1,
@@ -184,7 +114,8 @@ class AutoBudget:
         return (1.0 - self.margin) * self._cap_eff
 
     def observe(self, features: Any, peak: Optional[float] = None, seconds: Optional[float] = None) -> None:
-        """Feed one step: its batch's features (``shape_features``), its peak memory and/or its seconds.
+        """Feed one step: its batch's features (``shape_features``: its lengths, supervised tokens and image
+        patches), its peak memory and/or its seconds.
 
         Example:
             >>> ab = AutoBudget(1e6, 100); ab.observe(shape_features([10, 10]), peak=5e4, seconds=0.1)
@@ -220,6 +151,21 @@ class AutoBudget:
             return None
         return np.array(list(coef.values())) * self.memory.upper_factor
 
+    def side_ratios(self) -> np.ndarray:
+        """(2,) the most supervised tokens and image patches per token of any batch the memory model keeps
+        (what the worst batches at a length are assumed to hold; zeros before any point).
+
+        Example:
+            >>> ab = AutoBudget(1e6, 100); ab.observe(shape_features([10, 10], supervised=[5, 10]), peak=1.0)
+            >>> ab.side_ratios().tolist()
+            [0.75, 0.0]
+        """
+        pts = self.memory.points()
+        pts = pts[pts[:, 0] > 0]
+        if not len(pts):
+            return np.zeros(2)
+        return (pts[:, 4:6] / pts[:, :1]).max(axis=0)
+
     def model_plan(self) -> Optional[BudgetPlan]:
         """The plan the fitted memory model allows under the usable cap (None before fitted): the exact
         mapping of its linear upper bound, the budget then lowered until the largest batch at each length
@@ -232,16 +178,10 @@ class AutoBudget:
         up = self._upper_coefficients()
         if up is None:
             return None
-        a, b, c, d = (float(v) for v in up)
+        a, b, c, d, e, f = (float(v) for v in up)
         room = self._usable() - d
-        if room <= 0:
-            return BudgetPlan(self.min_budget, 1, 0.0)
-        a_eff = max(a, b, room / _MAX_BUDGET)  # >= a: conservative; >= b: q >= 1
-        budget = int(min(math.floor(room / a_eff), _MAX_BUDGET))
-        q = None if b <= 0 or a_eff / b > _MAX_BUDGET else max(1, int(math.floor(a_eff / b)))
-        s = min(_ceil_milli(c / a_eff), float(_MAX_BUDGET))
-        plan = BudgetPlan(max(self.min_budget, budget), q, s)
-        if self._worst_batches_fit(plan):
+        plan = plan_of_coefficients(a, b, c, e, f, room, self.min_budget)
+        if room <= 0 or self._worst_batches_fit(plan):
             return plan
         lo, hi = self.min_budget, plan.token_budget  # the largest budget whose worst batches fit
         while lo < hi:
@@ -256,16 +196,21 @@ class AutoBudget:
         """Whether, at each batch length the run has shown (33 quantiles of the observed batches'
         ``square_tokens / tokens``: their longest length padded, a token-weighted mean packed), the
         largest batch of that length the plan admits stays under the usable cap by the memory model's
-        full upper bound (the lengths never seen rely on the linear bound alone)."""
+        full upper bound (the lengths never seen rely on the linear bound alone). Each sample of such a
+        batch holds the most supervised tokens and patches per token seen (``side_ratios``)."""
         pts = self.memory.points()
         pts = pts[pts[:, 0] > 0]
         if not len(pts):
             return True
         seen = np.unique(np.quantile(pts[:, 1] / pts[:, 0], np.linspace(1 / 32, 1, 32)))
-        counts = plan.cost_model().copies_that_fit_unrounded(np.ceil(seen)[:, None]).astype(np.float64)
+        side = np.outer(seen, self.side_ratios())  # per sample: supervised tokens, patches
+        cost = plan.cost_model()
+        counts = cost.copies_that_fit_unrounded(np.ceil(seen)[:, None], cost.side_cost(side[:, ::-1]))
+        counts = counts.astype(np.float64)
         keep = counts >= 1
-        lengths, counts = seen[keep], counts[keep]
-        feats = np.stack([counts * lengths, counts * lengths * lengths, counts, np.ones_like(counts)], axis=1)
+        lengths, counts, side = seen[keep], counts[keep], side[keep]
+        feats = np.stack([counts * lengths, counts * lengths * lengths, counts, np.ones_like(counts),
+                          counts * side[:, 0], counts * side[:, 1]], axis=1)
         return bool((self.memory.upper(feats) <= self._usable()).all()) if len(feats) else True
 
     def propose(self) -> BudgetPlan:
@@ -286,12 +231,12 @@ class AutoBudget:
                 # memory per token only falls as batches grow (the constant spreads): the budget at which
                 # the costliest batch per token seen would reach the usable cap is safe
                 budget = math.floor(min(budget * self.growth, usable / self._window_rate))
-            plan = BudgetPlan(max(self.min_budget, budget), None, 0.0)
+            plan = BudgetPlan(max(self.min_budget, budget))
         else:
             budget = model.token_budget
             if self._last is not None and self._oom_pending:
                 budget = min(budget, math.floor(0.9 * self._last.token_budget))
-            plan = BudgetPlan(max(self.min_budget, budget), model.quadratic_length, model.sample_cost)
+            plan = dataclasses.replace(model, token_budget=max(self.min_budget, budget))
         self._budget = plan.token_budget
         self._last = plan
         self._window_rate = None
@@ -300,7 +245,8 @@ class AutoBudget:
 
     def longest_fitting_length(self) -> Optional[int]:
         """The longest sample whose batch of one stays under the usable cap by the memory model's linear
-        upper bound, ``predict x upper_factor`` (None before fitted; 0 when none does).
+        upper bound, ``predict x upper_factor`` (None before fitted; 0 when none does); the sample holds
+        the most supervised tokens and patches per token seen (``side_ratios``).
 
         Example:
             >>> print(AutoBudget(1e6, 100).longest_fitting_length())
@@ -309,7 +255,8 @@ class AutoBudget:
         up = self._upper_coefficients()
         if up is None:
             return None
-        a, b, c, d = (float(v) for v in up)
+        a, b, c, d, e, f = (float(v) for v in up)
+        a += float(np.array([e, f]) @ self.side_ratios())  # a sample's side costs per token
         room = self._usable() - c - d
         if room < 0:
             return 0
@@ -318,8 +265,8 @@ class AutoBudget:
             # gave 0 for a b of float noise (1e-17) next to a of 100 (the sample "could not fit" any cap)
             x = 2.0 * room / (a + math.sqrt(a * a + 4.0 * b * room))
         else:
-            x = float(_MAX_BUDGET)
-        length = int(min(math.floor(x), _MAX_BUDGET))
+            x = float(MAX_BUDGET)
+        length = int(min(math.floor(x), MAX_BUDGET))
         while length > 0 and a * length + b * length * length + c + d > self._usable():
             length -= 1
         return length
@@ -342,21 +289,24 @@ class AutoBudget:
         """
         if self.max_length_fits(length):
             return
-        need = self.memory.predict(shape_features([int(length)], self.packed)) * self.memory.upper_factor
+        side = self.side_ratios() * int(length)
+        need = self.memory.predict(shape_features([int(length)], self.packed, side[0], side[1]))
+        need *= self.memory.upper_factor
         raise ValueError(
             f"a sample of length {int(length)} needs about {need:.4g} of memory by the fitted step model, over "
             f"{1 - self.margin:g} x the memory cap {self._cap_eff:.4g}: no batch can hold it (the longest that "
             f"fits is {self.longest_fitting_length()}). Fix: raise the memory cap, lower margin, or truncate "
             f"samples to at most that length.")
 
-    def time_cost(self, lengths: Any) -> Optional[float]:
-        """Predicted seconds of a step on a batch of these lengths (None before the time model is fitted).
+    def time_cost(self, lengths: Any, supervised: Any = None, patches: Any = None) -> Optional[float]:
+        """Predicted seconds of a step on a batch of these lengths, supervised tokens and image patches (per
+        sample, or None) (None before the time model is fitted).
 
         Example:
             >>> print(AutoBudget(1e6, 100).time_cost([10, 20]))
             None
         """
-        return self.time.predict(shape_features(lengths, self.packed))
+        return self.time.predict(shape_features(lengths, self.packed, supervised, patches))
 
     def metrics(self) -> Dict[str, Any]:
         """The models' coefficients and errors, the effective cap and the last proposal (plain data).
@@ -435,8 +385,9 @@ class AutoBudget:
         self.min_budget = int(state["min_budget"])
         self._budget = int(state["budget"])
         last = state["last"]
-        self._last = None if last is None else BudgetPlan(int(last["token_budget"]), last["quadratic_length"],
-                                                          float(last["sample_cost"]))
+        self._last = None if last is None else BudgetPlan(
+            int(last["token_budget"]), last["quadratic_length"], float(last["sample_cost"]),
+            float(last.get("loss_token_cost", 0.0)), float(last.get("image_patch_cost", 0.0)))
         self._window_rate = None if state["window_rate"] is None else float(state["window_rate"])
         self._oom_pending = bool(state["oom_pending"])
         self._ooms = int(state["ooms"])

@@ -81,7 +81,7 @@ def estimate_steps(lengths: np.ndarray, n_samples: int, cfg: ODBConfig, *, world
     n, m = int(n_samples), len(lengths)
     if n <= 0 or m == 0:
         return 0
-    cfg = cfg.replace(image_patches_key=None, max_image_patches=None, budget_schedule=None)
+    cfg = cfg.replace(image_patches_key=None, max_image_patches=None, image_patch_cost=0.0, budget_schedule=None)
     rng = np.random.default_rng(seed)
     limit = SIMULATE_MAX // lengths.shape[1]  # planning several dimensions costs more per sample
     n_sim = min(n, limit)

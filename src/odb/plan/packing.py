@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from odb.plan.cost import CostModel
+from odb.plan.cost import CostModel, split_side
 from odb.plan.pool_plan import PoolPlan
 
 
@@ -82,7 +82,7 @@ def _sorted_sizes(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, patches
     padded = cost.pad(lengths)
     fits = cost.copies_that_fit(padded, patches)
     ok = np.flatnonzero(fits > 0)
-    weights = cost.sample_weights(padded[ok]) if len(ok) else np.zeros(0)
+    weights = cost.sample_weights(padded[ok], None if patches is None else patches[ok]) if len(ok) else np.zeros(0)
     order = np.lexsort((np.asarray(ids)[ok], -weights))
     return ok[order], weights[order], np.flatnonzero(fits == 0)
 
@@ -93,7 +93,8 @@ def _pack(positions: np.ndarray, weights: np.ndarray, cost: CostModel, patches: 
     exact = cost.integer_weights  # integer weights: pack with Python ints, exactly
     sizes = weights.astype(np.int64).tolist() if exact else weights.tolist()
     cap = int(cost.total_budget * share) if exact else cost.row_capacity * share
-    patch_list = None if patches is None or cost.max_patches is None else patches[positions].tolist()
+    counts = split_side(patches)[0]
+    patch_list = None if counts is None or cost.max_patches is None else counts[positions].tolist()
     max_items = None if cost.max_batch == np.iinfo(np.int64).max else int(cost.max_batch)
     rows = best_fit_decreasing(sizes, cap, max_items, patch_list, cost.max_patches)
     return [positions[np.asarray(r, dtype=np.int64)] for r in rows]
@@ -138,8 +139,9 @@ def plan_packed_window(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, *,
 def _fill(row: np.ndarray, weight_of: np.ndarray, cost: CostModel, patches: Optional[np.ndarray]) -> float:
     """The share of the budget a row uses (of the patch cap, when that is the fuller one)."""
     fill = float(weight_of[row].sum()) / cost.total_budget
-    if patches is not None and cost.max_patches is not None:
-        fill = max(fill, float(patches[row].sum()) / cost.max_patches)
+    counts = split_side(patches)[0]
+    if counts is not None and cost.max_patches is not None:
+        fill = max(fill, float(counts[row].sum()) / cost.max_patches)
     return fill
 
 

@@ -36,8 +36,9 @@ class Pairing(Protocol):
     def ready(self) -> bool:
         """Whether this rank prices this window's groups (exchanged: the ranks pair by it only when all are)."""
 
-    def price(self, padded: np.ndarray) -> Optional[int]:
-        """The pairing cost of a group of these padded lengths ((n, D) ints), or None: the planner's cost."""
+    def price(self, padded: np.ndarray, side: Optional[np.ndarray] = None) -> Optional[int]:
+        """The pairing cost of a group of these padded lengths ((n, D) ints) and side counts ((n, 2): image
+        patches, supervised tokens; odb.plan.cost.split_side), or None: the planner's cost."""
 
 
 class TokenPairing:
@@ -51,14 +52,15 @@ class TokenPairing:
     def ready(self) -> bool:
         return True
 
-    def price(self, padded: np.ndarray) -> Optional[int]:
+    def price(self, padded: np.ndarray, side: Optional[np.ndarray] = None) -> Optional[int]:
         return None
 
 
 class TimePairing:
     """``balance="time"``: predicted step seconds (in microseconds) pair the groups, once the step-time
     model frozen for the window predicts. ``model`` has ``time_fitted(step)`` and ``time_cost(step,
-    padded)`` (``odb.epoch.auto.AutoControl``: token_budget="auto" fits it)."""
+    padded, side)`` (``odb.epoch.auto.AutoControl``: token_budget="auto" fits it, with the batch's
+    supervised tokens and image patches among its features, so vision cost counts)."""
 
     prices = True
 
@@ -75,8 +77,8 @@ class TimePairing:
     def ready(self) -> bool:
         return bool(self.model.time_fitted(self.frozen_at))
 
-    def price(self, padded: np.ndarray) -> Optional[int]:
-        seconds = self.model.time_cost(self.frozen_at, padded)
+    def price(self, padded: np.ndarray, side: Optional[np.ndarray] = None) -> Optional[int]:
+        seconds = self.model.time_cost(self.frozen_at, padded, side)
         return None if seconds is None else int(round(seconds * 1e6))
 
 

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from odb.plan.cost import CostModel
+from odb.plan.cost import CostModel, split_side
 from odb.plan.packing import balanced_rows, plan_packed_window
 from odb.plan.pool_plan import PoolPlan
 
@@ -74,7 +74,9 @@ def greedy_segments(counts: np.ndarray, multiple: int) -> List[tuple]:
 def _max_counts_sorted(cost: CostModel, padded: np.ndarray, patches: Optional[np.ndarray]) -> np.ndarray:
     """The counts of ``cost.max_counts_sorted``, fast with several length dimensions too.
 
-    With one dimension CostModel's answer is vectorised already. With several it scans
+    ``patches``: the samples' side counts (``odb.plan.cost.split_side``), or None. With one
+    dimension and no side costs CostModel's answer is vectorised already. With several (or side
+    costs, which sum over a run) it scans
     the running maxima from every start in Python, O(n x batch size). A run that does
     not fit stays unfit as it grows, so a binary search on the run length, for all
     starts at once, asks CostModel's own feasibility test of range maxima read from a
@@ -85,8 +87,11 @@ def _max_counts_sorted(cost: CostModel, padded: np.ndarray, patches: Optional[np
         [1, 1, 2, 1]
     """
     n, dims = padded.shape
-    if dims == 1 or n == 0:
-        return cost.max_counts_sorted(padded, patches)
+    side, (patches, _) = patches, split_side(patches)
+    extra = cost.side_cost(side)
+    if (dims == 1 and extra is None) or n == 0:
+        return cost.max_counts_sorted(padded, side)
+    cum_extra = None if extra is None else np.concatenate(([0.0], np.cumsum(extra)))
     w = cost.token_weight(padded)
     lo = np.zeros(n, dtype=np.int64)  # a run this long fits
     hi = np.minimum(cost.copies_that_fit_unrounded(padded), np.arange(n, 0, -1))  # none longer fits
@@ -108,7 +113,8 @@ def _max_counts_sorted(cost: CostModel, padded: np.ndarray, patches: Optional[np
         mid = (a_lo + a_hi + 1) // 2
         level = np.frexp(mid.astype(np.float64))[1] - 1  # floor(log2(mid)), exact for these sizes
         w_max = np.maximum(table[level, active], table[level, active + mid - (1 << level)])
-        ok = cost.per_sample_cost_ok(w_max, mid)  # the test CostModel applies to each prefix
+        side_sum = None if cum_extra is None else cum_extra[active + mid] - cum_extra[active]
+        ok = cost.per_sample_cost_ok(w_max, mid, side_sum)  # the test CostModel applies to each prefix
         lo[active] = np.where(ok, mid, a_lo)
         hi[active] = np.where(ok, a_hi, mid - 1)
         active = active[lo[active] < hi[active]]
@@ -206,7 +212,7 @@ class SortedPool:
     lengths: np.ndarray  # (n, D) every sample's real lengths, in the pool's order
     order: np.ndarray  # positions of the samples that fit, sorted
     padded: np.ndarray  # their padded lengths, in that order
-    patches: Optional[np.ndarray]  # their image patches, in that order (None without a patch cap)
+    patches: Optional[np.ndarray]  # their side counts (patches; (n, 2) with supervised tokens), in that order
     oversize: np.ndarray  # positions of the samples that alone exceed the budget
     fits: np.ndarray  # copies of each sample (every position) that fit one batch
 
@@ -245,7 +251,8 @@ def plan_window(
         final: the data has ended: emit everything (no carry).
         pack_efficiency: emit a run when its tokens reach this share of a full batch.
         carry_limit: the most samples carried to the next window.
-        patches: (n,) image patches per sample, when a patch cap is set.
+        patches: the samples' side counts when a patch cap or side costs are set: (n,) image patches,
+            or (n, 2) image patches and supervised tokens (``odb.plan.cost.split_side``).
 
     Example:
         >>> import numpy as np

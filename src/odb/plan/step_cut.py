@@ -33,11 +33,12 @@ from odb.plan.cost import CostModel
 from odb.plan.planner import PoolPlan, SortedPool, plan_window
 
 
-def least_cost_segments(pad_s: np.ndarray, counts: np.ndarray, cost: CostModel, overhead: float
-                        ) -> List[Tuple[int, int]]:
+def least_cost_segments(pad_s: np.ndarray, counts: np.ndarray, cost: CostModel, overhead: float,
+                        side: Optional[np.ndarray] = None) -> List[Tuple[int, int]]:
     """(start, stop) runs of the sorted padded lengths ``pad_s`` ((n, D), decreasing) that minimise the sum of
     their batch costs plus ``overhead`` each; ``counts[i]`` is the largest feasible run starting at i. Ties
-    go to the larger run (fewer micro-batches).
+    go to the larger run (fewer micro-batches). ``side``: the samples' side counts in that order
+    (``odb.plan.cost.split_side``; their side costs add to each run's cost), or None.
 
     Example:
         >>> cm = CostModel((100,))
@@ -49,6 +50,8 @@ def least_cost_segments(pad_s: np.ndarray, counts: np.ndarray, cost: CostModel, 
     best[n] = 0.0
     nxt = np.zeros(n, dtype=np.int64)
     single_dim = pad_s.shape[1] == 1
+    extra = cost.side_cost(side)
+    cum_extra = None if extra is None else np.concatenate(([0.0], np.cumsum(extra)))
     for i in range(n - 1, -1, -1):
         k = int(min(counts[i], n - i))
         sizes = np.arange(1, k + 1)
@@ -58,6 +61,8 @@ def least_cost_segments(pad_s: np.ndarray, counts: np.ndarray, cost: CostModel, 
             run_cost = sizes * cost.batch_cost(pad_s[i:i + 1])
         else:
             run_cost = np.array([cost.batch_cost(pad_s[i:i + s]) for s in sizes])
+        if cum_extra is not None:
+            run_cost = run_cost + (cum_extra[i + sizes] - cum_extra[i])
         total = run_cost + overhead + best[i + sizes]
         pick = len(total) - 1 - int(np.argmin(total[::-1]))  # the largest run among the cheapest
         best[i], nxt[i] = total[pick], i + int(sizes[pick])
@@ -75,5 +80,6 @@ def plan_step_share(lengths: np.ndarray, ids: np.ndarray, cost: CostModel, overh
     if cost.packed:
         return plan_window(lengths, ids, cost, final=True, patches=patches)
     pool = SortedPool.of(lengths, ids, cost, patches)
-    runs = least_cost_segments(pool.padded, cost.max_counts_sorted(pool.padded, pool.patches), cost, overhead)
+    runs = least_cost_segments(pool.padded, cost.max_counts_sorted(pool.padded, pool.patches), cost, overhead,
+                               pool.patches)
     return PoolPlan([pool.order[s:e] for s, e in runs], np.empty(0, dtype=np.int64), pool.oversize)

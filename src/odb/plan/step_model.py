@@ -1,18 +1,27 @@
 """A model of one training step fitted online: peak memory or seconds from a batch's shape (pure numpy).
 
-A step's cost is modelled as a nonnegative linear function of four features of its batch
+A step's cost is modelled as a nonnegative linear function of six features of its batch
 (``FEATURES``)::
 
-    value ~ a * tokens + b * square_tokens + c * samples + d
+    value ~ a * tokens + b * square_tokens + c * samples + d + e * supervised_tokens + f * image_patches
 
 Padded, a batch of B samples whose longest has length L holds ``tokens = B * L`` and
 ``square_tokens = B * L**2`` (attention without a fused kernel is quadratic in L); packed
 (one row of samples end to end), ``tokens = sum L`` and ``square_tokens = sum L**2``.
 ``samples = B`` and ``constant = 1`` (weights, optimizer state, the allocator's reserve).
+``supervised_tokens`` is the sum over the batch's samples of their supervised tokens (labels !=
+ignore_index): a plain cross-entropy materializes logits for every token (``a`` holds them, about
+vocabulary x bytes per token), a chunked or fused loss (TRL's fused LM head, Liger's fused linear
+cross-entropy) only for the supervised ones (``e`` holds them). ``image_patches`` is the sum of the
+samples' image patches (the vision tower's activations; 0 without images).
+
+A feature that no point sets (no images), or that the points kept cannot tell apart from the
+others (every token supervised in packed rows: ``supervised_tokens == tokens``), is left out of
+the fit (coefficient 0): what it would cost is then carried by the features it moved with.
 
 ``StepModel`` keeps the last ``max_points`` observations and fits the coefficients by
 least squares on *relative* residuals (a batch twice as large weighs the same), exactly
-nonnegative (the four-variable NNLS is solved over every support), robust to outliers
+nonnegative (the NNLS of a few variables is solved over every support), robust to outliers
 (iteratively reweighted with Huber weights, points beyond 3 robust sigmas dropped).
 ``upper`` is the conservative bound the memory planner uses: the prediction times
 ``1 + `` a high quantile of the relative residuals (at least ``floor``), plus ``z`` standard
@@ -28,66 +37,24 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-FEATURES = ("tokens", "square_tokens", "samples", "constant")
+from odb.plan.step_features import FEATURES, N_FEATURES as _N, N_SHAPE as _BASE, as_features as _as_features
+from odb.plan.step_features import shape_features, window_features
 
-_N = len(FEATURES)
+__all__ = ["FEATURES", "StepModel", "nnls", "shape_features", "window_features"]
+
 _MIN_POINTS = 6
 _RANK_TOL = 1e-9  # smallest singular value / largest of the column-scaled design: below it, not identified
+# A further feature is fitted only when at least this share of it (relative norm) is not a combination of the
+# features already fitted: a feature that moved almost in step with them leaves the split of the cost unknown, and
+# a fit that split it wrongly would underestimate the batches where they part (a tiny HF Llama whose supervised
+# tokens were 60% of its tokens in every batch: 1.4% unexplained, a fit all on supervised tokens, 1.2x the cap).
+_NEW_FEATURE_SHARE = 0.05
 _STATE_KEYS = ("name", "max_points", "floor", "quantile", "z", "features", "values", "coef", "covariance",
                "upper_factor", "relative_error")
-
-
-def shape_features(lengths: Any, packed: bool = False) -> np.ndarray:
-    """The (4,) features of one batch (``FEATURES``) from its samples' lengths.
-
-    ``lengths`` is (B,) or (B, D); with several length dimensions the first is used.
-
-    Example:
-        >>> shape_features([3, 5]).tolist()            # padded: 2 x 5 tokens, 2 x 25 squared
-        [10.0, 50.0, 2.0, 1.0]
-        >>> shape_features([[3, 1], [5, 1]], packed=True).tolist()
-        [8.0, 34.0, 2.0, 1.0]
-    """
-    arr = np.asarray(lengths, dtype=np.float64)
-    if arr.ndim == 2:
-        arr = arr[:, 0]
-    if arr.ndim != 1 or len(arr) == 0:
-        raise ValueError(
-            f"lengths of shape {np.shape(lengths)}: a batch's features need its samples' lengths as a "
-            f"non-empty (B,) or (B, D) array. Fix: pass the lengths of the batch's samples.")
-    if (arr < 0).any() or not np.isfinite(arr).all():
-        raise ValueError(
-            f"lengths {arr.tolist()[:8]}: a length must be a finite number >= 0. Fix: pass measured lengths.")
-    b = float(len(arr))
-    if packed:
-        return np.array([arr.sum(), (arr * arr).sum(), b, 1.0])
-    top = float(arr.max())
-    return np.array([b * top, b * top * top, b, 1.0])
-
-
-def window_features(groups: Sequence[Any], packed: bool = False) -> np.ndarray:
-    """(n, 4) features of n batches, one row each (``shape_features`` of each group's lengths).
-
-    Example:
-        >>> window_features([[3, 5], [8]]).tolist()
-        [[10.0, 50.0, 2.0, 1.0], [8.0, 64.0, 1.0, 1.0]]
-    """
-    if len(groups) == 0:
-        return np.zeros((0, _N))
-    return np.stack([shape_features(g, packed) for g in groups])
-
-
-def _as_features(features: Any) -> np.ndarray:
-    f = np.asarray(features, dtype=np.float64)
-    if f.shape[-1:] != (_N,) or f.ndim > 2 or not np.isfinite(f).all() or (f < 0).any():
-        raise ValueError(
-            f"features of shape {f.shape}: a step model takes {_N} finite nonnegative features "
-            f"{FEATURES} per batch. Fix: build them with odb.plan.step_model.shape_features(lengths).")
-    return f
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -116,13 +83,14 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def _covariance(xs: np.ndarray, ys: np.ndarray, weights: np.ndarray, coef: np.ndarray) -> np.ndarray:
     """The coefficients' covariance in the scaled problem: the weighted residual variance times the
-    inverse normal matrix of all four columns (a coefficient held at 0 may still be uncertain: two
+    inverse normal matrix of all the fitted columns (a coefficient held at 0 may still be uncertain: two
     features that moved together in the points kept leave their split unknown, and that must widen
     the bound where they part)."""
+    n_cols = xs.shape[1]
     used = weights > 0
-    dof = int(used.sum()) - _N
+    dof = int(used.sum()) - n_cols
     if dof <= 0:
-        return np.zeros((_N, _N))
+        return np.zeros((n_cols, n_cols))
     r = xs @ coef - ys
     sigma2 = float((weights * r * r).sum()) / dof
     z = xs * np.sqrt(weights)[:, None]
@@ -142,13 +110,13 @@ class StepModel:
 
     Example:
         >>> m = StepModel("memory")
-        >>> for b, l in [(4, 10), (2, 30), (8, 5), (1, 60), (3, 20), (6, 12), (5, 7)]:
-        ...     f = shape_features([l] * b)
-        ...     m.observe(f, 2.0 * f[0] + 0.01 * f[1] + 5.0 * f[2] + 100.0)
+        >>> for b, l, s in [(4, 10, 3), (2, 30, 25), (8, 5, 1), (1, 60, 10), (3, 20, 20), (6, 12, 4), (5, 7, 7)]:
+        ...     f = shape_features([l] * b, supervised=[s] * b)   # no images: image_patches stays out
+        ...     m.observe(f, 2.0 * f[0] + 0.01 * f[1] + 5.0 * f[2] + 100.0 + 3.0 * f[4])
         >>> {k: round(v, 6) for k, v in m.coefficients().items()}
-        {'tokens': 2.0, 'square_tokens': 0.01, 'samples': 5.0, 'constant': 100.0}
-        >>> round(m.predict(shape_features([10, 10])), 6)
-        152.0
+        {'tokens': 2.0, 'square_tokens': 0.01, 'samples': 5.0, 'constant': 100.0, 'supervised_tokens': 3.0, 'image_patches': 0.0}
+        >>> round(m.predict(shape_features([10, 10], supervised=[4, 6])), 6)
+        182.0
     """
 
     def __init__(self, name: str, max_points: int = 512, *, floor: float = 0.01, quantile: float = 0.95,
@@ -156,7 +124,7 @@ class StepModel:
         if int(max_points) < _MIN_POINTS:
             raise ValueError(
                 f"max_points={max_points!r}: a step model needs at least {_MIN_POINTS} points to fit "
-                f"{_N} coefficients robustly. Fix: pass max_points >= {_MIN_POINTS} (default 512).")
+                f"{_BASE} coefficients robustly. Fix: pass max_points >= {_MIN_POINTS} (default 512).")
         if not (0.0 <= floor < 10.0) or not (0.5 <= quantile <= 1.0) or not (0.0 <= z < 100.0):
             raise ValueError(
                 f"floor={floor!r}, quantile={quantile!r}, z={z!r}: the upper bound's margin must be in [0, 10), its "
@@ -186,7 +154,7 @@ class StepModel:
         v = float(value)
         if f.ndim != 1 or not math.isfinite(v) or v < 0:
             raise ValueError(
-                f"{self.name}: observed value {value!r} for features of shape {f.shape}: one batch's (4,) "
+                f"{self.name}: observed value {value!r} for features of shape {f.shape}: one batch's (6,) "
                 f"features and a finite value >= 0 are needed. Fix: pass shape_features(lengths) and the "
                 f"measured {self.name}.")
         self._x.append([float(t) for t in f])
@@ -203,12 +171,13 @@ class StepModel:
 
         Example:
             >>> m = StepModel("memory"); m.observe(shape_features([2, 3]), 1.0); m.points().tolist()
-            [[6.0, 18.0, 2.0, 1.0]]
+            [[6.0, 18.0, 2.0, 1.0, 0.0, 0.0]]
         """
         return np.asarray(self._x, dtype=np.float64).reshape(-1, _N)
 
-    def _identified(self, x: np.ndarray) -> bool:
-        if len(x) < _MIN_POINTS or len(np.unique(x, axis=0)) < _N:
+    @staticmethod
+    def _well_posed(x: np.ndarray) -> bool:
+        if len(np.unique(x, axis=0)) < x.shape[1]:
             return False
         scale = np.abs(x).max(axis=0)
         if (scale <= 0).any():
@@ -216,24 +185,44 @@ class StepModel:
         s = np.linalg.svd(x / scale, compute_uv=False)
         return bool(s[-1] > _RANK_TOL * s[0])
 
+    def _columns(self, x: np.ndarray) -> Optional[List[int]]:
+        """The features fitted on these points: the four shape features (None when they do not span their
+        directions: not fitted), and each further feature that the points set and tell apart from those
+        (at least ``_NEW_FEATURE_SHARE`` of it not a combination of them)."""
+        if len(x) < _MIN_POINTS or not self._well_posed(x[:, :_BASE]):
+            return None
+        cols = list(range(_BASE))
+        for k in range(_BASE, _N):
+            if not self._well_posed(x[:, cols + [k]]):
+                continue
+            xs = x[:, cols + [k]] / np.abs(x[:, cols + [k]]).max(axis=0)
+            rest = xs[:, -1] - xs[:, :-1] @ np.linalg.lstsq(xs[:, :-1], xs[:, -1], rcond=None)[0]
+            if np.linalg.norm(rest) >= _NEW_FEATURE_SHARE * np.linalg.norm(xs[:, -1]):
+                cols.append(k)
+        return cols
+
     def fit(self) -> bool:
         """Fit the coefficients on the points kept; returns whether the model is fitted (enough points,
-        features that span the four directions). Called lazily by the predictions.
+        features whose four shape directions are spanned). Called lazily by the predictions.
 
         Example:
             >>> m = StepModel("memory"); m.observe(shape_features([4]), 10.0); m.fit()
             False
         """
         self._dirty = False
-        x = np.asarray(self._x, dtype=np.float64).reshape(-1, _N)
+        full = np.asarray(self._x, dtype=np.float64).reshape(-1, _N)
         y = np.asarray(self._y, dtype=np.float64)
-        if not self._identified(x):
+        cols = self._columns(full)
+        if cols is None:
             self._coef, self._upper, self._rel_error = None, 1.0 + self.floor, None
             self._cov = np.zeros((_N, _N))
             return False
+        x = full[:, cols]
+        n_cols = len(cols)
         scale = np.abs(x).max(axis=0)
         xn = x / scale  # columns of comparable size; coefficients in these units until the end
-        coef_s = self._robust_start(xn, y, None if self._coef is None else self._coef * scale)
+        previous = None if self._coef is None else self._coef[cols] * scale
+        coef_s = self._robust_start(xn, y, previous)
         weights = np.ones(len(y))
         rows = np.ones(len(y))
         for _ in range(20):
@@ -246,7 +235,7 @@ class StepModel:
             k, a = 1.345 * sigma, np.abs(r)
             weights = np.where(a <= k, 1.0, k / np.maximum(a, 1e-300))
             weights[a > 3.0 * sigma] = 0.0
-            if np.count_nonzero(weights) < _N:
+            if np.count_nonzero(weights) < n_cols:
                 weights = np.ones(len(y))
             sw = rows * np.sqrt(weights)
             new = nnls(xn * sw[:, None], y * sw)
@@ -255,9 +244,11 @@ class StepModel:
             if done:
                 break
         xs, ys = xn * rows[:, None], y * rows
-        self._coef = np.maximum(coef_s / scale, 0.0)
-        self._cov = _covariance(xs, ys, weights, coef_s) / np.outer(scale, scale)
-        pred = x @ self._coef
+        self._coef = np.zeros(_N)
+        self._coef[cols] = np.maximum(coef_s / scale, 0.0)
+        self._cov = np.zeros((_N, _N))
+        self._cov[np.ix_(cols, cols)] = _covariance(xs, ys, weights, coef_s) / np.outer(scale, scale)
+        pred = full @ self._coef
         rel = y / np.maximum(pred, 1e-300) - 1.0
         self._upper = 1.0 + max(self.floor, float(np.quantile(rel, self.quantile)))
         self._rel_error = float(np.median(np.abs(rel)))
@@ -272,7 +263,7 @@ class StepModel:
         xs, ys = xn * inv[:, None], y * inv
         candidates = [nnls(xs, ys)] + ([] if previous is None else [previous])
         rng = np.random.default_rng(len(y))
-        size = min(len(y), 2 * _N)
+        size = min(len(y), 2 * xn.shape[1])
         for _ in range(40):
             pick = rng.choice(len(y), size=size, replace=False)
             candidates.append(nnls(xs[pick], ys[pick]))
@@ -395,10 +386,13 @@ class StepModel:
         self.floor = float(state["floor"])
         self.quantile = float(state["quantile"])
         self.z = float(state["z"])
-        self._x = [[float(t) for t in r] for r in state["features"]]
+        self._x = [[float(t) for t in _as_features(r)] for r in state["features"]]
         self._y = [float(v) for v in state["values"]]
-        self._coef = None if state["coef"] is None else np.asarray(state["coef"], dtype=np.float64)
-        self._cov = np.asarray(state["covariance"], dtype=np.float64).reshape(_N, _N)
+        self._coef = None if state["coef"] is None else _as_features(np.asarray(state["coef"], dtype=np.float64))
+        cov = np.asarray(state["covariance"], dtype=np.float64)
+        self._cov = np.zeros((_N, _N))
+        k = int(round(math.sqrt(cov.size)))  # 4 x 4 in a state saved before the further features
+        self._cov[:k, :k] = cov.reshape(k, k)
         self._upper = float(state["upper_factor"])
         self._rel_error = None if state["relative_error"] is None else float(state["relative_error"])
         self._dirty = False

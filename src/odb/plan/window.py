@@ -190,7 +190,9 @@ class WindowPlanner:
         if count <= 0 or self._carry_len is None or not len(self._carry_ids):
             return []
         plan = plan_window(self._carry_len, self._carry_ids, self.cost, final=True, patches=self._carry_patches)
-        costs = [self.cost.batch_cost(self.cost.pad(self._carry_len[g])) for g in plan.groups]
+        side = self._carry_patches
+        costs = [self.cost.batch_cost(self.cost.pad(self._carry_len[g]), None if side is None else side[g])
+                 for g in plan.groups]
         chosen = [plan.groups[k] for k in np.argsort(-np.asarray(costs), kind="stable")[:count]]
         keep = np.ones(len(self._carry_ids), dtype=bool)
         for g in chosen:
