@@ -75,6 +75,7 @@ from transformers import LlamaForCausalLM, TrainerCallback  # noqa: E402
 
 import odb  # noqa: E402
 from odb.integrations import llamafactory as odb_lf  # noqa: E402
+from odb.integrations.llamafactory_compat import transformers5_args  # noqa: E402
 
 pytestmark = [pytest.mark.llamafactory, pytest.mark.timeout(240)]
 
@@ -562,13 +563,13 @@ def test_warmup_ratio_becomes_warmup_steps_on_transformers_5():
         pytest.skip("this transformers still has warmup_ratio: run_exp passes it through")
     with pytest.warns(UserWarning, match=r"warmup_ratio=0.1 as warmup_steps=0.1.*Fix, to silence this: write "
                                          r"warmup_steps: 0.1"):
-        assert odb_lf._transformers5_args({"stage": "sft", "warmup_ratio": 0.1}) == {"stage": "sft",
+        assert transformers5_args({"stage": "sft", "warmup_ratio": 0.1}) == {"stage": "sft",
                                                                                       "warmup_steps": 0.1}
     with pytest.warns(UserWarning, match="warmup_steps=0.05"):
-        assert odb_lf._transformers5_args(["--stage", "sft", "--warmup_ratio", "0.05"]) == \
+        assert transformers5_args(["--stage", "sft", "--warmup_ratio", "0.05"]) == \
             ["--stage", "sft", "--warmup_steps", "0.05"]
-    assert odb_lf._transformers5_args({"warmup_steps": 10}) == {"warmup_steps": 10}
+    assert transformers5_args({"warmup_steps": 10}) == {"warmup_steps": 10}
     with pytest.raises(ValueError, match="both warmup_ratio=0.1 and warmup_steps.*Fix: keep one"):
-        odb_lf._transformers5_args({"warmup_ratio": 0.1, "warmup_steps": 5})
+        transformers5_args({"warmup_ratio": 0.1, "warmup_steps": 5})
     with pytest.raises(ValueError, match=r"warmup_ratio=2.*\[0, 1\)"):
-        odb_lf._transformers5_args(["--warmup_ratio=2"])
+        transformers5_args(["--warmup_ratio=2"])

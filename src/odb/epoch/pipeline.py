@@ -8,6 +8,9 @@ When the producer ends early (it raised, the training thread stopped it, or abor
 with an error of its own), ``announce(error or None)`` runs once, after the error is
 queued for the training thread: under torch.distributed it tells the other ranks at
 their next exchange, so they stop too instead of waiting for this rank.
+
+A batch may also be handed over uncollated (``LazyBatch``): the first thread that needs it collates
+it (``made``), so a batch thread that falls behind does not keep the training thread waiting.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 _END = object()
 Announce = Callable[[Optional[BaseException]], None]
@@ -183,3 +186,47 @@ class BatchPipeline:
             thread.join(timeout=min(0.05, timeout_s))
             timeout_s -= 0.05
         return not thread.is_alive()
+
+
+class LazyBatch:
+    """A planned batch whose collate runs once, on the first thread that asks for it.
+
+    The batch thread collates every batch right after queuing it; when it falls behind
+    (a training step that holds the GIL makes it wait for the GIL at every torch call),
+    the training thread collates the batch it needs itself instead of waiting for those
+    hand-offs. One lock per epoch: the user's collate_fn never runs on two threads at once.
+
+    Example:
+        >>> import threading
+        >>> b = LazyBatch([1, 2], None, lambda samples, info: sum(samples), threading.Lock())
+        >>> b.get(), b.get()
+        (3, 3)
+    """
+
+    __slots__ = ("_samples", "_info", "_finish", "_lock", "_batch", "_error")
+
+    def __init__(self, samples: List[Any], info: Any, finish: Callable[[List[Any], Any], Any],
+                 lock: Any) -> None:
+        self._samples: Optional[List[Any]] = samples
+        self._info, self._finish, self._lock = info, finish, lock
+        self._batch: Any = None
+        self._error: Optional[BaseException] = None
+
+    def get(self) -> Any:
+        """The collated batch (collated now, on this thread, unless it already is)."""
+        with self._lock:
+            if self._samples is not None:
+                samples, self._samples = self._samples, None
+                try:
+                    self._batch = self._finish(samples, self._info)
+                except BaseException as err:  # raised to every thread that asks
+                    self._error = err
+            if self._error is not None:
+                raise self._error
+            return self._batch
+
+
+def made(item: Any) -> Any:
+    """``(batch, cursor)`` with a LazyBatch collated (odb.epoch.pipeline's ``make``)."""
+    batch, cursor = item
+    return (batch.get(), cursor) if type(batch) is LazyBatch else item

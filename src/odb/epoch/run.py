@@ -26,6 +26,7 @@ from odb.config import ODBConfig
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
+from odb.epoch.pipeline import LazyBatch
 from odb.epoch.run_state import retained_positions, step_from_row, step_row
 from odb.plan.pairing import make_pairing
 from odb.data.source import SampleSource
@@ -35,50 +36,6 @@ from odb.plan.window import WindowPlanner, window_limits
 from odb.epoch.budget import FixedBudget, WindowBudget
 
 ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
-
-
-class LazyBatch:
-    """A planned batch whose collate runs once, on the first thread that asks for it.
-
-    The batch thread collates every batch right after queuing it; when it falls behind
-    (a training step that holds the GIL makes it wait for the GIL at every torch call),
-    the training thread collates the batch it needs itself instead of waiting for those
-    hand-offs. One lock per epoch: the user's collate_fn never runs on two threads at once.
-
-    Example:
-        >>> import threading
-        >>> b = LazyBatch([1, 2], None, lambda samples, info: sum(samples), threading.Lock())
-        >>> b.get(), b.get()
-        (3, 3)
-    """
-
-    __slots__ = ("_samples", "_info", "_finish", "_lock", "_batch", "_error")
-
-    def __init__(self, samples: List[Any], info: Any, finish: Callable[[List[Any], Any], Any],
-                 lock: Any) -> None:
-        self._samples: Optional[List[Any]] = samples
-        self._info, self._finish, self._lock = info, finish, lock
-        self._batch: Any = None
-        self._error: Optional[BaseException] = None
-
-    def get(self) -> Any:
-        """The collated batch (collated now, on this thread, unless it already is)."""
-        with self._lock:
-            if self._samples is not None:
-                samples, self._samples = self._samples, None
-                try:
-                    self._batch = self._finish(samples, self._info)
-                except BaseException as err:  # raised to every thread that asks
-                    self._error = err
-            if self._error is not None:
-                raise self._error
-            return self._batch
-
-
-def made(item: Any) -> Any:
-    """``(batch, cursor)`` with a LazyBatch collated (odb.epoch.pipeline's ``make``)."""
-    batch, cursor = item
-    return (batch.get(), cursor) if type(batch) is LazyBatch else item
 
 
 class EpochRun:

@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader
 
 from odb.comm.protocol import ExchangeFactory, RankExchange
 from odb.epoch.known import known_epoch
-from odb.epoch.pipeline import BatchPipeline
-from odb.epoch.run import EpochRun, made
+from odb.epoch.pipeline import BatchPipeline, made
+from odb.epoch.run import EpochRun
 from odb.loader.epoch_modes import KnownLengthsEpoch, OnlineEpoch
 from odb.loader.inner import InnerLoaders
 from odb.loader.sources import EpochSources
