@@ -140,8 +140,8 @@ def run_rank(rank: int, ranks: ThreadRanks, lengths: np.ndarray, balance: str, s
     timed_from: List[int] = []  # the first step of each window paired by predicted seconds
     original = auto.time_cost
 
-    def time_cost(mark: Any, lens: Any) -> Any:
-        seconds = original(mark, lens)
+    def time_cost(mark: Any, lens: Any, side: Any = None) -> Any:
+        seconds = original(mark, lens, side)
         if seconds is not None and not timed_from:
             timed_from.append(int(loader.odb_core.run.step))
         return seconds

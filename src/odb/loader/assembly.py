@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Set, Tuple, Union
@@ -24,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from odb.comm.protocol import ExchangeFactory, RankExchange
+from odb.epoch.cursor import Cursor
 from odb.epoch.known import known_epoch
 from odb.epoch.pipeline import BatchPipeline, made
 from odb.epoch.run import EpochRun
@@ -37,6 +39,7 @@ class Epoch(NamedTuple):
     """The parts of one epoch the loader keeps."""
 
     run: EpochRun
+    cursor: Cursor  # where the epoch stands before its first batch (taken before the batch thread starts)
     pipeline: BatchPipeline
     mode: Union[OnlineEpoch, KnownLengthsEpoch]
     batches: Iterator[Any]
@@ -90,6 +93,7 @@ class EpochAssembly:
                                                     transform=self.transform, cfg=cfg, known=known, order=order))
         else:
             run.take_snapshot()
+        cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))  # before the batch thread moves it
         watch = source.watch  # a worker that died is the cause to announce, not the stop or error it led to
 
         def announce(error: Optional[BaseException]) -> None:  # a failure or stop reaches every rank
@@ -103,7 +107,7 @@ class EpochAssembly:
             start=known is None)
         if known is None:
             online = OnlineEpoch(owner, run, pipeline)
-            return Epoch(run, pipeline, online, online.batches())
+            return Epoch(run, cursor, pipeline, online, online.batches())
         inner = self.inner.known(self.group_collate)
         sampler = inner.batch_sampler
         sampler.next_epoch(pipeline)
@@ -113,7 +117,7 @@ class EpochAssembly:
         mode = KnownLengthsEpoch(owner, run, pipeline, steps)
         resume_totals = run_state["position"]["step_tokens"] if run_state is not None else None  # a step split by it
         batches = watch.follow(iter(inner))  # workers start here (a persistent inner loader's, the first time)
-        return Epoch(run, pipeline, mode,
+        return Epoch(run, cursor, pipeline, mode,
                      mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch)))
 
     def _new_exchange(self, settled: bool) -> Optional[RankExchange]:

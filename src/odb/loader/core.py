@@ -191,8 +191,7 @@ class LoaderCore:
             self.own_sampler.set_epoch(epoch)
         built = self.assembly.build(self, epoch=epoch, seed=self.seed, state=state, previous=self.mode,
                                     settled=self.pipeline_done)
-        self.run, self.pipeline, self.mode = built.run, built.pipeline, built.mode
-        self.cursor = Cursor(built.run.snapshot, 0, dataclasses.replace(built.run.stats))
+        self.run, self.cursor, self.pipeline, self.mode = built.run, built.cursor, built.pipeline, built.mode
         return built.batches
 
     def accumulation(self) -> Optional[int]:
