@@ -669,7 +669,7 @@ def vlm_table(vlm: Dict[str, Any], markdown: bool = False) -> str:
     for name, w in vlm["workloads"].items():
         spi = w.get("patches_per_image_sample") or {}
         parts += [f"{h}{name}: {w['samples']} samples ({100 * w['image_share']:.0f}% with images, "
-                  f"{spi.get('min', 0)}-{spi.get('max', 0)} patches each), mean {w['mean_length']:.0f} / max "
+                  f"{spi.get('min', 0)}-{spi.get('max', 0)} patches per sample with images), mean {w['mean_length']:.0f} / max "
                   f"{w['max_length']} tokens; cap {w['token_budget']} tokens and {w['max_image_patches']} patches "
                   f"per micro-batch, B = {w['batch_size']}, A = {w['accumulation']}, G = {w['global_batch_size']}", ""]
         rows = []
