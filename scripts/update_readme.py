@@ -254,9 +254,9 @@ def _vlm_run_line(results: Dict[str, Any]) -> str:
     """Where the VLM figures come from: the merged --only-vlm run, else the run of the whole file."""
     run = results.get("meta", {}).get("vlm_run")
     if run:
-        return (f"from `{run['command']}` ({run['wall_s'] / 60:.1f} min{_where(run)}, {run.get('date', 'date unknown')}, "
+        return (f", from `{run['command']}` ({run['wall_s'] / 60:.1f} min{_where(run)}, {run.get('date', 'date unknown')}; "
                 f"load average {_loads(run.get('load'))})")
-    return "from the run above"
+    return ", from the run above"
 
 
 def vlm_section(results: Dict[str, Any]) -> List[str]:
@@ -276,7 +276,7 @@ def vlm_section(results: Dict[str, Any]) -> List[str]:
                 f"{a['micro_steps']} ({a['steps']})", f"{a['padding_share']:.2f}",
                 f"{a['tokens_per_s']['median'] / gbl:.2f}x"]) + " |")
     worst = vlm["worst"]
-    return [f"**Vision-language training** ({_vlm_run_line(results)}): tiny Qwen2-VL and LLaVA built from configs with "
+    return [f"**Vision-language training**{_vlm_run_line(results)}: tiny Qwen2-VL and LLaVA built from configs with "
             f"their real processors, chat samples of which about half carry 1-2 images of {vlm['sides'][0]}-"
             f"{vlm['sides'][1]} px, 1 process ({vlm['threads']} CPU thread); every arm trains the same G = B x A "
             "samples per optimizer step under one memory cap (padded tokens per micro-batch, B the largest whose "
@@ -331,7 +331,8 @@ def docs_section(results: Dict[str, Any]) -> str:
     machine = meta.get("machine", {})
     wall = results.get("wall_s", {})
     lines = [DOCS_BEGIN, "",
-             _run_line(results) + f"; {meta.get('date', 'date unknown')}.",
+             _run_line(results) + f"; {meta.get('date', 'date unknown')}."
+             + (f" Vision-language section{_vlm_run_line(results)}." if meta.get("vlm_run") else ""),
              f"Machine: {machine.get('platform', '?')}, Python {machine.get('python', '?')}, "
              f"torch used {machine.get('torch_threads', '?')} threads{', GPU ' + machine['gpu'] if machine.get('gpu') else ', no GPU'}. "
              "Wall time per section: " + ", ".join(f"{k} {v:.1f} s" for k, v in wall.items()) + "." + _load_text(meta),

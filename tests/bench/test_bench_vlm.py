@@ -77,6 +77,6 @@ def test_the_tables_and_the_readme_are_generated_from_the_results(qwen: Dict[str
     done = subprocess.run(args + ["--allow-quick"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     block = readme.read_text().split("<!-- odb-bench:begin")[1].split("<!-- odb-bench:end")[0]
-    assert "**Vision-language training** (from `python -m odb.bench --only-vlm`" in block
+    assert "**Vision-language training**, from `python -m odb.bench --only-vlm` (" in block
     assert f"| {fixed:,.0f} |" in block and "Worst case, each odb arm" in block
     assert "## Vision-language training" in docs.read_text()
