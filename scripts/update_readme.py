@@ -293,21 +293,7 @@ def vlm_section(results: Dict[str, Any]) -> List[str]:
 
 def merge_vlm(results_path: str, run_path: str) -> None:
     """Write into ``results_path`` the vision-language section of the run at ``run_path`` and where it came from."""
-    with open(results_path) as f:
-        results = json.load(f)
-    with open(run_path) as f:
-        run = json.load(f)
-    if "vlm_training" not in run:
-        raise SystemExit(f"{run_path} has no vlm_training section. Fix: python -m odb.bench --only-vlm --out DIR")
-    results["vlm_training"] = run["vlm_training"]
-    meta = run.get("meta", {})
-    results.setdefault("meta", {})["vlm_run"] = {
-        "command": meta.get("command"), "wall_s": run.get("wall_s", {}).get("total", 0.0), "git": meta.get("git"),
-        "date": meta.get("date"), "quick": meta.get("quick"),
-        "load": [meta.get("load_average_start"), meta.get("load_average_end")]}
-    with open(results_path, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"{results_path}: vlm_training section from {run_path}")
+    _merge_section(results_path, run_path, "vlm_training", "vlm_run", "--only-vlm")
 
 
 def section(results: Dict[str, Any]) -> str:
@@ -401,24 +387,31 @@ def _update(path: str, new: str, check: bool, source: str) -> bool:
     return True
 
 
-def merge_convergence(results_path: str, run_path: str) -> None:
-    """Write into ``results_path`` the convergence section of the run at ``run_path`` and where it came from."""
+def _merge_section(results_path: str, run_path: str, key: str, run_key: str, flag: str) -> Dict[str, Any]:
+    """Put section ``key`` of the run at ``run_path`` into ``results_path``, its command, time and commit under
+    ``meta[run_key]``; the merged results."""
     with open(results_path) as f:
         results = json.load(f)
     with open(run_path) as f:
         run = json.load(f)
-    if "convergence" not in run:
-        raise SystemExit(f"{run_path} has no convergence section. Fix: python -m odb.bench --only-convergence --out DIR")
-    (results.get("training") or {}).pop("convergence", None)  # the earlier loss-vs-time run, superseded
-    results["convergence"] = run["convergence"]
+    if key not in run:
+        raise SystemExit(f"{run_path} has no {key} section. Fix: python -m odb.bench {flag} --out DIR")
+    results[key] = run[key]
     meta = run.get("meta", {})
-    results.setdefault("meta", {})["convergence_run"] = {
+    results.setdefault("meta", {})[run_key] = {
         "command": meta.get("command"), "wall_s": run.get("wall_s", {}).get("total", 0.0), "git": meta.get("git"),
         "date": meta.get("date"), "quick": meta.get("quick"),
         "load": [meta.get("load_average_start"), meta.get("load_average_end")]}
+    (results.get("training") or {}).pop(key, None)  # an earlier run of the section inside training, superseded
     with open(results_path, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"{results_path}: convergence section from {run_path}")
+    print(f"{results_path}: {key} section from {run_path}")
+    return results
+
+
+def merge_convergence(results_path: str, run_path: str) -> None:
+    """Write into ``results_path`` the convergence section of the run at ``run_path`` and where it came from."""
+    _merge_section(results_path, run_path, "convergence", "convergence_run", "--only-convergence")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
