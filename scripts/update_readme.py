@@ -5,6 +5,7 @@
     python scripts/update_readme.py                      # docs/results/bench.json -> README.md, docs/benchmarks.md
     python scripts/update_readme.py RESULTS --readme PATH [--docs PATH | --no-docs] [--gpu PATH] [--allow-quick] [--check]
     python scripts/update_readme.py docs/results/bench.json --merge-convergence out/conv/results.json
+    python scripts/update_readme.py docs/results/bench.json --merge-vlm out/vlm/results.json
 
 The GPU blocks come from ``--gpu`` (default docs/results/bench_gpu.json, the results of
 ``scripts/gpu_check.sh`` on a CUDA machine), where the file and the blocks' markers exist.
@@ -245,6 +246,56 @@ def convergence_section(conv: Dict[str, Any]) -> List[str]:
     return out
 
 
+VLM_LABELS = {"fixed": "fixed batch", "group_by_length": "group_by_length", "odb_padded": "**odb padded**",
+              "odb_packed": "**odb packed**"}
+
+
+def _vlm_run_line(results: Dict[str, Any]) -> str:
+    """Where the VLM figures come from: the merged --only-vlm run, else the run of the whole file."""
+    run = results.get("meta", {}).get("vlm_run")
+    if run:
+        return (f", from `{run['command']}` ({run['wall_s'] / 60:.1f} min{_where(run)}, {run.get('date', 'date unknown')}; "
+                f"load average {_loads(run.get('load'))})")
+    return ", from the run above"
+
+
+def vlm_section(results: Dict[str, Any]) -> List[str]:
+    """The VLM block: real tokens/s and vision patches/s of every arm per model, at one memory cap."""
+    vlm = results["vlm_training"]
+    header = ["model", "arm", "real tokens/s", "vision patches/s", "micro-steps (optimizer steps)", "padding share",
+              "x group_by_length"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for name, w in vlm["workloads"].items():
+        gbl = w["arms"]["group_by_length"]["tokens_per_s"]["median"]
+        for i, (key, label) in enumerate(VLM_LABELS.items()):
+            a = w["arms"][key]
+            first = (f"{name} ({w['samples']} samples, mean / max {w['mean_length']:.0f} / {w['max_length']} tokens, "
+                     f"B = {w['batch_size']}, G = {w['global_batch_size']})") if i == 0 else ""
+            lines.append("| " + " | ".join([
+                first, label, f"{a['tokens_per_s']['median']:,.0f}", f"{a['patches_per_s']['median']:,.0f}",
+                f"{a['micro_steps']} ({a['steps']})", f"{a['padding_share']:.2f}",
+                f"{a['tokens_per_s']['median'] / gbl:.2f}x"]) + " |")
+    worst = vlm["worst"]
+    return [f"**Vision-language training**{_vlm_run_line(results)}: tiny Qwen2-VL and LLaVA built from configs with "
+            f"their real processors, chat samples of which about half carry 1-2 images of {vlm['sides'][0]}-"
+            f"{vlm['sides'][1]} px, 1 process ({vlm['threads']} CPU thread); every arm trains the same G = B x A "
+            "samples per optimizer step under one memory cap (padded tokens per micro-batch, B the largest whose "
+            "longest sample fits, and B x the most patches of one sample); median of "
+            f"{vlm['rounds']} interleaved rounds (spread, caps and settings in docs/benchmarks.md). TRL's "
+            "SFTTrainer trains VLMs as the padded fixed or group_by_length arm (TRL 1.16 refuses packing and "
+            "padding-free rows for vision data).", "", *lines, "",
+            "Worst case, each odb arm's lowest ratio over a baseline: " + "; ".join(
+                f"{o.replace('_', ' ')} {w['ratio']:.2f}x {w['baseline']} ({w['workload']})" for o, w in worst.items())
+            + ". group_by_length sorts the samples into steps by length (a step of long samples, then one of short "
+              "ones); odb with `global_batch_size` keeps each step's random samples (fixed's steps) and groups only "
+              "within a step, so padded odb pads more than group_by_length; packed rows pad nothing."]
+
+
+def merge_vlm(results_path: str, run_path: str) -> None:
+    """Write into ``results_path`` the vision-language section of the run at ``run_path`` and where it came from."""
+    _merge_section(results_path, run_path, "vlm_training", "vlm_run", "--only-vlm")
+
+
 def section(results: Dict[str, Any]) -> str:
     intro = (_run_line(results) + "; published with `make publish` into docs/results/bench.json. Method, definitions "
              "and every table: [docs/benchmarks.md](docs/benchmarks.md).")
@@ -253,6 +304,8 @@ def section(results: Dict[str, Any]) -> str:
         body += [*convergence_section(results["convergence"]), ""]
     if results.get("training", {}).get("ranks2"):
         body += [*training_section(results["training"]), ""]
+    if results.get("vlm_training"):
+        body += [*vlm_section(results), ""]
     body += headline_section(results)
     return "\n".join([BEGIN, *body, END])
 
@@ -264,7 +317,8 @@ def docs_section(results: Dict[str, Any]) -> str:
     machine = meta.get("machine", {})
     wall = results.get("wall_s", {})
     lines = [DOCS_BEGIN, "",
-             _run_line(results) + f"; {meta.get('date', 'date unknown')}.",
+             _run_line(results) + f"; {meta.get('date', 'date unknown')}."
+             + (f" Vision-language section{_vlm_run_line(results)}." if meta.get("vlm_run") else ""),
              f"Machine: {machine.get('platform', '?')}, Python {machine.get('python', '?')}, "
              f"torch used {machine.get('torch_threads', '?')} threads{', GPU ' + machine['gpu'] if machine.get('gpu') else ', no GPU'}. "
              "Wall time per section: " + ", ".join(f"{k} {v:.1f} s" for k, v in wall.items()) + "." + _load_text(meta),
@@ -333,24 +387,31 @@ def _update(path: str, new: str, check: bool, source: str) -> bool:
     return True
 
 
-def merge_convergence(results_path: str, run_path: str) -> None:
-    """Write into ``results_path`` the convergence section of the run at ``run_path`` and where it came from."""
+def _merge_section(results_path: str, run_path: str, key: str, run_key: str, flag: str) -> Dict[str, Any]:
+    """Put section ``key`` of the run at ``run_path`` into ``results_path``, its command, time and commit under
+    ``meta[run_key]``; the merged results."""
     with open(results_path) as f:
         results = json.load(f)
     with open(run_path) as f:
         run = json.load(f)
-    if "convergence" not in run:
-        raise SystemExit(f"{run_path} has no convergence section. Fix: python -m odb.bench --only-convergence --out DIR")
-    (results.get("training") or {}).pop("convergence", None)  # the earlier loss-vs-time run, superseded
-    results["convergence"] = run["convergence"]
+    if key not in run:
+        raise SystemExit(f"{run_path} has no {key} section. Fix: python -m odb.bench {flag} --out DIR")
+    results[key] = run[key]
     meta = run.get("meta", {})
-    results.setdefault("meta", {})["convergence_run"] = {
+    results.setdefault("meta", {})[run_key] = {
         "command": meta.get("command"), "wall_s": run.get("wall_s", {}).get("total", 0.0), "git": meta.get("git"),
         "date": meta.get("date"), "quick": meta.get("quick"),
         "load": [meta.get("load_average_start"), meta.get("load_average_end")]}
+    (results.get("training") or {}).pop(key, None)  # an earlier run of the section inside training, superseded
     with open(results_path, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"{results_path}: convergence section from {run_path}")
+    print(f"{results_path}: {key} section from {run_path}")
+    return results
+
+
+def merge_convergence(results_path: str, run_path: str) -> None:
+    """Write into ``results_path`` the convergence section of the run at ``run_path`` and where it came from."""
+    _merge_section(results_path, run_path, "convergence", "convergence_run", "--only-convergence")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -367,12 +428,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="first put the convergence section of RUN (the results.json of `python -m odb.bench "
                         "--only-convergence`) into the results file, beside its other sections, and record RUN's "
                         "command, time and commit there (what a full `make demo` could not measure in one go)")
+    p.add_argument("--merge-vlm", metavar="RUN",
+                   help="first put the vision-language section of RUN (the results.json of `python -m odb.bench "
+                        "--only-vlm`) into the results file, and record RUN's command, time and commit there")
     args = p.parse_args(argv)
     if args.merge_convergence and not args.check:
         merge_convergence(args.results, args.merge_convergence)
+    if args.merge_vlm and not args.check:
+        merge_vlm(args.results, args.merge_vlm)
     with open(args.results) as f:
         results = json.load(f)
-    if ((results.get("meta", {}).get("quick") or (results.get("meta", {}).get("convergence_run") or {}).get("quick"))
+    meta = results.get("meta", {})
+    if ((meta.get("quick") or (meta.get("convergence_run") or {}).get("quick") or (meta.get("vlm_run") or {}).get("quick"))
             and not args.allow_quick):
         print(f"{args.results} comes from a --quick run; README and docs left as they are (pass --allow-quick to use it).",
               file=sys.stderr)

@@ -1,8 +1,9 @@
 """The benchmark of ``make demo``: convergence at the user's settings, planner quality, ranks, loader cost,
-training speed, end to end.
+training speed, vision-language training, end to end.
 
     python -m odb.bench --out out/bench            # the full run (about 20 minutes on 2 cores)
     python -m odb.bench --out /tmp/b --quick       # tiny sizes, for the smoke test
+    python -m odb.bench --out out/vlm --only-vlm   # the vision-language training section alone
 
 Writes ``results.json``, ``bench.png``, ``training_loss.png``, ``step_metrics.png`` and ``summary.md``
 under ``--out`` and prints the tables and every goal, met or not; a line on stderr as each section
@@ -124,6 +125,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end benchmark")
     p.add_argument("--skip-packing", action="store_true", help="skip the packed-layout benchmark")
     p.add_argument("--skip-auto", action="store_true", help="skip the token_budget='auto' benchmark")
+    p.add_argument("--skip-vlm", action="store_true", help="skip the vision-language training benchmark")
+    p.add_argument("--only-vlm", action="store_true",
+                   help="the vision-language training section alone (its results.json and summary.md)")
     p.add_argument("--no-real", action="store_true", help="leave out the committed real-data workloads")
     return p.parse_args(argv)
 
@@ -146,6 +150,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     def section(name: str) -> None:
         print(f"[bench] {name} ({(time.perf_counter() - t_all) / 60:.1f} min so far)", file=sys.stderr, flush=True)
 
+    if args.only_vlm:
+        _vlm(args, results, section)
+        return _finish(args, results, t_all)
     if not args.skip_convergence:
         from odb.bench.convergence_run import run_convergence_section
 
@@ -210,6 +217,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["auto_budget"] = run_auto_budget(quick=args.quick, progress=progress)
         results["wall_s"]["auto_budget"] = time.perf_counter() - t0
 
+    if not args.skip_vlm:
+        _vlm(args, results, section)
+
     if not args.skip_e2e:
         section("end to end")
         from odb.bench.e2e import run_e2e
@@ -220,6 +230,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         results["wall_s"]["e2e"] = time.perf_counter() - t0
 
     return _finish(args, results, t_all)
+
+
+def _vlm(args: argparse.Namespace, results: Dict[str, Any], section: Callable[[str], None]) -> None:
+    """The vision-language training section (odb.bench.vlm_training): about 3 minutes on 2 cores."""
+    from odb.bench.vlm_training import run_vlm_training
+
+    section("vision-language training (Qwen2-VL, LLaVA; 1 process)")
+    t0 = time.perf_counter()
+    results["vlm_training"] = run_vlm_training(quick=args.quick)
+    results["wall_s"]["vlm_training"] = time.perf_counter() - t0
 
 
 def _finish(args: argparse.Namespace, results: Dict[str, Any], t_all: float) -> Dict[str, Any]:

@@ -635,6 +635,57 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
         parts += [f"{h}Packed layout (padding-free rows)", packing_tables(results["packing"], markdown), ""]
     if results.get("auto_budget"):
         parts += [f"{h}token_budget=\"auto\" under a memory cap", auto_budget_table(results["auto_budget"], markdown), ""]
+    if results.get("vlm_training"):
+        parts += [f"{h}Vision-language training (Qwen2-VL, LLaVA)", vlm_table(results["vlm_training"], markdown), ""]
+    return "\n".join(parts)
+
+
+VLM_LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "odb_padded": "odb padded",
+              "odb_packed": "odb packed"}
+
+
+def vlm_intro(vlm: Dict[str, Any]) -> str:
+    m = vlm["model"]
+    return (f"Tiny vision-language models built from configs (text decoder {m['layers']} layers x {m['hidden']} "
+            f"hidden, random weights) with their real processors; chat samples processed alone, about half with 1-2 "
+            f"noise images of sides {vlm['sides'][0]}-{vlm['sides'][1]} px (Qwen2-VL: image tokens and vision "
+            f"patches grow with the size; LLaVA resizes every image to one size). 1 process, {vlm['threads']} "
+            f"thread, AdamW lr {vlm['lr']:g}; every arm trains G = B x A samples per optimizer step with the step's "
+            f"token-mean loss; one memory cap: the token cap (padded tokens per micro-batch, B the largest whose "
+            f"longest sample fits) and a patch cap of B x the most patches of one sample; median (min-max) of "
+            f"{vlm['rounds']} interleaved rounds. real tokens/s = non-pad tokens (image tokens included) / epoch "
+            f"wall time; patches/s = image patches through the vision tower / epoch wall time. TRL's SFTTrainer is "
+            f"no arm of its own: TRL 1.16 refuses packing and padding-free rows for vision datasets, so it trains "
+            f"the padded batches of the fixed (its default) or group_by_length arm.")
+
+
+def vlm_table(vlm: Dict[str, Any], markdown: bool = False) -> str:
+    """The vision-language training section (odb.bench.vlm_training): every arm per workload, and the worst case."""
+    h = "### " if markdown else "-- "
+    parts = [vlm_intro(vlm), ""]
+    header = ["arm", "attention", "optimizer steps", "micro-steps", "samples / step", "padding share",
+              "max tokens / cap", "max patches / cap", "real tokens/s", "vision patches/s", "odb padded x",
+              "odb packed x"]
+    for name, w in vlm["workloads"].items():
+        spi = w.get("patches_per_image_sample") or {}
+        parts += [f"{h}{name}: {w['samples']} samples ({100 * w['image_share']:.0f}% with images, "
+                  f"{spi.get('min', 0)}-{spi.get('max', 0)} patches per sample with images), mean {w['mean_length']:.0f} / max "
+                  f"{w['max_length']} tokens; cap {w['token_budget']} tokens and {w['max_image_patches']} patches "
+                  f"per micro-batch, B = {w['batch_size']}, A = {w['accumulation']}, G = {w['global_batch_size']}", ""]
+        rows = []
+        for arm, m in w["arms"].items():
+            sps = m["samples_per_step"]
+            rows.append([VLM_LABELS.get(arm, arm), m["attention"], str(m["steps"]), str(m["micro_steps"]),
+                         f"{sps['min']}-{sps['max']}" if sps["min"] != sps["max"] else str(sps["min"]),
+                         f"{m['padding_share']:.3f}", f"{m['max_micro_batch_tokens']} / {w['token_budget']}",
+                         f"{m['max_micro_batch_patches']} / {w['max_image_patches']}",
+                         _ms(m["tokens_per_s"], "{:,.0f}"), _ms(m["patches_per_s"], "{:,.0f}")]
+                        + [_fmt(w["odb_over"][o].get(arm), "x{:.2f}") for o in ("odb_padded", "odb_packed")])
+        parts += [_table(header, rows, markdown), "",
+                  "settings: " + "; ".join(f"{VLM_LABELS.get(a, a)}: {t}" for a, t in w["settings"].items()), ""]
+    parts.append("worst case, each odb arm's lowest ratio of real tokens/s over a baseline: " + "; ".join(
+        f"{VLM_LABELS.get(o, o)} x{w['ratio']:.2f} {VLM_LABELS.get(w['baseline'])} ({w['workload']})"
+        for o, w in vlm["worst"].items()))
     return "\n".join(parts)
 
 
