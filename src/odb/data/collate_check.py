@@ -53,6 +53,11 @@ class PaddingHint:
     def __init__(self, collate_fn: Callable[[List[Any]], Any]) -> None:
         self.collate_fn = collate_fn
 
+    @property
+    def name(self) -> str:
+        """The wrapped collate's name, for messages."""
+        return getattr(self.collate_fn, "__name__", type(self.collate_fn).__name__)
+
     def __call__(self, samples: List[Any]) -> Any:
         try:
             batch = self.collate_fn(samples)
@@ -62,9 +67,8 @@ class PaddingHint:
             lengths = _lengths(samples)
             if lengths is None or min(lengths) == max(lengths):
                 raise
-            name = getattr(self.collate_fn, "__name__", type(self.collate_fn).__name__)
             raise RaggedBatchError(
-                f"odb's batch holds samples of {min(lengths)} to {max(lengths)} tokens, and collate_fn={name} "
+                f"odb's batch holds samples of {min(lengths)} to {max(lengths)} tokens, and collate_fn={self.name} "
                 f"failed to stack them ({type(err).__name__}: {str(err).splitlines()[0]}). Rule: token-budget "
                 f"batches mix lengths, so the collate_fn must pad (torch's default_collate and transformers' "
                 f"default_data_collator only stack equal sizes). Fix: pass a padding collator, e.g. "
@@ -73,9 +77,8 @@ class PaddingHint:
                 f"torch.nn.utils.rnn.pad_sequence.") from err
         dropped = dropped_image_fields(samples, batch)
         if dropped:
-            name = getattr(self.collate_fn, "__name__", type(self.collate_fn).__name__)
             raise DroppedImagesError(
-                f"collate_fn={name} returned a batch without {', '.join(dropped)}, which "
+                f"collate_fn={self.name} returned a batch without {', '.join(dropped)}, which "
                 f"{sum(1 for s in samples if any(_has(s, k) for k in dropped))} of its {len(samples)} samples carry "
                 f"(batch fields: {sorted(map(str, batch))[:12]}). Rule: a vision-language batch keeps its samples' "
                 f"images, each image field concatenated in sample order; without them the model trains the image "
