@@ -107,6 +107,12 @@ class FixedBudget:
     def on_oom(self) -> None:
         """A batch ran out of memory (odb.train.oom): a fixed budget learns nothing."""
 
+    def handed_out(self, step: int, ghost: bool) -> None:
+        """The training loop received step ``step``: a fixed budget measures nothing."""
+
+    def request(self) -> None:
+        """The training loop asks for the next batch."""
+
     def read_ahead_tokens(self) -> Optional[int]:
         """Real tokens the read-ahead holds at most (a window's)."""
         return self.options.window_tokens

@@ -43,7 +43,7 @@ class OnlineEpoch:
     def batches(self) -> Iterator[Any]:
         """The epoch's batches, each with its step info complete (``loader_wait_s`` included)."""
         core, run, pipeline = self.core, self.run, self.pipeline
-        key, check, auto = core.cfg.step_info_key, core.checks, core.auto
+        key, check, budget = core.cfg.step_info_key, core.checks, core.budget
         check.reset()
         try:
             for batch, cursor in pipeline:
@@ -52,11 +52,9 @@ class OnlineEpoch:
                 info = dataclasses.replace(info, loader_wait_s=pipeline.last_wait_s)
                 batch = attach_step_info(batch, info, key)
                 check.handed_out(batch, info)
-                if auto is not None:
-                    auto.handed_out(info.step, info.is_ghost)
+                budget.handed_out(info.step, info.is_ghost)  # (token_budget="auto" measures the step from here)
                 yield batch
-                if auto is not None:  # the loop asks for the next batch: the last one's step is over
-                    auto.request()
+                budget.request()  # the loop asks for the next batch: the last one's step is over
             check.finished()
         except Exception as err:  # raised while odb had the training thread: the other ranks hear this error
             pipeline.abort(err)  # (the batch thread's own errors were told already; a worker's death comes here
