@@ -47,11 +47,9 @@ class Stream(torch.utils.data.IterableDataset):
 
 def held(state: dict) -> int:
     """Samples the state names (carried, in planned steps, the ghost)."""
-    run = state["run"]
-    if "positions" in run:  # states of odb versions before 3
-        return len(run["positions"])
-    rows = [r for r in run["pending"] + run["chunk"] if r[0] is not None]
-    return len(run["carry"]) + sum(len(r[0]) for r in rows) + (run["ghost"] is not None)
+    from odb.epoch.run_state import retained_positions
+
+    return len(retained_positions(state["run"]))
 
 
 def timed(fn, repeats: int) -> float:
