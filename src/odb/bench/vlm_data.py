@@ -40,6 +40,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from odb.data.vision_fields import image_patches
+
 MODELS = ("qwen2_vl", "llava")
 # Qwen2.5-VL and Qwen3-VL take the samples of Qwen2-VL's processor (same image patches, tokens and template
 # here); build_model builds them too.
@@ -237,15 +239,11 @@ def vlm_samples(name: str, n: int, seed: int = 0, image_share: float = 0.5, max_
         labels = sample["input_ids"].clone()
         labels[:len(labels) - answer_len] = IGNORE
         sample["labels"] = labels
-        patches = 0
         if images:
             sample["pixel_values"] = enc["pixel_values"]
             if "image_grid_thw" in enc:
                 sample["image_grid_thw"] = enc["image_grid_thw"]
-                patches = int(enc["image_grid_thw"].prod(-1).sum())
-            else:
-                patches = count * (LLAVA_IMAGE // LLAVA_PATCH) ** 2
-        sample[PATCHES_KEY] = patches
+        sample[PATCHES_KEY] = image_patches(sample, patches_per_image=(LLAVA_IMAGE // LLAVA_PATCH) ** 2)
         out.append(sample)
     return out
 

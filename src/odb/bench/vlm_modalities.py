@@ -87,7 +87,9 @@ def compare(name: str, n: int, token_budget: int, max_image_patches: int, world:
     """The dummy image's cost and the aligned plan's micro-batches for ``n`` samples of model ``name``."""
     samples = V.vlm_samples(name, n, seed=0)
     dummy = dummy_image_for(V.build_model(name))
-    assert dummy is not None
+    if dummy is None:
+        raise ValueError(f"model {name!r} has no dummy image (odb.integrations.vlm.dummy_image_for): this comparison "
+                         f"needs one. Fix: pass one of {V.MODELS}.")
     per_dummy = dummy.pixel_shape[0] if dummy.grid is not None else dummy.tokens
     mixed = plan_ranks(samples, dummy, world, token_budget, max_image_patches)
     images = [s for s in samples if s[V.PATCHES_KEY] > 0]

@@ -57,6 +57,7 @@ from odb.bench import vlm_data as V
 from odb.bench.convergence import _chunks, _label_tokens, spread
 from odb.bench.training_arms import PACKED_ATTN, fixed_batch_size
 from odb.bench.training_run import _counts
+from odb.data.vision_fields import image_patches
 
 ARMS = ("fixed", "group_by_length", "odb_padded", "odb_packed")
 ODB_ARMS = ("odb_padded", "odb_packed")
@@ -81,11 +82,7 @@ def batch_patches(batch: Dict[str, Any]) -> int:
         >>> batch_patches({"image_grid_thw": torch.tensor([[1, 4, 6], [1, 2, 2]])}), batch_patches({})
         (28, 0)
     """
-    if "image_grid_thw" in batch:
-        return int(batch["image_grid_thw"].prod(-1).sum())
-    if "pixel_values" in batch:
-        return int(batch["pixel_values"].shape[0]) * (V.LLAVA_IMAGE // V.LLAVA_PATCH) ** 2
-    return 0
+    return image_patches(batch, patches_per_image=(V.LLAVA_IMAGE // V.LLAVA_PATCH) ** 2)
 
 
 def caps(samples: Sequence[Dict[str, Any]], cap: int) -> Dict[str, int]:

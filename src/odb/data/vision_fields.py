@@ -34,6 +34,27 @@ IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_v
 TOKEN_FIELDS = ("mm_token_type_ids", "token_type_ids")
 
 
+def image_patches(fields: Any, patches_per_image: int = 1) -> int:
+    """Image patches a sample or batch (a mapping) makes its vision tower run on: the patches of its
+    ``image_grid_thw`` rows (the Qwen-VL family), else its ``pixel_values`` images (one fixed-size image
+    per row, LLaVA-style) times ``patches_per_image``; 0 without images.
+
+    Example:
+        >>> import torch
+        >>> image_patches({"image_grid_thw": torch.tensor([[1, 4, 6], [1, 2, 2]])})
+        28
+        >>> image_patches({"pixel_values": torch.ones(2, 3, 8, 8)}, patches_per_image=4), image_patches({})
+        (8, 0)
+    """
+    grid = fields.get("image_grid_thw") if isinstance(fields, Mapping) else None
+    if grid is not None:
+        return int(grid.prod(-1).sum())
+    pixels = fields.get("pixel_values") if isinstance(fields, Mapping) else None
+    if pixels is not None and pixels.numel():
+        return int(pixels.shape[0]) * int(patches_per_image)
+    return 0
+
+
 def image_fields(samples: Sequence[Any]) -> Tuple[str, ...]:
     """The ``IMAGE_FIELDS`` that at least one of ``samples`` (mappings) holds, not None, in that order."""
     present = {k for s in samples if isinstance(s, Mapping) for k in IMAGE_FIELDS if s.get(k) is not None}

@@ -52,9 +52,10 @@ class WindowBudget(Protocol):
     def freeze_point(self, step: int) -> int:
         """The step whose measurements the window's models hold (what ``balance`` pairings freeze at)."""
 
-    def made(self, step: int, padded: np.ndarray, supervised: Sequence[int], patches: Sequence[int]) -> None:
-        """Step ``step`` was made of samples of (n, D) padded lengths, with these supervised tokens and image
-        patches each (not ghosts)."""
+    def made(self, step: int, lengths: np.ndarray, metas: Sequence[Any], cost: Any) -> None:
+        """Step ``step`` was made of samples of these (n, D) lengths and metas (lengths, supervised tokens,
+        image patches), planned under ``cost`` (not ghosts). Called for every batch: a budget that does not
+        measure does nothing here."""
 
     def check_length(self, length: int) -> None:
         """Refuse a sample that no batch can hold (the memory model's cap); fixed budgets refuse nothing here."""
@@ -148,7 +149,7 @@ class FixedBudget:
     def freeze_point(self, step: int) -> int:
         return step
 
-    def made(self, step: int, padded: np.ndarray, supervised: Sequence[int], patches: Sequence[int]) -> None:
+    def made(self, step: int, lengths: np.ndarray, metas: Sequence[Any], cost: Any) -> None:
         pass
 
     def check_length(self, length: int) -> None:
@@ -216,8 +217,8 @@ class AutoWindows:
     def freeze_point(self, step: int) -> int:
         return self._frozen_at
 
-    def made(self, step: int, padded: np.ndarray, supervised: Sequence[int], patches: Sequence[int]) -> None:
-        self.control.planned(step, padded, supervised, patches)
+    def made(self, step: int, lengths: np.ndarray, metas: Sequence[Any], cost: Any) -> None:
+        self.control.planned(step, cost.pad(lengths), [m[1] for m in metas], [m[2] for m in metas])
 
     def check_length(self, length: int) -> None:
         self.control.check_length(int(length))

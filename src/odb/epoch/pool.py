@@ -115,13 +115,13 @@ class SamplePool:
         return self._samples.get(sid)
 
 
-def side_needed(cfg: Any, auto: bool) -> bool:
+def side_needed(cfg: Any) -> bool:
     """Whether the planner needs the samples' side counts (``SamplePool.side``): a patch cap, a side cost,
     or token_budget="auto" (whose plans may price supervised tokens and patches from one window to the next).
 
     Example:
         >>> from odb.config import ODBConfig
-        >>> side_needed(ODBConfig(token_budget=64), False), side_needed(ODBConfig(token_budget=64), True)
+        >>> side_needed(ODBConfig(token_budget=64)), side_needed(ODBConfig(token_budget=64, loss_token_cost=0.5))
         (False, True)
     """
-    return bool(auto or cfg.image_patches_key is not None or cfg.image_patch_cost or cfg.loss_token_cost)
+    return bool(cfg.auto or cfg.image_patches_key is not None or cfg.image_patch_cost or cfg.loss_token_cost)

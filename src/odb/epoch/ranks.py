@@ -80,7 +80,7 @@ class RankAligner:
         # Every header has room for a plan proposal (zeros without token_budget="auto"), so that ranks with
         # and without "auto" exchange messages of one shape and the options check names the difference.
         self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (None: none sent)
-        self.side = side_needed(planner.cfg, planner.cfg.auto)  # the planner prices (or caps) patches, supervised tokens
+        self.side = side_needed(planner.cfg)  # the planner prices (or caps) patches, supervised tokens
         # how ranks pair their groups (balance): by the criterion's price in a window where it is ready on every
         # rank (a flag in the header), else by the planner's cost
         self.pairing = pairing if pairing is not None else TokenPairing()

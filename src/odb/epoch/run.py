@@ -371,7 +371,7 @@ class EpochRun:
         padded = self.planner.cost.group_tokens(lengths)
         local_loss = 0 if ghost else plan.local_loss_tokens
         if not ghost:
-            self.budget.made(self.step, self.planner.cost.pad(lengths), [m[1] for m in metas], [m[2] for m in metas])
+            self.budget.made(self.step, lengths, metas, self.planner.cost)
         info = ODBStepInfo(
             step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
             all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,

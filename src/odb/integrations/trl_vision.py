@@ -27,6 +27,7 @@ import sys
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
+from odb.data.vision_fields import image_patches as count_patches
 
 __all__ = ["PATCHES_KEY", "PadVisionCollate", "ProcessedSamples", "trl_vision_collator", "vision_samples"]
 
@@ -58,13 +59,7 @@ def image_patches(sample: Dict[str, Any]) -> int:
         >>> image_patches({"image_grid_thw": torch.tensor([[1, 4, 6], [1, 2, 2]])})
         28
     """
-    grid = sample.get("image_grid_thw")
-    if isinstance(grid, torch.Tensor):
-        return int(grid.prod(-1).sum())
-    pixels = sample.get("pixel_values")
-    if isinstance(pixels, torch.Tensor) and pixels.numel():
-        return int(pixels.shape[0])
-    return 0
+    return count_patches(sample)
 
 
 class ProcessedSamples(torch.utils.data.Dataset):
