@@ -12,8 +12,11 @@ an exchange cannot disturb the next one. ``GroupExchanges`` makes a loader's exc
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
-from typing import Any, List, Optional, Tuple
+import signal
+import threading
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -124,7 +127,8 @@ class GlooTransport:
         parts = [torch.full_like(local, _UNSET) for _ in range(self.world_size)]
         work = None
         try:
-            work = dist.all_gather(parts, local, group=self.group, async_op=True)
+            with _worker_deaths_held():  # posted and held by this rank, or neither
+                work = dist.all_gather(parts, local, group=self.group, async_op=True)
             work.wait()
         except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
             if work is not None and not work.is_completed() and not _finish(work):
@@ -138,6 +142,23 @@ class GlooTransport:
                 return torch.stack(parts).numpy()
             raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
         return torch.stack(parts).numpy()
+
+
+@contextlib.contextmanager
+def _worker_deaths_held() -> Iterator[None]:
+    """Hold SIGCHLD back from the main thread while a collective is posted. torch raises a DataLoader
+    worker's death from its SIGCHLD handler on the main thread, at whatever line runs there: between the
+    post and the assignment of its handle, this rank would drop a collective its peers complete with it,
+    and they would wait at the next exchange for an announcement that never comes. Held back, the signal
+    arrives when the block ends, with the handle in hand (``gather`` then sees the collective through)."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield  # no POSIX signals, or a thread that runs no Python signal handler
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _finish(work: Any, attempts: int = 3) -> bool:
