@@ -34,12 +34,20 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class _Meeting:
-    """Where the k-th exchange of every rank meets: a barrier and one slot per rank."""
+    """Where the k-th exchange of every rank meets: a barrier and one slot per rank.
+
+    The last rank to arrive stacks the slots once (the barrier's action, before any rank goes on), so a
+    gather costs one barrier and one stack however many ranks meet; a rank's next message may overwrite
+    its slot at once, since the stack of this gather stays until every rank has arrived at the next."""
 
     def __init__(self, world_size: int) -> None:
-        self.barrier = threading.Barrier(world_size)
+        self.barrier = threading.Barrier(world_size, action=self._stack)
         self.slots: List[Optional[np.ndarray]] = [None] * world_size
+        self.gathered: Optional[np.ndarray] = None
         self.joined = 0  # ranks that took their transport (the meeting is forgotten once all have)
+
+    def _stack(self) -> None:
+        self.gathered = np.stack(self.slots)  # type: ignore[arg-type]
 
 
 class ThreadTransport:
@@ -59,8 +67,7 @@ class ThreadTransport:
         try:
             meeting.slots[self.rank] = np.array(message, dtype=np.int64)
             meeting.barrier.wait(self.timeout_s)
-            out = np.stack(meeting.slots)  # type: ignore[arg-type]
-            meeting.barrier.wait(self.timeout_s)  # nobody overwrites a slot before every rank has read
+            out = meeting.gathered.copy()  # type: ignore[union-attr]  # each rank owns what it is handed
         except threading.BrokenBarrierError as err:
             meeting.barrier.abort()
             raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
