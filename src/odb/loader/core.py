@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -85,6 +86,12 @@ class LoaderCore:
                  exchanges: Optional[ExchangeFactory] = None) -> None:
         check_in_order(getattr(loader, "in_order", True))
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
+        # The loader holds this core; the core and its parts hold the loader weakly. Held strongly, the loader
+        # would sit in a reference cycle that only the garbage collector frees, and the collector finalizes a
+        # torch iterator's queues before the iterator: its workers never hear that they are done, and the
+        # collection waits 5 s per worker before torch kills them. A loader freed by its count lets go of its
+        # workers at once (``release``).
+        owner, loader = loader, weakref.proxy(loader)
         self.loader = loader
         # The window budget (odb.epoch.budget): fixed, scheduled or token_budget="auto"; it holds the options
         self.budget = make_budget(cfg, lengths)
@@ -114,6 +121,7 @@ class LoaderCore:
         self.checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
         self.plan_options = PlanOptions()
         cfg.step_samples(self.world()[1])  # refuses a global_batch_size that the ranks cannot share, now
+        weakref.finalize(owner, self.release)
 
     @property
     def cfg(self) -> ODBConfig:
@@ -276,6 +284,17 @@ class LoaderCore:
             self.pipeline_done = pipeline.close()
             if late is not None:
                 raise late
+
+    def release(self) -> None:
+        """The loader is gone: end the epoch under way and let go of every worker process (a source that
+        ``len()`` kept, the inner loader kept by ``persistent_workers``)."""
+        try:
+            self.stop()
+        finally:
+            if self.run is not None:
+                self.run.source.close()
+            self.sources.drop_prepared()
+            self.inner.forget()
 
     def epoch_over(self, run: EpochRun) -> None:
         """An epoch ran to its end: its counters are final and its step count is the loader's len()."""

@@ -131,7 +131,7 @@ class ODBLoaderMixin(DataLoader):
         self._odb.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return self._odb.iterate()
+        return _held(self, self._odb.iterate())  # the epoch starts now (workers, the ranks' group)
 
     def __len__(self) -> int:
         """Batches (micro-batches) per epoch: exact after a full epoch, else an estimate from sample lengths."""
@@ -251,6 +251,12 @@ class ODBDataLoader(ODBLoaderMixin):
         self.odb_attach(LoaderCore(self, cfg, shuffle=batch_order, seed=seed, group_collate=self.collate_fn,
                                    sample_transform=None, own_sampler=own, lengths=lengths,
                                    exchanges=exchange_factory(cfg, process_group, exchange)))
+
+
+def _held(loader: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    """``batches``, holding ``loader``: an iteration keeps its loader alive (``for b in ODBDataLoader(...)``),
+    and a loader that is gone lets go of its epoch and workers (odb.loader.core.LoaderCore.release)."""
+    yield from batches
 
 
 def group_collate_for(loader: DataLoader, collate_fn: Optional[Callable]) -> tuple:

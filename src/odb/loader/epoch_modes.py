@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from odb.loader.core import LoaderCore
 
 
+# How far up the training loop is from a check made in a mode's generator: the check, the generator, and
+# the loader's iterator (odb.loader.dataloader._held), which the loop calls.
+LOOP = 4
+
 class OnlineEpoch:
     """An epoch planned online: the pipeline's thread reads, plans and collates."""
 
@@ -51,11 +55,11 @@ class OnlineEpoch:
                 info = batch[key] if isinstance(batch, Mapping) else getattr(batch, key)
                 info = dataclasses.replace(info, loader_wait_s=pipeline.last_wait_s)
                 batch = attach_step_info(batch, info, key)
-                check.handed_out(batch, info)
+                check.handed_out(batch, info, stacklevel=LOOP)
                 budget.handed_out(info.step, info.is_ghost)  # (token_budget="auto" measures the step from here)
                 yield batch
                 budget.request()  # the loop asks for the next batch: the last one's step is over
-            check.finished()
+            check.finished(stacklevel=LOOP)
         except Exception as err:  # raised while odb had the training thread: the other ranks hear this error
             pipeline.abort(err)  # (the batch thread's own errors were told already; a worker's death comes here
             raise  # from torch's SIGCHLD handler when the thread waits for a batch)
@@ -96,9 +100,10 @@ class KnownLengthsEpoch:
         check.reset()
         try:
             for batch in batches:
-                check.handed_out(batch, batch[key] if isinstance(batch, Mapping) else getattr(batch, key))
+                info = batch[key] if isinstance(batch, Mapping) else getattr(batch, key)
+                check.handed_out(batch, info, stacklevel=LOOP)
                 yield batch
-            check.finished()
+            check.finished(stacklevel=LOOP)
         finally:
             close = getattr(batches, "close", None)
             if close is not None:  # as `yield from` did: a loop that stopped early ends the steps' generator first

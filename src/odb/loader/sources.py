@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -136,7 +135,6 @@ class EpochSources:
                 self.own_sampler.set_epoch(epoch)
             source, marks = self.source()
             self.prepared = self._sampler_epoch(epoch) + (source, marks)
-            weakref.finalize(self.loader, source.close)  # a loader dropped without iterating lets go of its workers
         source = self.prepared[2]
         want = min(DEFAULT_PROBE, n)
         try:
