@@ -5,7 +5,8 @@ rank workers it runs, importable by name from every test (``from helpers import 
 
 Markers (deselect with ``-m "not slow"`` and so on):
   slow         long-running tests
-  dist         real multi-process torch.distributed runs (gloo, one fresh interpreter per rank)
+  dist         real multi-process torch.distributed runs (gloo, one process per rank, forked from a server
+               that imported torch and the frameworks once: tests/support/dist_harness.py)
   llamafactory LLaMA-Factory's real SFT trainer (fails where it does not import; skipped, saying so, on
                Python < 3.11, which it needs)
   trl          TRL's real SFTTrainer

@@ -1,6 +1,6 @@
 """Real multi-process runs on a gloo group (dist_harness spawns one process per rank).
 
-Slow by nature (each rank is a fresh interpreter importing torch), so they are few and
+Slower than threads (each rank is a process of its own, forked from dist_harness's server), so they are
 marked ``dist``: deselect with ``-m "not dist"``. The simulated protocol is covered in
 depth by test_align.py; these check what only real processes show: DistributedSampler
 padding, DataLoader workers, DDP and Join, real gloo failures.

@@ -2,8 +2,11 @@
 
     results = run_ranks("exactly_once", world=2, params={...}, tmp=tmp_path)
 
-Each rank is a fresh interpreter (``python tests/support/dist_harness.py ...``, so nothing is
-inherited from pytest), joins ``init_process_group("gloo")`` on a free local port,
+Each rank is a process of its own, forked from a server process (multiprocessing's forkserver, started
+once per test session) that imported torch, transformers and odb once: nothing is inherited from pytest,
+and a rank starts in a fraction of a second instead of the seconds an interpreter takes to import them.
+It redirects its output to its log, takes the test's environment, joins ``init_process_group("gloo")``
+on a free local port,
 calls ``dist_workers.<worker>(rank, world, params)`` (or ``<module>.<function>`` for a
 worker named ``"module:function"``, a module of tests/) and saves what it returns with
 torch.save. The parent waits until every rank has a result, an error or has exited,
@@ -14,12 +17,13 @@ finish, or quoting a rank's traceback with its rank number. A rank listed in
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import json
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -50,11 +54,11 @@ def run_ranks(worker: str, world: int, params: Dict[str, Any], tmp: Path, *, dea
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = []
     for rank in range(world):
-        log = open(tmp / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "dist_harness.py"), worker, str(rank), str(world), str(port), str(tmp),
-             str(deadline_s)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(HERE.parents[1])))
-        log.close()
+        argv = [worker, str(rank), str(world), str(port), str(tmp), str(deadline_s)]
+        proc = _forkserver().Process(target=_forked_main, args=(argv, str(tmp / f"rank{rank}.log"), env,
+                                                                 str(HERE.parents[1])), name=f"rank{rank}")
+        proc.start()
+        procs.append(RankProcess(proc))
     try:
         _wait(procs, tmp, time.monotonic() + deadline_s, deadline_s, set(expect_dead))
     finally:
@@ -68,7 +72,7 @@ def run_ranks(worker: str, world: int, params: Dict[str, Any], tmp: Path, *, dea
             for r in range(world)]
 
 
-def _wait(procs: List[subprocess.Popen], tmp: Path, deadline: float, deadline_s: float, expect_dead: set) -> None:
+def _wait(procs: List[RankProcess], tmp: Path, deadline: float, deadline_s: float, expect_dead: set) -> None:
     def finished(r: int) -> bool:
         return (tmp / f"rank{r}.pt").exists() or (tmp / f"rank{r}.err").exists() or procs[r].poll() is not None
 
@@ -96,13 +100,13 @@ def _wait(procs: List[subprocess.Popen], tmp: Path, deadline: float, deadline_s:
         time.sleep(0.05)
 
 
-def _kill(procs: List[subprocess.Popen]) -> None:
+def _kill(procs: List[RankProcess]) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
 
 
-def _unfinished(procs: List[subprocess.Popen], tmp: Path) -> str:
+def _unfinished(procs: List[RankProcess], tmp: Path) -> str:
     late = [r for r in range(len(procs)) if not (tmp / f"rank{r}.pt").exists() and not (tmp / f"rank{r}.err").exists()]
     return f"\n(rank(s) {late} had not finished and were killed)" if late else ""
 
@@ -141,8 +145,6 @@ def _child_main(argv: List[str]) -> None:
         import torch
         import torch.distributed as dist
 
-        import importlib
-
         module_name, _, func_name = worker.rpartition(":")  # "module:function", or a dist_workers function
         workers = _worker_module(module_name or "dist_workers")
 
@@ -162,6 +164,75 @@ def _child_main(argv: List[str]) -> None:
         dist.destroy_process_group()
     except Exception:  # the result is saved; a peer that already left does not matter
         pass
+
+
+class RankProcess:
+    """A rank's process with the calls of ``subprocess.Popen`` that the harness makes."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.proc.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self.proc.exitcode  # negative: killed by that signal, as Popen says it
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+
+# What the server imports once, before it forks any rank: what every rank imports, and the frameworks that most
+# rank workers use (a module that does not import in a test environment is left out: the rank imports what it
+# needs itself, and fails there if it must). Installed modules only: the server does not see tests/support.
+# pytest: a rank imports the parent's main module (python -m pytest), as a spawned process does.
+PRELOAD = ["pytest", "numpy", "torch", "torch.distributed", "odb", "odb.integrations.hf", "odb.integrations.accelerate",
+           "transformers.models.llama.modeling_llama", "transformers.trainer"]
+_SERVER: List[Any] = []
+
+
+def _forkserver() -> Any:
+    """multiprocessing's forkserver context, its server preloading ``PRELOAD``."""
+    if not _SERVER:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _SERVER.append(ctx)
+    return _SERVER[0]
+
+
+def _forked_main(argv: List[str], log: str, env: Dict[str, str], cwd: str) -> None:
+    """A rank, in a process forked from the server: its output to ``log``, the test's environment and
+    working folder, then ``_child_main``, then what an interpreter runs at exit."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    # As in a fresh interpreter: HF's collators ask for the main process by name, and a rank's DataLoader workers
+    # are its own children (forked from it, SIGCHLD to it), not the server's ("forkserver" is the start method
+    # multiprocessing set for this process).
+    multiprocessing.current_process().name = "MainProcess"
+    multiprocessing.set_start_method(None, force=True)
+    try:
+        _child_main(argv)
+    finally:
+        atexit._run_exitfuncs()  # torch's and odb's exit hooks, as a fresh interpreter runs them
 
 
 if __name__ == "__main__":

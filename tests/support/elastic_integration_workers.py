@@ -2,7 +2,7 @@
 saved by W processes, is resumed by a fresh set of W' processes (elastic resume).
 
 Run on every rank by dist_harness.run_ranks as ``"elastic_integration_workers:<name>"``
-(fresh interpreters, gloo group up). Each phase trains with the real framework, records
+(a fresh set of processes, gloo group up). Each phase trains with the real framework, records
 the sample ids of every optimizer step on its rank, and may checkpoint with the
 framework's own call (Accelerate's save_state; the HF Trainer's save_steps).
 """
