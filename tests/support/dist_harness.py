@@ -58,23 +58,23 @@ def run_ranks(worker: str, world: int, params: Dict[str, Any], tmp: Path, *, dea
         proc = _forkserver().Process(target=_forked_main, args=(argv, str(tmp / f"rank{rank}.log"), env,
                                                                  str(HERE.parents[1])), name=f"rank{rank}")
         proc.start()
-        procs.append(RankProcess(proc))
+        procs.append(proc)
     try:
         _wait(procs, tmp, time.monotonic() + deadline_s, deadline_s, set(expect_dead))
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-            p.wait()
+            p.join()
     import torch
 
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) if (tmp / f"rank{r}.pt").exists() else None
             for r in range(world)]
 
 
-def _wait(procs: List[RankProcess], tmp: Path, deadline: float, deadline_s: float, expect_dead: set) -> None:
+def _wait(procs: List[multiprocessing.Process], tmp: Path, deadline: float, deadline_s: float, expect_dead: set) -> None:
     def finished(r: int) -> bool:
-        return (tmp / f"rank{r}.pt").exists() or (tmp / f"rank{r}.err").exists() or procs[r].poll() is not None
+        return (tmp / f"rank{r}.pt").exists() or (tmp / f"rank{r}.err").exists() or procs[r].exitcode is not None
 
     while time.monotonic() < deadline:
         for r in range(len(procs)):
@@ -82,7 +82,7 @@ def _wait(procs: List[RankProcess], tmp: Path, deadline: float, deadline_s: floa
                 _kill(procs)
                 raise RankFailure(f"rank {r} raised:\n{(tmp / f'rank{r}.err').read_text()}"
                                   f"{_unfinished(procs, tmp)}")
-            code = procs[r].poll()
+            code = procs[r].exitcode  # negative: killed by that signal
             if code is not None and not (tmp / f"rank{r}.pt").exists() and r not in expect_dead:
                 _kill(procs)
                 raise RankFailure(f"rank {r} exited with code {code} without a result; its output ends:\n"
@@ -96,17 +96,17 @@ def _wait(procs: List[RankProcess], tmp: Path, deadline: float, deadline_s: floa
         logs = "".join(f"\n--- rank {r} output ends:\n{_tail(tmp, r)}" for r in late)
         raise RankFailure(f"rank(s) {late} did not finish within {deadline_s:.0f} s (killed){logs}")
     end = time.monotonic() + GRACE_S
-    while time.monotonic() < end and any(p.poll() is None for p in procs):
+    while time.monotonic() < end and any(p.exitcode is None for p in procs):
         time.sleep(0.05)
 
 
-def _kill(procs: List[RankProcess]) -> None:
+def _kill(procs: List[multiprocessing.Process]) -> None:
     for p in procs:
-        if p.poll() is None:
+        if p.exitcode is None:
             p.kill()
 
 
-def _unfinished(procs: List[RankProcess], tmp: Path) -> str:
+def _unfinished(procs: List[multiprocessing.Process], tmp: Path) -> str:
     late = [r for r in range(len(procs)) if not (tmp / f"rank{r}.pt").exists() and not (tmp / f"rank{r}.err").exists()]
     return f"\n(rank(s) {late} had not finished and were killed)" if late else ""
 
@@ -164,34 +164,6 @@ def _child_main(argv: List[str]) -> None:
         dist.destroy_process_group()
     except Exception:  # the result is saved; a peer that already left does not matter
         pass
-
-
-class RankProcess:
-    """A rank's process with the calls of ``subprocess.Popen`` that the harness makes."""
-
-    def __init__(self, proc: Any) -> None:
-        self.proc = proc
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self.proc.exitcode
-
-    def poll(self) -> Optional[int]:
-        return self.proc.exitcode  # negative: killed by that signal, as Popen says it
-
-    def kill(self) -> None:
-        self.proc.kill()
-
-    def send_signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
-        self.proc.join(timeout)
-        return self.proc.exitcode
 
 
 # What the server imports once, before it forks any rank: what every rank imports, and the frameworks that most

@@ -289,10 +289,8 @@ class LoaderCore:
         """The loader is gone: end the epoch under way and let go of every worker process (a source that
         ``len()`` kept, the inner loader kept by ``persistent_workers``)."""
         try:
-            self.stop()
+            self.stop()  # (closes the epoch's source)
         finally:
-            if self.run is not None:
-                self.run.source.close()
             self.sources.drop_prepared()
             self.inner.forget()
 

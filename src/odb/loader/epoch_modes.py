@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 
 # How far up the training loop is from a check made in a mode's generator: the check, the generator, and
-# the loader's iterator (odb.loader.dataloader._held), which the loop calls.
+# the generator the loader's __iter__ returns (it holds the loader), which the loop calls.
 LOOP = 4
+
 
 class OnlineEpoch:
     """An epoch planned online: the pipeline's thread reads, plans and collates."""
