@@ -115,8 +115,9 @@ def test_a_worker_killed_on_one_rank_is_named_with_its_cause_on_every_rank(tmp_p
                         tmp_path, deadline_s=DEADLINE_S)
     own = results[1]
     assert own["type"] in ("RuntimeError", "ConnectionResetError"), own  # torch's error: the death, or its sign
-    if how == "kill_worker":
-        assert own["raised_in"] == "one_rank_fails", own  # torch raised it in the training step, outside odb
+    if how == "kill_worker":  # torch raised it in the training step, outside odb, or odb's watch of the workers
+        # stopped the epoch first (odb.data.worker_deaths) and the death came with the next batch
+        assert own["raised_in"] == "one_rank_fails" or own["error"].startswith("DataLoader worker (pid"), own
     pid = TORCH_DEATH.search(own["error"])
     for rank, out in enumerate(results):
         if rank == 1:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from odb.comm.protocol import RankExchange, exchange_failed
+from odb.comm.protocol import RankExchange, exchange_failed, wait_for_announcements
 
 _UNSET = -1  # what an all_gather part holds until the rank's message arrives
 
@@ -58,7 +58,11 @@ EXIT_BARRIER_S = 10.0
 @atexit.register
 def release_at_exit() -> None:
     """Release the groups odb still holds, each after a barrier of every rank at exit (when one does not
-    arrive within EXIT_BARRIER_S, e.g. still saving a checkpoint or gone, the group is left as it is)."""
+    arrive within EXIT_BARRIER_S, e.g. still saving a checkpoint or gone, the group is left as it is).
+    First, a failure this process has yet to announce is announced (within EXIT_BARRIER_S): a rank that
+    exits right after its loader failed still tells the others why."""
+    if _LIVE:
+        wait_for_announcements(EXIT_BARRIER_S)
     for ex in list(_LIVE):
         try:
             if not (dist.is_available() and dist.is_initialized()) or ex.dead:

@@ -21,6 +21,8 @@ or ``odb.comm.threads.ThreadRanks.exchanges(rank)``.
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -236,6 +238,43 @@ class RankExchange:
         self.all_gather(np.zeros(shape, dtype=np.int64), where, status, reason)
 
 
+class Announcer(Protocol):
+    """What owes the other ranks an announcement: ``announcement_settled()`` is False while one is due and not
+    yet made (a failure that odb's batch thread will announce at its next exchange, say)."""
+
+    def announcement_settled(self) -> bool: ...
+
+
+# Announcements that may still be due. A process that exits right after its loader failed must not take the
+# news with it: odb.comm.dist waits for these at exit (wait_for_announcements) before letting go of its groups.
+_DUE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def owe_announcements(announcer: Announcer) -> None:
+    """Keep ``announcer`` among those ``wait_for_announcements`` waits for (held weakly)."""
+    _DUE.add(announcer)
+
+
+def wait_for_announcements(timeout_s: float) -> bool:
+    """Wait until every announcement that is due has been made (True), or ``timeout_s`` passed (False).
+
+    Example:
+        >>> wait_for_announcements(0.1)
+        True
+    """
+    deadline = time.monotonic() + timeout_s
+    while any(not a.announcement_settled() for a in list(_DUE)):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class _AnnounceThread(threading.Thread):
+    def announcement_settled(self) -> bool:
+        return not self.is_alive()
+
+
 def announce_in_background(exchange: Any, shape: Tuple[int, ...], where: str, error: Optional[BaseException],
                            cause: Optional[Callable[[Optional[BaseException]], Optional[BaseException]]] = None
                            ) -> Optional[threading.Thread]:
@@ -251,6 +290,7 @@ def announce_in_background(exchange: Any, shape: Tuple[int, ...], where: str, er
         except Exception:  # best effort: the group may be broken too (a dead peer); this rank raises anyway
             pass
 
-    thread = threading.Thread(target=run, name="odb-announce", daemon=True)
+    thread = _AnnounceThread(target=run, name="odb-announce", daemon=True)
+    owe_announcements(thread)
     thread.start()
     return thread

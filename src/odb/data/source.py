@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-import signal
 import threading
-import weakref
-from multiprocessing import connection as mp_connection
 
 import torch
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
@@ -26,6 +23,7 @@ from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tup
 from odb.config import ODBConfig
 from odb.data.lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
 from odb.data.sampling import pack_chunk, unpack_chunk
+from odb.data.worker_deaths import WorkerWatch
 
 # (lengths, supervised tokens, image patches) of one sample.
 Meta = Tuple[Tuple[int, ...], int, int]
@@ -67,70 +65,6 @@ def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     if not data:  # frombuffer refuses an empty buffer
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
-
-
-def dead_worker(batches: Any, wait_s: float = 0.0) -> Optional[RuntimeError]:
-    """The death of a worker of ``batches`` (a DataLoader's iterator that has not shut its workers
-    down), as an error to tell the other ranks; None while every worker lives, or without workers.
-    ``wait_s``: how long to wait for a death to show (the main process can see a dying worker's
-    connection reset a moment before the worker has exited).
-
-    Example:
-        >>> dead_worker(iter([1, 2])) is None
-        True
-    """
-    if getattr(batches, "_shutdown", True):  # shut down (it stopped its workers itself), or no workers
-        return None
-    try:
-        workers = {w.sentinel: w for w in list(getattr(batches, "_workers", ()))}  # ready once a worker exits
-    except ValueError:  # a closed process: the iterator is being shut down
-        return None
-    for sentinel in mp_connection.wait(list(workers), timeout=wait_s) if workers else ():
-        worker = workers[sentinel]
-        worker.join(timeout=1.0)  # its exit code (it has closed its files, so it is about to end)
-        code = worker.exitcode
-        if code is None or code == 0:
-            continue
-        if code < 0:
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-            oom = " (the kernel's out-of-memory killer sends it when host memory runs out)" \
-                if -code == signal.SIGKILL else ""
-            return RuntimeError(f"DataLoader worker (pid {worker.pid}) was killed by {name}{oom}")
-        return RuntimeError(f"DataLoader worker (pid {worker.pid}) exited with code {code}")
-    return None
-
-
-class WorkerWatch:
-    """Whether a worker process of an epoch's inner loader died, as the error the other ranks should hear.
-
-    torch raises a worker's death on the main thread from its SIGCHLD handler, wherever that thread
-    is (often inside the training step, out of odb's reach, which then sees only a stop), and the
-    loader's next read may fail with a consequence (a reset connection, "exited unexpectedly") before
-    that. odb announces the death instead of a stop or its consequences. The iterator is held
-    weakly: its workers end when it is dropped, as without the watch.
-    """
-
-    def __init__(self) -> None:
-        self._ref: Optional[weakref.ref] = None
-        self._died: Optional[RuntimeError] = None
-        self._lock = threading.Lock()
-
-    def follow(self, batches: Any) -> Any:
-        """Watch ``batches`` (an inner DataLoader's iterator); returns it."""
-        try:
-            self._ref = weakref.ref(batches)
-        except TypeError:  # no workers to watch (an iterator that takes no weak reference)
-            self._ref = None
-        return batches
-
-    def failure(self, error: Optional[BaseException] = None) -> Optional[RuntimeError]:
-        """The death of a worker (the first one seen, kept), or None. With an ``error`` to announce,
-        waits up to 0.25 s for a death to show: the error may be its first sign."""
-        with self._lock:
-            batches = self._ref() if self._ref is not None else None
-            if self._died is None and batches is not None:
-                self._died = dead_worker(batches, 0.25 if error is not None else 0.0)
-            return self._died
 
 
 class SourceClosed(RuntimeError):
@@ -373,6 +307,7 @@ class SampleSource:
     def close(self) -> None:
         """Stop reading and let go of the inner loader (and so of its worker processes)."""
         died = self.watch.failure() is not None
+        self.watch.stop()
         with self._cond:
             self._closed = True
             self._buf.clear()

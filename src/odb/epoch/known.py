@@ -24,7 +24,8 @@ from odb.config import ODBConfig
 from odb.comm.protocol import announce_in_background
 from odb.epoch.cursor import Cursor
 from odb.data.lengths import batch_loss_tokens
-from odb.data.source import Record, WorkerWatch
+from odb.data.source import Record
+from odb.data.worker_deaths import WorkerWatch
 from odb.step_info import ODBStepInfo, attach_step_info, loss_scale, pop_step_info
 
 _CHUNK = 256

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
+from odb.comm.protocol import owe_announcements
+
 _END = object()
 Announce = Callable[[Optional[BaseException]], None]
 
@@ -57,6 +59,10 @@ class BatchPipeline:
         self._ended = False  # the producer ran to its end: nothing to announce
         self._aborted: Optional[BaseException] = None
         self._announced = threading.Lock()  # taken by the one announcement
+        self._owes = threading.Event()  # an announcement is due (the producer failed or was aborted) ...
+        self._told = threading.Event()  # ... and was made (or could not be)
+        if announce is not None:
+            owe_announcements(self)  # a process that exits now waits for it (odb.comm.dist)
         if depth > 0:
             self._queue = queue.Queue(maxsize=depth)
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -87,6 +93,7 @@ class BatchPipeline:
         except BaseException as err:  # raised again on the training thread, then told to the other ranks
             if not self._stop.is_set():  # (after a stop, an error of the closed source is no failure)
                 error = err
+                self._owes.set()
                 self._put(_Failure(err))
         self._end(error if error is not None else self._aborted)
 
@@ -98,10 +105,17 @@ class BatchPipeline:
             self._announce(error)
         except Exception:  # best effort: the exchange may be broken too; this rank raises its own error anyway
             pass
+        finally:
+            self._told.set()
+
+    def announcement_settled(self) -> bool:
+        """No announcement of this pipeline's failure is due but not made yet (odb.comm.protocol)."""
+        return self._announce is None or self._ended or not self._owes.is_set() or self._told.is_set()
 
     def _end_elsewhere(self, error: Optional[BaseException]) -> None:
         # depth=0: the producer ran on the training thread, which must not wait for the other ranks.
         if self._announce is not None and not self._ended:
+            self._owes.set()
             threading.Thread(target=self._end, args=(error,), name="odb-announce", daemon=True).start()
 
     def __iter__(self) -> "BatchPipeline":
@@ -154,12 +168,13 @@ class BatchPipeline:
             try:
                 return self._queue.get(timeout=1.0)
             except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    return _Failure(RuntimeError("odb's batch thread ended without a result"))
+                if not self._thread.is_alive() and self._queue.empty():  # it was stopped, or died
+                    return _Failure(self._aborted or RuntimeError("odb's batch thread ended without a result"))
 
     def stop(self) -> None:
         """Ask the producer to stop at its next item (returns at once); it announces a stop."""
         self._done = True
+        self._owes.set()
         self._stop.set()
         if self._queue is None or self._thread.ident is None:  # no producer thread runs to announce it
             self._end_elsewhere(self._aborted)

@@ -44,7 +44,8 @@ import sys
 from typing import Any, Optional, Sequence
 
 from odb.config import ODBConfig
-from odb.integrations.trl_rules import _SFT_MODULE, IGNORE_INDEX, SFTLossTokens, sft_options  # noqa: F401 (re-exported)
+from odb.integrations.trl_rules import (_SFT_MODULE, IGNORE_INDEX, SFTLossTokens, check_trl_trainer,  # noqa: F401
+                                        sft_options)
 
 __all__ = ["SFTLossTokens", "enable_odb", "sft_options"]
 
@@ -63,6 +64,7 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
         ...
         TypeError: odb.integrations.trl.enable_odb got object, not a trl.SFTTrainer. ...
     """
+    check_trl_trainer(trainer)  # TRL's other trainers, each with its reason
     sft = sys.modules.get(_SFT_MODULE)
     if sft is None or not isinstance(trainer, sft.SFTTrainer):
         raise TypeError(f"odb.integrations.trl.enable_odb got {type(trainer).__name__}, not a trl.SFTTrainer. Fix: "

@@ -18,7 +18,7 @@ import torch
 
 from odb.config import ODBConfig
 
-__all__ = ["IGNORE_INDEX", "SFTLossTokens", "sft_options", "sft_computes_loss"]
+__all__ = ["IGNORE_INDEX", "SFTLossTokens", "check_trl_trainer", "sft_options", "sft_computes_loss"]
 
 IGNORE_INDEX = -100  # the label TRL's collator writes for unsupervised tokens (and transformers' loss ignores)
 _SFT_MODULE = "trl.trainer.sft_trainer"
@@ -37,6 +37,36 @@ def _version(text: str) -> tuple:
     """
     match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
     return tuple(int(g) for g in match.groups() if g is not None) if match else ()
+
+
+# TRL's trainers that odb does not train exactly yet, and why (the rest of TRL's trainers: _OTHER).
+_PAIRS = ("a preference pair collates to two rows (chosen and rejected, each with the prompt) that odb would "
+          "budget as one, so a micro-batch can reach twice token_budget; and {name} averages its loss per pair "
+          "where odb weights micro-batches by their supervised tokens, so the gradient would not be {name}'s")
+_ROLLOUTS = ("odb's loader would replace TRL's RepeatSampler (the generations of one group would come from "
+             "different prompts: wrong advantages), and {name} cuts its own generation batch into equal row "
+             "slices, which odb's micro-batches do not follow")
+_WHY = {"DPOTrainer": _PAIRS, "RewardTrainer": _PAIRS, "CPOTrainer": _PAIRS, "ORPOTrainer": _PAIRS,
+        "GRPOTrainer": _ROLLOUTS, "RLOOTrainer": _ROLLOUTS, "OnlineDPOTrainer": _ROLLOUTS}
+_OTHER = ("its loss and batching are its own ({name} is not TRL's SFTTrainer, whose collator, labels and loss "
+          "odb follows), and odb has not been shown to train it exactly")
+
+
+def check_trl_trainer(trainer: Any) -> None:
+    """Refuse a TRL trainer that odb does not train exactly (every one but ``SFTTrainer`` and subclasses of it
+    made outside TRL), naming it, the reason and the fix; anything that is not TRL's passes.
+
+    Example:
+        >>> check_trl_trainer(object())   # not a TRL trainer: nothing to refuse
+    """
+    trl_class = next((c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"), None)
+    if trl_class is None or (trl_class.__name__ == "SFTTrainer" and trl_class.__module__ == _SFT_MODULE):
+        return
+    name = trl_class.__name__
+    why = _WHY.get(name, _OTHER).format(name=name)
+    raise TypeError(f"odb cannot train TRL's {name} exactly: {why}. Rule: enable_odb takes a transformers Trainer "
+                    f"whose loss is a token mean (Trainer, Seq2SeqTrainer, your subclasses) or TRL's SFTTrainer. "
+                    f"Fix: train this {name} without odb (drop the enable_odb call), or fine-tune with SFTTrainer.")
 
 
 def sft_computes_loss(trainer: Any) -> bool:

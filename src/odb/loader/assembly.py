@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Set, Tup
 import torch
 from torch.utils.data import DataLoader
 
-from odb.comm.protocol import ExchangeFactory, RankExchange
+from odb.comm.protocol import ExchangeFactory, RankExchange, announce_in_background
 from odb.epoch.cursor import Cursor
 from odb.epoch.known import known_epoch
 from odb.epoch.pipeline import BatchPipeline, made
@@ -107,6 +107,8 @@ class EpochAssembly:
             start=known is None)
         if known is None:
             online = OnlineEpoch(owner, run, pipeline)
+            if exchange is not None:
+                watch.on_death(stop_at_death(run, pipeline, None, 0))
             return Epoch(run, cursor, pipeline, online, online.batches())
         inner = self.inner.known(self.group_collate)
         sampler = inner.batch_sampler
@@ -117,6 +119,8 @@ class EpochAssembly:
         mode = KnownLengthsEpoch(owner, run, pipeline, steps)
         resume_totals = run_state["position"]["step_tokens"] if run_state is not None else None  # a step split by it
         batches = watch.follow(iter(inner))  # workers start here (a persistent inner loader's, the first time)
+        if exchange is not None:
+            watch.on_death(stop_at_death(run, pipeline, steps, cfg.micro_steps_capacity(world)))
         return Epoch(run, cursor, pipeline, mode,
                      mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch)))
 
@@ -137,6 +141,22 @@ class EpochAssembly:
                 f"so every rank iterates all of it. Fix: pass sampler=odb.ShardSampler(dataset) or a "
                 f"DistributedSampler.", stacklevel=5)
         return ex
+
+
+def stop_at_death(run: EpochRun, pipeline: BatchPipeline, steps: Optional[RankExchange], step_message: int
+                  ) -> Callable[[RuntimeError], None]:
+    """What an epoch under several ranks does the moment one of its workers dies (odb.data.worker_deaths):
+    whatever the training thread does meanwhile (torch raises the death there, maybe in the user's step,
+    and the user may keep the iterator or exit), the batch thread stops and announces the death to every
+    rank at its next exchange, and (known lengths) so does the step exchange of the training thread."""
+
+    def stop(death: RuntimeError) -> None:
+        pipeline.abort(death)
+        run.close()  # a batch thread waiting for the dead worker's samples goes on at once
+        if steps is not None:
+            announce_in_background(steps, (step_message,), "the next step exchange", death)
+
+    return stop
 
 
 def is_sharded(sampler: Any) -> bool:

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from odb.data.lengths import LabelBudgetCheck
 from odb.data.sampling import EpochShuffleSampler
-from odb.data.source import SampleMeter, SampleSource, WorkerWatch, stream_records, unpack_records
+from odb.data.source import SampleMeter, SampleSource, stream_records, unpack_records
+from odb.data.worker_deaths import WorkerWatch
 from odb.data.stream_state import StreamMarks
 from odb.epoch.known import known_records
 from odb.loader.inner import InnerLoaders

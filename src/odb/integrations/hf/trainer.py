@@ -53,7 +53,7 @@ from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, che
                        loss_shifts_labels, prepare_packed_rows)
 from odb.integrations.hf.steps import (SampleView, StepBundle, StepFiller, check_loss_tokens, next_step, pad_step,
                                        recount_loss_tokens, trainer_steps)
-from odb.integrations.trl_rules import sft_computes_loss, sft_options
+from odb.integrations.trl_rules import check_trl_trainer, sft_computes_loss, sft_options
 
 __all__ = ["ODBTrainer", "ODBTrainerMixin", "collator_options", "configure_trainer", "enable_odb"]
 
@@ -101,6 +101,7 @@ class ODBTrainerMixin:
     def _odb_enable(self, token_budget: Any, config: Optional[ODBConfig], lengths: Optional[Sequence[int]],
                     options: Dict[str, Any], packed_attention: str = "odb_varlen") -> None:
         check_loop_api()
+        check_trl_trainer(self)  # TRL's preference and RL trainers: refused until odb trains them exactly
         check_args(self)
         args = self.args
         accumulation = args.gradient_accumulation_steps
@@ -396,6 +397,7 @@ def enable_odb(trainer: Trainer, token_budget: Any = None, *, config: Optional[O
                         f"Fix: pass the Trainer instance (or build odb.integrations.hf.ODBTrainer).")
     if isinstance(trainer, ODBTrainerMixin) and trainer._odb is not None:
         raise ValueError("enable_odb got a Trainer that already uses odb. Fix: enable it once.")
+    check_trl_trainer(trainer)  # before its class changes: a refused trainer stays as it was
     if not isinstance(trainer, ODBTrainerMixin):
         cls = type(trainer)
         if cls not in _CLASSES:
