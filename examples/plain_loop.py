@@ -23,9 +23,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = odb.ODBDataLoader(SyntheticSFT(n=opts.samples), token_budget=opts.token_budget, shuffle=True,
-                               num_workers=opts.workers, shift_labels=True,  # the LM shifts labels in its loss
-                               collate_fn=pad_collate, buffer_size=256, gradient_accumulation_steps=2)
+    # was: DataLoader(dataset, batch_size=8, shuffle=True, ...) with 2 accumulated batches per optimizer step
+    loader = odb.ODBDataLoader(SyntheticSFT(n=opts.samples), batch_size=8, gradient_accumulation_steps=2,
+                               token_budget=opts.token_budget, shuffle=True, num_workers=opts.workers,
+                               shift_labels=True,  # the LM shifts labels in its loss
+                               collate_fn=pad_collate)
     seen = 0
     for batch in loader:
         info = odb.pop_step_info(batch)            # removes odb's metadata from the batch
@@ -38,7 +40,8 @@ def main() -> None:
         if info.step % 10 == 0:
             print(f"step {info.step:3d} batch {info.local_samples:3d} samples "
                   f"padding {info.padding_ratio:.1%} loss {loss.item() / max(info.loss_scale, 1e-9):.3f}")
-    print(f"epoch done: {seen} samples in {len(loader)} steps; stats {loader.odb_stats}")
+    print(f"epoch done: {seen} samples in {len(loader)} steps ({loader.odb_optimizer_steps} optimizer steps); "
+          f"stats {loader.odb_stats}")
 
 
 if __name__ == "__main__":

@@ -23,15 +23,18 @@ the rule and the fix; an unknown name gets the closest option.
 |---|---|---|"""
 
 FOOTER = """
-Loader-only arguments: every `torch.utils.data.DataLoader` argument (`batch_size` must stay 1;
+Loader-only arguments: every `torch.utils.data.DataLoader` argument (`batch_size=B` is your batch: each
+optimizer step holds B x `gradient_accumulation_steps` x world size samples, `global_batch_size`, cut into
+micro-batches under `token_budget`; left out, steps are budget-filled; `batch_sampler` is refused;
 `in_order=False` is refused: odb reads samples in sampler order, which keeps batches independent of worker
 timing and resumable; `shuffle=True` shuffles the samples and the batch order, and as in torch excludes a
 `sampler`, with which the batch order is shuffled when the sampler shuffles),
 `config=` (an ODBConfig), `lengths=` (per-sample lengths after processing: `len()` uses them, and odb then plans
 in the batch sampler so that workers fetch and collate whole batches; see docs/algorithm.md),
-`process_group=` (a gloo group for odb's exchange). `odb.apply(loader, ...)` also takes `shuffle=`
-(batch order; default: whether the sampler shuffles) and `collate_fn=` (for loaders built with
-`batch_size=None`).
+`process_group=` (a gloo group for odb's exchange). `odb.apply(loader, ...)` reads your batch from the
+loader's `batch_size` (1 for `batch_size=None`) in the same way (`global_batch_size=None` asks for
+budget-filled steps; a `batch_sampler` of your own is refused), and also takes `shuffle=` (batch order;
+default: whether the sampler shuffles) and `collate_fn=` (for loaders built with `batch_size=None`).
 
 `token_budget="auto"` and its options (`memory_cap_bytes`, `memory_fraction`, `memory_meter`,
 `auto_start_budget`, `auto_margin`, `balance`): what is measured, the counters it adds, what it is not used

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable, Mapping, Optional
 
-# DataLoader arguments that size batches: odb decides the batch size from the token budget.
+# DataLoader arguments that size batches: odb reads the user's batch from the loader, never from its options.
 _BATCH_SIZE_ARGS = ("batch_size", "batch_sampler")
 
 
@@ -33,9 +33,12 @@ def check_options(options: Mapping[str, Any], who: str, choices: Iterable[str],
     the closest valid name among ``choices`` (``rule`` says what those are)."""
     for name in _BATCH_SIZE_ARGS:
         if name in options:
-            raise ValueError(f"{who} got {name}={options[name]!r}: odb decides each batch's size from token_budget "
-                             f"(short samples share large batches, long samples get small ones). Fix: drop {name} "
-                             f"(cap samples per batch with max_batch_size=N).")
+            raise ValueError(f"{who} got {name}={options[name]!r}: odb reads your batch where you set it "
+                             f"(ODBDataLoader(batch_size=B), the batch_size of the DataLoader odb.apply converts, a "
+                             f"trainer's own: TrainingArguments.per_device_train_batch_size) and cuts each optimizer "
+                             f"step into micro-batches under token_budget. Fix: drop {name} here and set your batch "
+                             f"there, or pass global_batch_size (samples per optimizer step, all ranks together); cap "
+                             f"samples per micro-batch with max_batch_size=N.")
     choices = list(choices)
     unknown = sorted(set(options) - set(choices))
     if not unknown:

@@ -117,10 +117,13 @@ class ODBConfig:
             a large value fills each micro-batch to the budget (fewest micro-batches). None (default): a
             sixteenth of the budget. Raise it for a model whose steps are launch-bound (a small model on
             a GPU), lower it where compute follows tokens (a large model, or a CPU).
-        gradient_accumulation_steps: micro-batches per optimizer step, for the
-            denominator of exact loss scaling (budget-filled steps: ``global_batch_size=None``).
+        gradient_accumulation_steps: your accumulation A. With your batch (``ODBDataLoader(batch_size=B)``,
+            or the batch_size of the loader ``odb.apply`` converts) it folds into ``global_batch_size = B x A x
+            world size``; with budget-filled steps (``global_batch_size=None``), the micro-batches per optimizer
+            step, for the denominator of exact loss scaling.
         global_batch_size: samples per optimizer step, all ranks together (the user's
-            ``batch_size x accumulation x world size``). Each optimizer step then holds exactly the
+            ``batch_size x accumulation x world size``; set for you from ``ODBDataLoader(batch_size=B)``,
+            ``odb.apply``'s loader and the integrations' ``TrainingArguments``). Each optimizer step then holds exactly the
             next ``global_batch_size / world_size`` samples of each rank's sampler order (what a plain
             DataLoader loop with that accumulation would give it), split into as many micro-batches
             under ``token_budget`` as they need; every rank runs the same number of micro-batches in

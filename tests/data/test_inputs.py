@@ -197,7 +197,8 @@ def test_unknown_option_without_a_close_name():
 
 
 def test_batch_size_options_get_the_batch_size_rule():
-    with pytest.raises(ValueError, match=r"^ODBConfig got batch_size=8: odb decides each batch's size"):
+    with pytest.raises(ValueError, match=r"^ODBConfig got batch_size=8: odb reads your batch where you set it "
+                                         r".*Fix: drop batch_size here and set your batch there"):
         odb.ODBConfig(token_budget=64, batch_size=8)
     with pytest.raises(ValueError, match=r"^odb.apply got batch_size=8: .*max_batch_size=N"):
         odb.apply(DataLoader(ragged(), batch_size=1), token_budget=64, batch_size=8)
@@ -278,7 +279,8 @@ def hf_trainer(hf, tmp_path, model="llama", **args):
 def test_enable_odb_arguments(hf, tmp_path):
     from odb.integrations.hf import configure_trainer, enable_odb
 
-    with pytest.raises(ValueError, match=r"^enable_odb got batch_size=8: odb decides each batch's size"):
+    with pytest.raises(ValueError, match=r"^enable_odb got batch_size=8: odb reads your batch where you set it "
+                                         r".*per_device_train_batch_size"):
         enable_odb(hf_trainer(hf, tmp_path), token_budget=64, batch_size=8)
     with pytest.raises(TypeError, match=r"^enable_odb got an unknown option max_batchsize=4 \(did you mean "
                                         r"max_batch_size\?\)"):

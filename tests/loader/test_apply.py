@@ -37,7 +37,7 @@ def plain(**kwargs):
 
 def test_apply_converts_in_place_and_leaves_dataloader_alone():
     dl = plain()
-    handle = odb.apply(dl, token_budget=BUDGET, buffer_size=32)
+    handle = odb.apply(dl, token_budget=BUDGET, buffer_size=32, global_batch_size=None)  # budget-filled steps
     assert handle.loader is dl
     assert type(dl) is not DataLoader and issubclass(type(dl), DataLoader)
     batches = epoch(dl)
@@ -73,7 +73,7 @@ def test_apply_to_batch_size_none_collates_per_sample_in_workers():
 
 def test_apply_to_batch_size_none_default_group_collate():
     dl = DataLoader([torch.full((4,), i) for i in range(10)], batch_size=None)
-    odb.apply(dl, token_budget=8, buffer_size=10)
+    odb.apply(dl, token_budget=8, buffer_size=10, global_batch_size=None)
     batches = list(dl)
     infos = [odb.pop_step_info(b) for b in batches]
     assert all(b.shape == (2, 4) for b in batches)  # default_collate stacked each pair
@@ -105,12 +105,17 @@ def test_remove_restores_the_plain_loader():
     assert flat_ids(epoch(dl)) == list(range(N))
 
 
+class MyBatches(BatchSampler):
+    """A batch sampler of the user's own: odb cannot tell its batches from its sampler and batch size."""
+
+
 @pytest.mark.parametrize("make_loader,error,names", [
-    (lambda: plain(batch_size=4), ValueError, "batch_size=4"),
+    (lambda: DataLoader(LengthDataset(LENGTHS), batch_sampler=MyBatches(SequentialSampler(range(N)), 4, False)),
+     ValueError, "batch_sampler=MyBatches"),
     (lambda: DataLoader(LengthDataset(LENGTHS), batch_sampler=BatchSampler(SequentialSampler(range(N)), 1, False)),
-     ValueError, "batch_sampler=BatchSampler"),
+     ValueError, "batch_sampler=BatchSampler (batch_size=None)"),
     (lambda: [1, 2, 3], TypeError, "got list"),
-], ids=["batch_size_4", "batch_sampler", "not_a_dataloader"])
+], ids=["own_batch_sampler", "batch_sampler", "not_a_dataloader"])
 def test_apply_refuses(make_loader, error, names):
     loader = make_loader()
     with pytest.raises(error) as caught:
@@ -128,15 +133,16 @@ def test_apply_twice_is_refused():
 
 def test_shuffle_is_inferred_from_random_sampler():
     # Same arrival order either way; only a shuffling loader permutes the batches of a window.
+    filled = dict(token_budget=BUDGET, buffer_size=N, seed=0, global_batch_size=None)  # one window of groups
     sequential = plain(sampler=SequentialSampler(range(N)))
-    odb.apply(sequential, token_budget=BUDGET, buffer_size=N, seed=0)
+    odb.apply(sequential, **filled)
     randomish = plain(sampler=ArrivalOrderRandomSampler(range(N)))
-    odb.apply(randomish, token_budget=BUDGET, buffer_size=N, seed=0)
+    odb.apply(randomish, **filled)
     in_order, permuted = ids_of(epoch(sequential)), ids_of(epoch(randomish))
     assert sorted(map(sorted, in_order)) == sorted(map(sorted, permuted))  # same groups
     assert in_order != permuted
     firsts = [min(ids) for ids in in_order]
     assert firsts == sorted(firsts)
     forced = plain(sampler=ArrivalOrderRandomSampler(range(N)))
-    odb.apply(forced, token_budget=BUDGET, buffer_size=N, seed=0, shuffle=False)
+    odb.apply(forced, shuffle=False, **filled)
     assert ids_of(epoch(forced)) == in_order

@@ -287,7 +287,7 @@ def test_image_patch_cost_plans_text_and_vision_under_one_budget():
 
 
 BAD_INPUTS = [
-    ("batch_size", dict(batch_size=8), False, ValueError, "batch_size=8"),
+    ("batch_size", dict(batch_size=0), False, ValueError, "batch_size=0"),  # batch_size=8 is the user's batch
     ("batch_sampler", dict(batch_sampler=BatchSampler(SequentialSampler(range(N)), 2, False)), False,
      ValueError, "batch_sampler=<torch.utils.data.sampler.BatchSampler"),
     ("iterable_sampler", dict(dataset=StreamDataset(LENGTHS), sampler=SequentialSampler(range(N))), False,

@@ -86,11 +86,13 @@ def test_plain_loop(tmp_path):
 @pytest.mark.timeout(150)
 def test_ddp_train_on_two_processes(tmp_path):
     out = run_example(TORCHRUN + [script("ddp_train.py"), "--samples", "48", "--epochs", "1"], tmp_path, 130)
-    lines = re.findall(r"rank (\d)/2 epoch 0: (\d+) steps, (\d+) samples \(all ranks\), ghost steps (\d+)", out,
-                       re.M)
-    assert sorted(rank for rank, *_ in lines) == ["0", "1"], out[-3000:]
-    assert len({steps for _, steps, _, _ in lines}) == 1, f"the ranks ran different numbers of steps: {lines}"
-    assert all(int(samples) == 48 for _, _, samples, _ in lines), lines  # every sample once, over the ranks
+    lines = re.findall(r"^epoch 0: (\d+) optimizer steps, micro-batches per rank \[(\d+), (\d+)\], ghosts per rank "
+                       r"\[\d+, \d+\], (\d+) samples \(all ranks\), loss ([\d.]+) -> ([\d.]+)", out, re.M)
+    assert len(lines) == 1, out[-3000:]  # rank 0 prints, once per epoch
+    steps, micro0, micro1, samples, first, last = lines[0]
+    assert micro0 == micro1, f"the ranks ran different numbers of micro-batches: {lines}"
+    assert int(samples) == 48 and int(steps) == 48 // (4 * 2 * 2), lines  # every sample once; the user's steps
+    assert 0 < float(first) < 20 and 0 < float(last) < 20, lines  # the step's token mean, printed once per step
 
 
 def check_accelerate_resume(out: str, ranks: int, samples: int) -> None:

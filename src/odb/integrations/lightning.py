@@ -254,8 +254,8 @@ class ODBCallback(pl.Callback):
                              f"micro-batches as their samples need. Fix: use manual optimization "
                              f"(self.automatic_optimization = False; backward every batch with "
                              f"self.manual_backward(scale_loss(self, loss)), opt.step() and opt.zero_grad() when "
-                             f"self.odb_step_info.is_last_micro_step), or build the loader with "
-                             f"global_batch_size=None (budget-filled steps of accumulate_grad_batches batches).")
+                             f"self.odb_step_info.is_last_micro_step), or build the loader without batch_size "
+                             f"and global_batch_size (budget-filled steps of accumulate_grad_batches batches).")
         check_sharding(self.loader.loader, trainer.world_size,
                        "build the loader inside train_dataloader() (torch.distributed is up there) with "
                        "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "

@@ -13,6 +13,7 @@ from odb.comm.protocol import ExchangeFactory
 from odb.config import CONFIG_FIELDS, ODBConfig
 from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler
+from odb.loader.user_batch import UserBatch
 from odb.loader.core import LoaderCore, exchange_factory
 from odb.loader.sources import shuffles
 from odb.packed.collate import PackedCollate
@@ -188,8 +189,13 @@ class ODBLoaderMixin(DataLoader):
 class ODBDataLoader(ODBLoaderMixin):
     """A DataLoader whose batches hold as many samples as fit ``token_budget``.
 
-    Every DataLoader argument keeps its meaning; ``batch_size`` must stay 1 (the
-    budget decides the batch size). ``shuffle=True`` shuffles the samples (seeded, per
+    Every DataLoader argument keeps its meaning. ``batch_size=B`` is your batch, as in a plain
+    DataLoader: each optimizer step holds the ``B x gradient_accumulation_steps x world size``
+    samples a plain loop would step on (``global_batch_size``), and odb cuts them into micro-batches
+    under ``token_budget``; step the optimizer when ``info.is_last_micro_step``. Leaving
+    ``batch_size`` out (None) keeps budget-filled steps (``gradient_accumulation_steps`` micro-batches
+    filled to the budget: other updates than a fixed batch gives), or the ``global_batch_size`` you
+    pass. ``shuffle=True`` shuffles the samples (seeded, per
     epoch) and the batch order within each window; with a ``sampler`` (which, as in
     torch, excludes ``shuffle=True``) the batch order is shuffled when the sampler
     shuffles. ``in_order=False`` is refused (odb reads samples in sampler order). ODB
@@ -207,10 +213,14 @@ class ODBDataLoader(ODBLoaderMixin):
         >>> loader = odb.ODBDataLoader(data, token_budget=16, buffer_size=4, collate_fn=list)
         >>> sorted(len(odb.pop_step_info(b).sample_ids) for b in loader)
         [2, 2]
+        >>> loader = odb.ODBDataLoader(data, token_budget=16, batch_size=4, collate_fn=list,  # your batch of 4
+        ...                            micro_batch_cost=4)  # what a micro-batch costs beyond its tokens
+        >>> [(i.local_samples, i.is_last_micro_step) for i in map(odb.pop_step_info, loader)]
+        [(2, False), (2, True)]
     """
 
     def __init__(self, dataset: Any, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
-                 batch_size: Optional[int] = 1, shuffle: Optional[bool] = None, sampler: Any = None,
+                 batch_size: Optional[int] = None, shuffle: Optional[bool] = None, sampler: Any = None,
                  batch_sampler: Any = None, num_workers: int = 0, collate_fn: Optional[Callable] = None,
                  pin_memory: bool = False, drop_last: bool = False, timeout: float = 0,
                  worker_init_fn: Optional[Callable] = None, multiprocessing_context: Any = None,
@@ -220,13 +230,20 @@ class ODBDataLoader(ODBLoaderMixin):
                  exchange: Optional[ExchangeFactory] = None,
                  **options: Any) -> None:
         dl_options = {k: options.pop(k) for k in list(options) if k == "in_order"}
+        given = dict(options)
         cfg = make_config(config, token_budget, options, "ODBDataLoader", _LOADER_ARGS,
                           "ODBDataLoader takes odb.ODBConfig fields and DataLoader arguments")
         check_inputs(cfg, lengths, dl_options.get("in_order", True))
-        if batch_size != 1 or batch_sampler is not None:
-            what = f"batch_sampler={batch_sampler!r}" if batch_sampler is not None else f"batch_size={batch_size!r}"
-            raise ValueError(f"ODBDataLoader got {what}: odb decides each batch's size from token_budget. "
-                             f"Fix: leave batch_size at 1 (cap samples per batch with max_batch_size=N).")
+        if batch_sampler is not None:
+            raise ValueError(f"ODBDataLoader got batch_sampler={batch_sampler!r}: odb cuts each optimizer step into "
+                             f"micro-batches under token_budget itself. Fix: drop batch_sampler and pass its sampler "
+                             f"and batch size (sampler=..., batch_size=B).")
+        exchanges = exchange_factory(cfg, process_group, exchange)
+        world_size = exchanges.world()[1] if exchanges is not None else 1
+        if batch_size is not None:  # the user's batch: B x accumulation x world samples per optimizer step
+            user = UserBatch(batch_size, "ODBDataLoader(batch_size=...)", "ODBDataLoader")
+            cfg = user.config(cfg, given, world_size)
+            user.log(cfg, world_size)
         iterable = isinstance(dataset, IterableDataset)
         if iterable and sampler is not None:
             raise ValueError(f"ODBDataLoader got sampler={sampler!r} with an IterableDataset, which has no indices. "
@@ -249,8 +266,7 @@ class ODBDataLoader(ODBLoaderMixin):
                          persistent_workers=persistent_workers, pin_memory_device=pin_memory_device, **dl_options)
         batch_order = shuffles(self) if shuffle is None else bool(shuffle)  # with a sampler: as it does
         self.odb_attach(LoaderCore(self, cfg, shuffle=batch_order, seed=seed, group_collate=self.collate_fn,
-                                   sample_transform=None, own_sampler=own, lengths=lengths,
-                                   exchanges=exchange_factory(cfg, process_group, exchange)))
+                                   sample_transform=None, own_sampler=own, lengths=lengths, exchanges=exchanges))
 
 
 def _held(loader: Any, batches: Iterator[Any]) -> Iterator[Any]:
@@ -260,7 +276,8 @@ def _held(loader: Any, batches: Iterator[Any]) -> Iterator[Any]:
 
 
 def group_collate_for(loader: DataLoader, collate_fn: Optional[Callable]) -> tuple:
-    """(group collate, per-sample transform) for a loader built with batch_size 1 or None."""
-    if loader.batch_size == 1:
+    """(group collate, per-sample transform) for a loader: its collate_fn collates a batch (batch_size B), or
+    runs per sample (batch_size=None)."""
+    if loader.batch_size is not None:
         return (collate_fn or loader.collate_fn), None
     return (collate_fn or default_collate), loader.collate_fn

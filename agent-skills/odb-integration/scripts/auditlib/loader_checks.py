@@ -62,15 +62,11 @@ def check_loader_args(ctx: Context) -> List[Finding]:
         args = site.loader_args
         if args is None:
             continue
-        bs = literal(ctx.index, args["batch_size"]) if "batch_size" in args else 1
-        allowed = (1,) if site.kind == "ODBDataLoader" else (1, None)
-        if bs is not UNKNOWN and bs not in allowed:
-            out.append(ctx.finding("batch-size", site.loader_line, f"the loader odb plans has batch_size={bs!r}: "
-                                   "odb needs single samples and decides each batch's size from the token budget.",
-                                   "build it with batch_size=1 (cap samples per batch with max_batch_size=N)"))
         if "batch_sampler" in args and literal(ctx.index, args["batch_sampler"]) is not None:
             out.append(ctx.finding("batch-size", site.loader_line, "the loader odb plans has a batch_sampler: odb "
-                                   "forms the batches itself.", "drop batch_sampler; pass a sampler= instead"))
+                                   "reads your batch from the sampler and batch_size, and cuts each optimizer step "
+                                   "into micro-batches itself.",
+                                   "drop batch_sampler; pass sampler= and batch_size=B (your batch) instead"))
         workers = literal(ctx.index, args["num_workers"]) if "num_workers" in args else 0
         if workers == 0 and not ("num_workers" not in args and site.loader_open) and not is_eval_site(site):
             out.append(ctx.finding("num-workers", site.loader_line, "num_workers is 0: every sample is processed "

@@ -115,6 +115,13 @@ def _accumulation_findings(ctx: Context, site: LoaderSite, loop: ast.AST, step: 
         return [ctx.finding("grad-accum", counted[0], "the optimizer steps on a counter while odb closes its own "
                             "accumulation windows (the last one of an epoch is shorter): the two drift apart.",
                             "step on `if info.is_last_micro_step:`")]
+    batch = users_batch(ctx, site)
+    if (isinstance(batch, int) and isinstance(gas, int) and batch * gas > 1 and step.optimizer_steps
+            and not conditional and not step.accumulate_blocks):
+        return [ctx.finding("grad-accum", step.optimizer_steps[0][0], f"odb keeps your batch ({batch} samples per "
+                            f"rank x {gas} accumulated) in each optimizer step and cuts it into micro-batches under "
+                            f"the token budget, but the optimizer steps after every micro-batch: each update then "
+                            f"holds a part of your batch.", "step on `if info.is_last_micro_step:`")]
     if (isinstance(gas, int) and gas > 1 and step.optimizer_steps and not conditional
             and not step.accumulate_blocks):
         return [ctx.finding("grad-accum", step.optimizer_steps[0][0], f"odb was told gradient_accumulation_steps="
@@ -122,6 +129,22 @@ def _accumulation_findings(ctx: Context, site: LoaderSite, loop: ast.AST, step: 
                             f"normalised by {gas} micro-batches' tokens.",
                             "step on `if info.is_last_micro_step:` or drop gradient_accumulation_steps")]
     return []
+
+
+def users_batch(ctx: Context, site: LoaderSite):
+    """The user's batch odb keeps per optimizer step and rank (``ODBDataLoader(batch_size=B)``, the loader
+    ``odb.apply`` converts: its batch_size, 1 for None), as a literal or UNKNOWN; None where odb fills steps to
+    the budget (batch_size left out of ODBDataLoader, ``global_batch_size=None``) or a global_batch_size is given."""
+    if "global_batch_size" in site.options:
+        return None
+    if site.kind == "ODBDataLoader":
+        node = (site.loader_args or {}).get("batch_size")
+        return None if node is None else literal(ctx.index, node)
+    if site.loader_args is None:
+        return UNKNOWN
+    node = site.loader_args.get("batch_size")
+    value = 1 if node is None else literal(ctx.index, node)
+    return 1 if value is None else value
 
 
 def accelerator_accumulation(ctx: Context):

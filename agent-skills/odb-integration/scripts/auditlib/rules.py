@@ -19,7 +19,7 @@ from .loaders import LoaderSite, odb_name
 RULES: Dict[str, Tuple[str, str]] = {
     "odb-missing": ("error", "odb is used: an odb loader / odb.apply, or the framework's integration"),
     "token-budget": ("error", "every odb entry point gets token_budget (or config=ODBConfig(...))"),
-    "batch-size": ("error", "the loader odb plans has batch_size 1 (None also for odb.apply) and no batch_sampler"),
+    "batch-size": ("error", "the loader odb plans has no batch_sampler (its batch_size is your batch)"),
     "num-workers": ("warning", "num_workers > 0, so samples are processed while the model trains"),
     "step-info": ("error", "every batch goes through odb.pop_step_info (iterate the batch whole, not unpacked)"),
     "step-info-order": ("error", "the step info is popped before the batch is used whole (model(**batch), .to())"),
@@ -28,7 +28,8 @@ RULES: Dict[str, Tuple[str, str]] = {
     "join": ("error", "join=False only together with torch.distributed.algorithms.Join"),
     "ddp-sampler": ("error", "under DDP the loader shards the data (DistributedSampler or odb.ShardSampler)"),
     "set-epoch": ("warning", "a loader with a sampler iterated over several epochs gets loader.set_epoch(epoch)"),
-    "grad-accum": ("error", "odb's gradient_accumulation_steps matches how the loop steps the optimizer"),
+    "grad-accum": ("error", "odb's gradient_accumulation_steps matches how the loop steps the optimizer, which "
+                            "steps on info.is_last_micro_step where a step holds several micro-batches"),
     "eval-loader": ("warning", "evaluation loaders stay ordinary loaders"),
     "integration-order": ("error", "the integration is enabled before training starts"),
     "mixin-order": ("error", "ODBTrainerMixin comes before the Trainer class it extends"),

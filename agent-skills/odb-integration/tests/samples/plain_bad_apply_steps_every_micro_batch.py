@@ -1,5 +1,5 @@
 # expect-framework: plain_loop
-# expect-findings: batch-size
+# expect-findings: grad-accum
 import torch
 from torch.utils.data import DataLoader
 import odb

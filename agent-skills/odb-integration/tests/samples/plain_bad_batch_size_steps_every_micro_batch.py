@@ -1,5 +1,5 @@
 # expect-framework: plain_loop
-# expect-findings: batch-size
+# expect-findings: grad-accum
 import torch
 import odb
 from my_project import SFTDataset, build_model, collate_fn
