@@ -220,3 +220,17 @@ def test_native_varlen_only_for_cuda_half_precision():
     out = varlen_causal_attention(q, q, q, [0, 2, 6])
     alone = torch.nn.functional.scaled_dot_product_attention(q[:, 2:], q[:, 2:], q[:, 2:], is_causal=True)
     assert torch.allclose(out[:, 2:], alone, atol=1e-6)
+
+
+def test_the_loss_against_time_panel_draws_every_arm_from_one_round():
+    """training_loss.png's time panels: every arm from the round of fixed's median training time (arms of
+    different rounds start from other weights and shuffles), that round's own target marked."""
+    from odb.bench.report import _median_round
+
+    def one(seed, fixed_s, other_s):
+        return {"seed": seed, "target_loss": 2.0 + seed,
+                "arms": {"fixed": {"train_s": fixed_s}, "odb_padded": {"train_s": other_s}}}
+
+    rounds = [one(0, 9.0, 1.0), one(1, 3.0, 50.0), one(2, 5.0, 2.0)]
+    assert _median_round(rounds)["seed"] == 2  # fixed's times 9, 3, 5: the median is round 2's, for every arm
+    assert _median_round([]) is None

@@ -356,6 +356,16 @@ def training_table(training: Dict[str, Any], markdown: bool = False) -> str:
     return "\n".join(parts)
 
 
+def _median_round(rounds: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The round whose fixed arm took the median training time (the first round without a fixed arm), drawn
+    whole: arms of different rounds start from other weights and shuffles, so only one round compares."""
+    if not rounds:
+        return None
+    if not all("fixed" in r["arms"] for r in rounds):
+        return rounds[0]
+    return sorted(rounds, key=lambda r: r["arms"]["fixed"]["train_s"])[len(rounds) // 2]
+
+
 def plot_convergence(conv: Dict[str, Any], path: str) -> None:
     """Held-out loss against optimizer step and against training seconds (medians over rounds), per A."""
     import matplotlib
@@ -369,6 +379,7 @@ def plot_convergence(conv: Dict[str, Any], path: str) -> None:
     colors = {a: f"C{k}" for k, a in enumerate(arms)}
     for row, acc in enumerate(accs):
         part = conv["accumulations"][acc]
+        shown = _median_round(part.get("rounds") or [])
         for arm, m in part["arms"].items():
             pts = m["loss_by_step"]
             style = dict(color=colors[arm], marker=".", lw=1.2, ls="--" if arm == "odb_budget_filled" else "-",
@@ -376,21 +387,32 @@ def plot_convergence(conv: Dict[str, Any], path: str) -> None:
             axes[row][0].plot([p["step"] for p in pts], [p["median"] for p in pts], **style)
             axes[row][0].fill_between([p["step"] for p in pts], [p["min"] for p in pts], [p["max"] for p in pts],
                                       color=colors[arm], alpha=0.12)
-            rounds = part.get("rounds") or []
-            if rounds:  # the median round's curve against seconds (the round of the median time to target)
-                curves = [r["arms"][arm]["curve"] for r in rounds]
-                curve = sorted(curves, key=lambda c: c[-1]["s"])[len(curves) // 2]
-                axes[row][1].plot([p["s"] for p in curve], [p["loss"] for p in curve], **style)
+            if shown is not None:  # every arm from the same round, the round's own target marked
+                curve = shown["arms"][arm]["curve"]
+                past = shown["arms"][arm].get("epochs_trained", conv["epochs"]) > conv["epochs"]
+                label = CONVERGENCE_LABELS.get(arm, arm) + (f" (trained past {conv['epochs']} epochs)" if past else "")
+                axes[row][1].plot([p["s"] for p in curve], [p["loss"] for p in curve], **dict(style, label=label))
+                reached = shown["arms"][arm]["time_to_target_s"]
+                if reached is not None:
+                    axes[row][1].plot([reached], [shown["target_loss"]], marker="o", ms=7, mfc="none",
+                                      color=colors[arm])
         tgt = part["target_loss"]["median"]
+        axes[row][0].axhline(tgt, color="k", lw=0.8, ls=":",
+                             label=f"target {tgt:.3f}: fixed's final loss (median over rounds)")
+        if shown is not None:
+            axes[row][1].axhline(shown["target_loss"], color="k", lw=0.8, ls=":",
+                                 label=f"target {shown['target_loss']:.3f}: fixed's final loss in this round "
+                                       f"(circles: where each arm reaches it)")
         for ax in axes[row]:
-            ax.axhline(tgt, color="k", lw=0.8, ls=":", label=f"target {tgt:.3f} (fixed's final)")
             ax.set_ylabel("held-out loss (nats per byte)")
         axes[row][0].set_xlabel(f"optimizer step (A = {acc}, G = {part['global_batch_size']} samples per step)")
-        axes[row][1].set_xlabel("training seconds (2 ranks, evaluation excluded; the median round)")
+        seed = f", seed {shown['seed']}" if shown is not None and "seed" in shown else ""
+        axes[row][1].set_xlabel(f"training seconds (2 ranks, no evaluation; all arms: fixed's median round{seed})")
         axes[row][0].set_title(f"A = {acc}: loss per optimizer step (median, band: min-max of "
                                f"{conv['rounds']} rounds)", fontsize=10)
         axes[row][1].set_title(f"A = {acc}: loss against time", fontsize=10)
         axes[row][0].legend(fontsize=7)
+        axes[row][1].legend(fontsize=7)
     fig.suptitle(f"Convergence at the user's settings: {conv['workload']}, {conv['samples']} samples, "
                  f"cap {conv['cap']:,}, B = {conv['fixed_batch_size']}, same learning rate", fontsize=11)
     fig.tight_layout()
