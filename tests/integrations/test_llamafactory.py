@@ -468,7 +468,8 @@ def test_refuses_settings_that_break_odb_batches(setup):
     flash = SFTDataCollatorWith4DAttentionMask(template=parts["collator"].template, pad_to_multiple_of=8,
                                                neat_packing=True, attn_implementation="flash_attention_2",
                                                **parts["tokenizer_module"])
-    loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=1, collate_fn=flash)
+    # a batch of 4 (odb keeps it per optimizer step), packed into rows under the budget
+    loader = DataLoader(parts["dataset_module"]["train_dataset"], batch_size=4, collate_fn=flash)
     handle = odb_lf.enable_odb(train_dataloader=loader, token_budget=BUDGET)  # was refused before packed rows
     assert handle.config.layout == "packed" and handle.config.pad_to_multiple_of == 1
     row = next(iter(loader))

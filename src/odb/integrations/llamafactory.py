@@ -6,7 +6,7 @@ Three entry points (LLaMA-Factory itself is imported only by ``run_exp``):
   transformers Trainer) built by your own code switches to odb batches, in place, through
   ``odb.integrations.hf.enable_odb``, with the settings read from LLaMA-Factory's objects;
 - ``enable_odb(train_dataloader=loader, training_args=args, token_budget=...)``: a
-  ``DataLoader(batch_size=1, collate_fn=SFTDataCollatorWith4DAttentionMask(...))`` of your
+  ``DataLoader(batch_size=B, collate_fn=SFTDataCollatorWith4DAttentionMask(...))`` of your
   own loop becomes an odb loader in place (``odb.apply``); returns its ``ODBHandle``;
 - ``run_exp(args, token_budget=...)``: LLaMA-Factory's own ``run_exp`` (the code behind
   ``llamafactory-cli train``) for ``stage: sft``, with odb enabled on the trainer it builds.
@@ -81,7 +81,7 @@ def enable_odb(trainer: Any = None, train_dataloader: Optional[DataLoader] = Non
     if trainer is None and train_dataloader is None:
         raise TypeError("enable_odb got neither trainer nor train_dataloader. Rule: odb changes one of them. Fix: "
                         "pass trainer=<CustomSeq2SeqTrainer> (before trainer.train()) or "
-                        "train_dataloader=<DataLoader(batch_size=1)>.")
+                        "train_dataloader=<your DataLoader>.")
     if trainer is not None and train_dataloader is not None:
         raise ValueError("enable_odb got both trainer and train_dataloader. Rule: the trainer builds its own odb "
                          "loader from trainer.train_dataset. Fix: pass trainer alone, or train_dataloader alone for "
