@@ -94,7 +94,7 @@ $(STAMP_MIN): pyproject.toml constraints-min.txt
 venv-min: $(STAMP_MIN)
 
 # Not part of it: TRL (the `trl` extra's floor, 1.16, needs Python >= 3.11; make test runs its pin):
-# tests/integrations/test_trl.py and every test marked trl; the benchmark's tests (the demo and the
+# tests/integrations/test_trl.py, test_trl_refusals.py and every test marked trl; the benchmark's tests (the demo and the
 # training benchmark compare against TRL's packing; they never ran at the floors); and LLaMA-Factory
 # (0.9.5 needs Python >= 3.11: its tests skip here, saying so). Nothing else skips for a missing package.
 # Left to `make test` as well, as work that does not depend on the versions (CI runs both; each ran in both before):
@@ -102,7 +102,7 @@ venv-min: $(STAMP_MIN)
 # workers exiting), the rest of tests/bench (the benchmark's own correctness: `make demo` runs on the pins), and
 # the static checks of tests/project (import layers, the options page, the agent skill's text). The doc snippets
 # and the examples still run here: they exercise the integrations on the floors.
-MIN_SKIPPED := --ignore=tests/integrations/test_trl.py --ignore=tests/bench --ignore=tests/project/test_layers.py \
+MIN_SKIPPED := --ignore=tests/integrations/test_trl.py --ignore=tests/integrations/test_trl_refusals.py --ignore=tests/bench --ignore=tests/project/test_layers.py \
 	--ignore=tests/project/test_options_doc.py --ignore=tests/project/test_agent_skills.py
 
 test-min: $(STAMP_MIN)
