@@ -135,6 +135,16 @@ def _worker_module(name: str) -> Any:
     return module
 
 
+def save_result(result: Any, tmp: Path, rank: int) -> None:
+    """Rank ``rank``'s result where ``run_ranks`` reads it (written whole, then renamed). A rank worker that is
+    about to be killed saves its own this way."""
+    import torch
+
+    part = tmp / f"rank{rank}.pt.part"
+    torch.save(result, part)
+    os.replace(part, tmp / f"rank{rank}.pt")
+
+
 def _child_main(argv: List[str]) -> None:
     worker, rank, world, port, tmp, deadline_s = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4]), \
         float(argv[5])
@@ -152,10 +162,7 @@ def _child_main(argv: List[str]) -> None:
         params = json.loads((tmp / "params.json").read_text())
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=deadline_s))
-        result = getattr(workers, func_name)(rank, world, params)
-        part = tmp / f"rank{rank}.pt.part"
-        torch.save(result, part)
-        os.replace(part, tmp / f"rank{rank}.pt")
+        save_result(getattr(workers, func_name)(rank, world, params), tmp, rank)
     except BaseException:
         (tmp / f"rank{rank}.err.part").write_text(traceback.format_exc())
         os.replace(tmp / f"rank{rank}.err.part", tmp / f"rank{rank}.err")

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset, DistributedSampler, get_worker_info
 
 import odb
+from dist_harness import save_result
 from failure_workers import FailingCollate
 from helpers import make_sample, pad_collate
 
@@ -60,13 +60,6 @@ class FailingOnRank(Dataset):
 def _record(err: BaseException, steps: int) -> Dict[str, Any]:
     return {"type": type(err).__name__, "error": str(err), "failed_rank": getattr(err, "rank", None),
             "t": time.time(), "steps": steps}
-
-
-def _save_now(result: Dict[str, Any], tmp: Path, rank: int) -> None:
-    """What dist_harness does with a worker's return value, done before this process is killed."""
-    part = tmp / f"rank{rank}.pt.part"
-    torch.save(result, part)
-    os.replace(part, tmp / f"rank{rank}.pt")
 
 
 def worker_fails_on_rank1(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
@@ -100,7 +93,7 @@ def worker_fails_on_rank1(rank: int, world: int, p: Dict[str, Any]) -> Dict[str,
             return out
         tmp = Path(p["tmp"])
         if p["then"] == "killed":
-            _save_now(out, tmp, rank)
+            save_result(out, tmp, rank)  # as dist_harness would, before this process is killed
             time.sleep(1.0)
             os.kill(os.getpid(), signal.SIGKILL)
         end = time.monotonic() + STAY_S  # "stays": the iterator `it` and the error `err` stay alive meanwhile

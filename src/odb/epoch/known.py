@@ -143,14 +143,20 @@ def known_epoch(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBCo
         yield from _known_steps(batches, sampler, cfg, exchange, on_batch, resume_totals)
     except BaseException as err:
         error = None if isinstance(err, GeneratorExit) else err
-        world = exchange.world_size if exchange is not None else 1
-        shape, where = (cfg.micro_steps_capacity(world),), "the next step exchange"
         try:
-            announce_in_background(exchange, shape, where, error, watch.failure if watch is not None else None)
+            announce_to_steps(exchange, cfg, error, watch.failure if watch is not None else None)
         except Exception as late:  # raised meanwhile by a signal handler (torch's, for a worker that died)
-            announce_in_background(exchange, shape, where, late)
+            announce_to_steps(exchange, cfg, late)
             raise late from err
         raise
+
+
+def announce_to_steps(exchange: Any, cfg: ODBConfig, error: Optional[BaseException],
+                      cause: Optional[Callable[[Optional[BaseException]], Optional[BaseException]]] = None) -> None:
+    """Join the next step exchange (``finish_step``'s message) with ``error`` (None: a stop), in the background
+    (odb.comm.protocol.announce_in_background; nothing without an exchange)."""
+    world = exchange.world_size if exchange is not None else 1
+    announce_in_background(exchange, (cfg.micro_steps_capacity(world),), "the next step exchange", error, cause)
 
 
 def _known_steps(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBConfig, exchange: Any,

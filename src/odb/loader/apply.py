@@ -105,10 +105,8 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
     cfg = make_config(config, token_budget, options, "odb.apply")
     check_inputs(cfg, lengths, getattr(loader, "in_order", True))
     exchanges = exchange_factory(cfg, process_group, exchange)
-    world_size = exchanges.world()[1] if exchanges is not None else 1
     where = "the DataLoader's batch_size" if loader.batch_size is not None else "the DataLoader's batch_size=None"
-    user = UserBatch(loader.batch_size or 1, where, "odb.apply")
-    cfg = user.config(cfg, given, world_size)
+    cfg = UserBatch(loader.batch_size or 1, where, "odb.apply").keep(cfg, given, exchanges)
     if collate_fn is None and cfg.layout == "packed" and (loader.batch_size is None
                                                           or loader.collate_fn is default_collate):
         collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
@@ -119,5 +117,4 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
                       exchanges=exchanges)
     loader.__class__ = _odb_class(type(loader))
     loader.odb_attach(core)  # the one attribute odb adds
-    user.log(cfg, world_size)
     return ODBHandle(loader)

@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Set, Tup
 import torch
 from torch.utils.data import DataLoader
 
-from odb.comm.protocol import ExchangeFactory, RankExchange, announce_in_background
+from odb.comm.protocol import ExchangeFactory, RankExchange
 from odb.epoch.cursor import Cursor
-from odb.epoch.known import known_epoch
+from odb.epoch.known import announce_to_steps, known_epoch
 from odb.epoch.pipeline import BatchPipeline, made
 from odb.epoch.run import EpochRun
 from odb.loader.epoch_modes import KnownLengthsEpoch, OnlineEpoch
@@ -108,7 +108,7 @@ class EpochAssembly:
         if known is None:
             online = OnlineEpoch(owner, run, pipeline)
             if exchange is not None:
-                watch.on_death(stop_at_death(run, pipeline, None, 0))
+                watch.on_death(stop_at_death(run, pipeline))
             return Epoch(run, cursor, pipeline, online, online.batches())
         inner = self.inner.known(self.group_collate)
         sampler = inner.batch_sampler
@@ -120,7 +120,7 @@ class EpochAssembly:
         resume_totals = run_state["position"]["step_tokens"] if run_state is not None else None  # a step split by it
         batches = watch.follow(iter(inner))  # workers start here (a persistent inner loader's, the first time)
         if exchange is not None:
-            watch.on_death(stop_at_death(run, pipeline, steps, cfg.micro_steps_capacity(world)))
+            watch.on_death(stop_at_death(run, pipeline, steps))
         return Epoch(run, cursor, pipeline, mode,
                      mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch)))
 
@@ -143,7 +143,7 @@ class EpochAssembly:
         return ex
 
 
-def stop_at_death(run: EpochRun, pipeline: BatchPipeline, steps: Optional[RankExchange], step_message: int
+def stop_at_death(run: EpochRun, pipeline: BatchPipeline, steps: Optional[RankExchange] = None
                   ) -> Callable[[RuntimeError], None]:
     """What an epoch under several ranks does the moment one of its workers dies (odb.data.worker_deaths):
     whatever the training thread does meanwhile (torch raises the death there, maybe in the user's step,
@@ -154,7 +154,7 @@ def stop_at_death(run: EpochRun, pipeline: BatchPipeline, steps: Optional[RankEx
         pipeline.abort(death)
         run.close()  # a batch thread waiting for the dead worker's samples goes on at once
         if steps is not None:
-            announce_in_background(steps, (step_message,), "the next step exchange", death)
+            announce_to_steps(steps, run.cfg, death)
 
     return stop
 

@@ -239,11 +239,8 @@ class ODBDataLoader(ODBLoaderMixin):
                              f"micro-batches under token_budget itself. Fix: drop batch_sampler and pass its sampler "
                              f"and batch size (sampler=..., batch_size=B).")
         exchanges = exchange_factory(cfg, process_group, exchange)
-        world_size = exchanges.world()[1] if exchanges is not None else 1
         if batch_size is not None:  # the user's batch: B x accumulation x world samples per optimizer step
-            user = UserBatch(batch_size, "ODBDataLoader(batch_size=...)", "ODBDataLoader")
-            cfg = user.config(cfg, given, world_size)
-            user.log(cfg, world_size)
+            cfg = UserBatch(batch_size, "ODBDataLoader(batch_size=...)", "ODBDataLoader").keep(cfg, given, exchanges)
         iterable = isinstance(dataset, IterableDataset)
         if iterable and sampler is not None:
             raise ValueError(f"ODBDataLoader got sampler={sampler!r} with an IterableDataset, which has no indices. "

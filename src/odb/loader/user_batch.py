@@ -72,6 +72,10 @@ class UserBatch:
                 f"accumulated x {world_size} ranks = {mine} samples per optimizer step, cut into micro-batches "
                 f"under token_budget={cfg.token_budget}")
 
-    def log(self, cfg: ODBConfig, world_size: int) -> None:
-        """Log ``describe`` at INFO on the ``odb`` logger."""
+    def keep(self, cfg: ODBConfig, given: Dict[str, Any], exchanges: Any) -> ODBConfig:
+        """``config`` for the ranks of ``exchanges`` (an exchange factory; None: one process), and ``describe``
+        logged at INFO on the ``odb`` logger."""
+        world_size = exchanges.world()[1] if exchanges is not None else 1
+        cfg = self.config(cfg, given, world_size)
         logger.info(self.describe(cfg, world_size))
+        return cfg
