@@ -9,13 +9,15 @@ workers' process sentinels from a thread of its own: when one exits with a failu
 the death to the epoch at once (odb.loader.assembly stops the epoch, and the batch thread
 announces the death to every rank at its next exchange).
 
-A worker that torch shut down (the end of an epoch, the iterator dropped) is no failure.
+A worker that exits cleanly (torch shuts its workers down at the end of an epoch, or when the
+iterator is dropped), or that torch terminated while it shut them down, is no failure.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 import weakref
 from multiprocessing import Pipe
 from multiprocessing import connection as mp_connection
@@ -55,24 +57,31 @@ def _workers(batches: Any) -> Dict[int, Any]:
         return {}
 
 
-def dead_worker(batches: Any, wait_s: float = 0.0) -> Optional[RuntimeError]:
-    """The death of a worker of ``batches`` (a DataLoader's iterator that has not shut its workers
-    down), as an error to tell the other ranks; None while every worker lives, or without workers.
-    ``wait_s``: how long to wait for a death to show (the main process can see a dying worker's
-    connection reset a moment before the worker has exited).
+def exit_code(worker: Any, wait_s: float = 1.0) -> Optional[int]:
+    """The exit code of ``worker``, a process whose sentinel is ready (it has exited; None if it has not
+    within ``wait_s``).
+
+    Two threads may reap one worker at once (odb's watch, and the training thread or torch's shutdown):
+    the loser's ``waitpid`` finds no child and its poll answers None until the winner has stored the
+    code, so the code is read again until it shows.
 
     Example:
-        >>> dead_worker(iter([1, 2])) is None
-        True
+        >>> import multiprocessing
+        >>> worker = multiprocessing.get_context("fork").Process(target=abs, args=(0,))
+        >>> worker.start()
+        >>> exit_code(worker)
+        0
     """
-    workers = _workers(batches)
-    for sentinel in mp_connection.wait(list(workers), timeout=wait_s) if workers else ():
-        worker = workers[sentinel]
-        worker.join(timeout=1.0)  # its exit code (it has closed its files, so it is about to end)
-        died = death_of(worker)
-        if died is not None:
-            return died
-    return None
+    end = time.monotonic() + wait_s
+    try:
+        worker.join(timeout=wait_s)
+        code = worker.exitcode
+        while code is None and time.monotonic() < end:
+            time.sleep(0.005)
+            code = worker.exitcode
+    except ValueError:  # a closed process object
+        return None
+    return code
 
 
 class WorkerWatch:
@@ -80,8 +89,11 @@ class WorkerWatch:
 
     ``failure()`` asks now; ``on_death(act)`` starts a thread that waits on the workers and calls
     ``act(death)`` once, the moment one dies, whatever the training thread is doing. The iterator
-    is held weakly: its workers end when it is dropped, as without the watch. ``stop()`` ends the
-    watching thread (the epoch is over).
+    is held weakly: its workers end when it is dropped, as without the watch. The worker processes
+    are kept from ``follow`` on, so a death is read from its exit code even after the training loop
+    dropped the iterator (an exit right after torch raised the death): any exit but a clean one is a
+    failure, except a worker that torch terminated while it shut its workers down itself. ``stop()``
+    ends the watching thread (the epoch is over).
 
     Example:
         >>> watch = WorkerWatch()
@@ -91,6 +103,7 @@ class WorkerWatch:
 
     def __init__(self) -> None:
         self._ref: Optional[weakref.ref] = None
+        self._followed: Dict[int, Any] = {}  # sentinel -> worker process, from follow()
         self._died: Optional[RuntimeError] = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -98,29 +111,52 @@ class WorkerWatch:
         self._wake: Any = None  # the sending end of a pipe the watching thread also waits on: stop() wakes it
 
     def follow(self, batches: Any) -> Any:
-        """Watch ``batches`` (an inner DataLoader's iterator); returns it."""
+        """Watch ``batches`` (an inner DataLoader's iterator, its workers started); returns it."""
         try:
             self._ref = weakref.ref(batches)
         except TypeError:  # no workers to watch (an iterator that takes no weak reference)
             self._ref = None
+        self._followed = _workers(batches)
         return batches
 
-    def _batches(self) -> Any:
-        return self._ref() if self._ref is not None else None
+    def _shut_down(self) -> bool:
+        """Whether torch shut the workers down (the epoch ended, the iterator was dropped), or odb stopped watching."""
+        return self._stopped.is_set() or not _workers(self._ref() if self._ref is not None else None)
+
+    def _judge(self, worker: Any) -> Optional[RuntimeError]:
+        """The failure that ``worker`` (exited) tells of, or None."""
+        code = exit_code(worker)
+        died = death_of(worker) if code not in (None, 0) else None
+        if died is not None and code == -signal.SIGTERM and self._shut_down():
+            return None  # torch terminates a worker that does not end in time when it shuts its workers down
+        return died
 
     def failure(self, error: Optional[BaseException] = None) -> Optional[RuntimeError]:
         """The death of a worker (the first one seen, kept), or None. With an ``error`` to announce,
-        waits up to 0.25 s for a death to show: the error may be its first sign."""
+        waits up to 0.25 s for a death to show: the error may be its first sign (the main process can
+        see a dying worker's connection reset a moment before the worker has exited)."""
         with self._lock:
             if self._died is None:
-                self._died = dead_worker(self._batches(), 0.25 if error is not None else 0.0)
+                self._died = self._ready_death(0.25 if error is not None else 0.0)
             return self._died
+
+    def _ready_death(self, wait_s: float) -> Optional[RuntimeError]:
+        workers = self._followed
+        try:
+            ready = mp_connection.wait(list(workers), timeout=wait_s) if workers else []
+        except (OSError, ValueError):  # sentinels closed
+            return None
+        for sentinel in ready:
+            died = self._judge(workers[sentinel])
+            if died is not None:
+                return died
+        return None
 
     def on_death(self, act: OnDeath) -> Optional[threading.Thread]:
         """Call ``act(death)`` once, from a thread of the watch's own, when a followed worker dies (None:
         no workers to watch). The thread ends at ``stop()``, or once the workers are shut down."""
-        workers = list(_workers(self._batches()).values())
-        if not workers or self._stopped.is_set() or self._thread is not None:
+        workers = list(self._followed.values()) if not self._shut_down() else []
+        if not workers or self._thread is not None:
             return None
         woken, self._wake = Pipe(duplex=False)
         self._thread = threading.Thread(target=self._wait, args=(workers, woken, act), name="odb-worker-watch",
@@ -164,15 +200,11 @@ class WorkerWatch:
             except (OSError, ValueError):  # its sentinels closed: the workers were shut down
                 return None
             for sentinel in ready:
-                if sentinel is woken:
-                    return None  # stop()
-                worker = alive.pop(sentinel)
-                worker.join(timeout=1.0)
-                died = death_of(worker)
+                if sentinel is woken or self._stopped.is_set():
+                    return None  # stop(): the epoch is over
+                died = self._judge(alive.pop(sentinel))
                 if died is None:
-                    continue  # a worker done with its share of a stream exits cleanly
-                if self._stopped.is_set() or not _workers(self._batches()):
-                    return None  # torch shut the workers down itself (the epoch ended, the iterator was dropped)
+                    continue  # a worker done with its share of a stream exits cleanly; or torch shut them down
                 with self._lock:
                     self._died = self._died or died
                     return self._died
