@@ -16,7 +16,7 @@ import contextlib
 import datetime
 import signal
 import threading
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -90,12 +90,12 @@ def group_world(group: Any = None) -> Tuple[int, int]:
 
 
 class GlooTransport:
-    """The transport of processes: all_gather of int64 arrays over a gloo group.
+    """The transport of processes: all_gather of int64 arrays and all-to-all of bytes over a gloo group.
 
     Without ``group`` it makes a fresh metadata group (a collective call: every rank, same
-    order, main thread) and owns it. ``gather`` raises ``ODBExchangeError`` when the group
-    fails or times out; an error that a signal handler raised while a gather went through
-    is kept in ``interrupted`` for the protocol to raise once the exchange is over.
+    order, main thread) and owns it. ``gather`` and ``exchange_bytes`` raise ``ODBExchangeError``
+    when the group fails or times out; an error that a signal handler raised while a collective
+    went through is kept in ``interrupted`` for the protocol to raise once the exchange is over.
 
     Example (one process, no group: nothing to gather with)::
 
@@ -129,23 +129,95 @@ class GlooTransport:
         # Every message starts with a status word or a reason's byte (>= 0): a part still holding _UNSET
         # was never received.
         parts = [torch.full_like(local, _UNSET) for _ in range(self.world_size)]
+
+        self._see_through(lambda: dist.all_gather(parts, local, group=self.group, async_op=True), where,
+                          lambda work: _went_through(work, parts, local, self.rank))
+        return torch.stack(parts).numpy()
+
+    def exchange_bytes(self, outgoing: Sequence[bytes], sizes: np.ndarray, where: str) -> List[bytes]:
+        """What every rank sent to this one (``outgoing[rank]`` stays here): one ``all_to_all_single`` of
+        uint8 CPU tensors split by ``sizes`` (sizes[s][d]: bytes s sends to d, the same matrix on every
+        rank); none when nothing crosses.
+
+        Example (under torch.distributed, 2 ranks, each sending 3 bytes to the other)::
+
+            transport.exchange_bytes([b"", b"abc"], np.array([[0, 3], [3, 0]]), "step 4")   # on rank 0
+        """
+        send, recv = _splits(sizes, self.rank)
+        incoming: List[bytes] = [b""] * self.world_size
+        incoming[self.rank] = outgoing[self.rank]
+        if _nothing_crosses(sizes):  # every rank holds the same sizes: all of them skip the collective
+            return incoming
+        source = _send_buffer(outgoing, send, self.rank)
+        target = torch.empty(sum(recv), dtype=torch.uint8)
+        self._see_through(lambda: dist.all_to_all_single(target, source, recv, send, group=self.group,
+                                                         async_op=True), where, _bytes_went_through)
+        received, start = target.numpy(), 0
+        for s, n in enumerate(recv):
+            if s != self.rank:
+                incoming[s] = received[start:start + n].tobytes()
+            start += n
+        return incoming
+
+    def _see_through(self, post: Callable[[], Any], where: str, went_through: Callable[[Any], bool]) -> None:
+        """Post a collective (``post()`` returns its work handle) and wait until it is over, or raise
+        ``exchange_failed`` naming this rank and ``where``. ``went_through(work)`` tells whether a completed
+        collective that left its wait with an error holds none of its own (the error was a signal handler's)."""
         work = None
         try:
             with _worker_deaths_held():  # posted and held by this rank, or neither
-                work = dist.all_gather(parts, local, group=self.group, async_op=True)
+                work = post()
             work.wait()
         except Exception as err:  # gloo raises RuntimeError subclasses with the peer's address
             if work is not None and not work.is_completed() and not _finish(work):
                 raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
-            if work is not None and work.is_completed() and _went_through(work, parts, local, self.rank):
+            if work is not None and work.is_completed() and went_through(work):
                 # The exchange went through; the error was raised on this thread by a signal handler that ran
                 # once the wait returned (torch raises a DataLoader worker's death so). Every rank has this
-                # message: all_gather raises the error once its exchange is over, so the ranks stay in step
-                # and this rank can still announce the error at the next exchange.
+                # message: the exchange raises the error once it is over, so the ranks stay in step and this
+                # rank can still announce the error at the next exchange.
                 self.interrupted = self.interrupted or err
-                return torch.stack(parts).numpy()
+                return
             raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
-        return torch.stack(parts).numpy()
+
+
+def _splits(sizes: np.ndarray, rank: int) -> Tuple[List[int], List[int]]:
+    """(bytes ``rank`` sends to each rank, bytes it receives from each rank), its own part 0 both ways.
+
+    Example:
+        >>> _splits(np.array([[5, 1], [2, 0]]), 0)
+        ([0, 1], [0, 2])
+    """
+    matrix = np.asarray(sizes, dtype=np.int64)
+    send, recv = matrix[rank].tolist(), matrix[:, rank].tolist()
+    send[rank] = recv[rank] = 0  # a rank's own part never crosses
+    return send, recv
+
+
+def _nothing_crosses(sizes: np.ndarray) -> bool:
+    """Whether no rank sends another any byte (the diagonal, a rank's own part, never crosses).
+
+    Example:
+        >>> _nothing_crosses(np.array([[7, 0], [0, 3]])), _nothing_crosses(np.array([[0, 1], [0, 0]]))
+        (True, False)
+    """
+    crossing = np.array(sizes, dtype=np.int64)
+    np.fill_diagonal(crossing, 0)
+    return not crossing.any()
+
+
+def _send_buffer(outgoing: Sequence[bytes], send: List[int], rank: int) -> torch.Tensor:
+    """The parts for the other ranks, end to end, as one uint8 tensor (one copy: a bytearray the tensor
+    shares). Raises when a part's length is not its size (every rank would split the bytes wrong)."""
+    for d, part in enumerate(outgoing):
+        if d != rank and len(part) != send[d]:
+            raise ValueError(f"odb rank {rank}: exchange_bytes got {len(part)} bytes for rank {d} but sizes "
+                             f"says {send[d]}. Fix: pass the sizes gathered from these very parts "
+                             f"(RankExchange.move does).")
+    buffer = bytearray().join(part for d, part in enumerate(outgoing) if d != rank)
+    if not buffer:
+        return torch.empty(0, dtype=torch.uint8)  # torch.frombuffer refuses an empty buffer
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 @contextlib.contextmanager
@@ -211,3 +283,20 @@ def _went_through(work: Any, parts: List[torch.Tensor], local: torch.Tensor, ran
         return all(int(p[0]) != _UNSET for p in parts) and torch.equal(parts[rank], local)
 
 
+def _bytes_went_through(work: Any) -> bool:
+    """Whether a completed all-to-all of bytes holds no error. The bytes have no word that tells "never
+    arrived": on torch before 2.7 (``Work.exception()`` raises TypeError) it is waited once more instead, which
+    returns at once for a completed collective and raises again the error it stored.
+
+    Example (a completed collective whose error torch cannot show):
+        >>> class Done:
+        ...     def exception(self): raise TypeError("exception_ptr")
+        ...     def wait(self): return True
+        ...     def is_completed(self): return True
+        >>> _bytes_went_through(Done())
+        True
+    """
+    try:
+        return work.exception() is None
+    except TypeError:
+        return _finish(work, attempts=1)

@@ -3,7 +3,8 @@
 A loader's background thread exchanges a few integers per window and per step with the
 other ranks: a header (groups planned, groups that must be emitted, data ended, seed, the
 plan options' fingerprint), per-step summaries (cost, samples, loss tokens) and a per-step
-confirmation. No sample data crosses ranks.
+confirmation. ``RankExchange.move`` also moves bytes between ranks (samples of a global
+step plan): an all_gather of the sizes, then the bytes themselves.
 
 Every message starts with a status word. A rank whose epoch fails (or that stops
 iterating) joins its next exchange with ``FAILED`` (or ``STOPPED``) instead of its
@@ -112,19 +113,26 @@ def peer_error(rank: int, world_size: int, where: str, statuses: Sequence[int], 
 
 
 class Transport(Protocol):
-    """What ``RankExchange`` runs its protocol over: one rank's side of an all_gather.
+    """What ``RankExchange`` runs its protocol over: one rank's side of an all_gather and of an all-to-all.
 
     ``gather(message, where)`` returns every rank's ``message`` (int64, the same length on
-    every rank) as a (world_size, len) array, or raises ``ODBExchangeError``; ``release()``
-    lets go of what the transport holds once its exchanges are over. A transport may also
-    have ``owns_group`` and ``group`` (a process group it made), ``interrupted`` (an error to
-    raise once a gather that went through is over) and ``exit_barrier(timeout_s)``.
+    every rank) as a (world_size, len) array, or raises ``ODBExchangeError``;
+    ``exchange_bytes(outgoing, sizes, where)`` sends ``outgoing[d]`` to every other rank d and
+    returns what each rank s sent to this one (``incoming[s]``; ``incoming[rank]`` is
+    ``outgoing[rank]``, never sent), where ``sizes[s][d]`` (every rank holds the same matrix,
+    gathered first) is the length of what s sends to d; when no size off the diagonal is
+    above 0 it runs no collective (every rank sees so alike). ``release()`` lets go of what
+    the transport holds once its exchanges are over. A transport may also have
+    ``owns_group`` and ``group`` (a process group it made), ``interrupted`` (an error to
+    raise once a collective that went through is over) and ``exit_barrier(timeout_s)``.
     """
 
     rank: int
     world_size: int
 
     def gather(self, message: np.ndarray, where: str) -> np.ndarray: ...
+
+    def exchange_bytes(self, outgoing: Sequence[bytes], sizes: np.ndarray, where: str) -> List[bytes]: ...
 
     def release(self) -> None: ...
 
@@ -140,6 +148,40 @@ class ExchangeFactory(Protocol):
     def __call__(self, timeout_s: float) -> "RankExchange": ...
 
 
+def move_header_shape(world_size: int) -> Tuple[int]:
+    """The shape of the values a rank gathers first in ``RankExchange.move``: its outgoing sizes, one per
+    rank. A rank that fails just before a move announces with it, ``exchange.announce(move_header_shape(W),
+    where, error)``, so it meets the others at their size gather.
+
+    Example:
+        >>> move_header_shape(4)
+        (4,)
+    """
+    return (int(world_size),)
+
+
+def outgoing_sizes(outgoing: Sequence[Any], rank: int, world_size: int) -> np.ndarray:
+    """The int64 sizes of ``outgoing`` (one part per rank) as the other ranks must see them: this rank's own
+    part never crosses, so its size is 0. Raises naming the part that is not bytes, or the count.
+
+    Example:
+        >>> outgoing_sizes([b"ab", b"", b"xyz"], rank=0, world_size=3).tolist()
+        [0, 0, 3]
+    """
+    if len(outgoing) != world_size:
+        raise ValueError(f"odb rank {rank} of {world_size}: move got {len(outgoing)} outgoing parts; it takes "
+                         f"one per rank (outgoing[d] goes to rank d). Fix: pass a list of {world_size} bytes, "
+                         f"b'' for a rank that gets nothing.")
+    for d, part in enumerate(outgoing):
+        if not isinstance(part, (bytes, bytearray)):
+            raise TypeError(f"odb rank {rank} of {world_size}: move got outgoing[{d}] of type "
+                            f"{type(part).__name__}; the parts are bytes. Fix: serialize it first "
+                            f"(e.g. pickle.dumps) and pass bytes, b'' for nothing.")
+    sizes = np.array([len(part) for part in outgoing], dtype=np.int64)
+    sizes[rank] = 0
+    return sizes
+
+
 def exchange_failed(rank: int, world_size: int, where: str, timeout_s: float, err: BaseException
                     ) -> ODBExchangeError:
     """The error of a rank whose transport failed at ``where`` (a peer died, stalled or stopped)."""
@@ -152,7 +194,8 @@ def exchange_failed(rank: int, world_size: int, where: str, timeout_s: float, er
 
 
 class RankExchange:
-    """odb's exchange protocol: all_gather of small int64 arrays with a status word and a clear error.
+    """odb's exchange protocol: all_gather of small int64 arrays with a status word and a clear error, and
+    ``move`` of bytes between ranks behind such a gather.
 
     The protocol (status word, reasons, ``dead``, ``announce``, ``ODBRankFailed`` on the peers)
     runs over ``transport``: a gloo group (``odb.comm.dist.GlooTransport``, made by
@@ -194,9 +237,7 @@ class RankExchange:
         exchange; returns None on a rank that announced one itself (``status`` not OK).
         """
         values = np.ascontiguousarray(values, dtype=np.int64)
-        if self.dead:
-            raise ODBExchangeError(f"odb rank {self.rank} of {self.world_size}: the metadata exchange at {where} "
-                                   f"was used after it failed. This is a bug in odb; please report it.")
+        self._check_alive(where)
         message = np.concatenate(([status], values.reshape(-1)))
         gathered = self._gather(message, where)
         statuses = gathered[:, 0]
@@ -209,6 +250,49 @@ class RankExchange:
         if status != OK:
             return None
         raise peer_error(self.rank, self.world_size, where, statuses.tolist(), [decode_reason(s) for s in slots])
+
+    def move(self, outgoing: Sequence[bytes], where: str) -> List[bytes]:
+        """Move bytes between ranks: ``outgoing[d]`` goes to rank d; returns ``incoming``, where
+        ``incoming[s]`` is what rank s sent to this rank (``incoming[rank]`` is ``outgoing[rank]`` itself,
+        never sent). Every rank moves at the same exchange, with one part (maybe b"") per rank.
+
+        First an ``all_gather`` of this rank's outgoing sizes (shape ``move_header_shape(world_size)``, the
+        shape to announce a failure with), so a rank that announced makes every other rank raise
+        ``ODBRankFailed`` before any byte moves; then ``transport.exchange_bytes`` (no collective at all
+        when nothing crosses). One rank alone moves nothing and runs no collective.
+
+        Example (two ranks that are threads; each sends "from->to"):
+            >>> import threading
+            >>> from odb.comm.threads import ThreadRanks
+            >>> ranks = ThreadRanks(2)
+            >>> got = [None, None]
+            >>> def run(rank):
+            ...     ex = ranks.exchanges(rank)(5.0)
+            ...     got[rank] = ex.move([f"{rank}->{d}".encode() for d in range(2)], "example")
+            >>> threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+            >>> for t in threads: t.start()
+            >>> for t in threads: t.join()
+            >>> got
+            [[b'0->0', b'1->0'], [b'0->1', b'1->1']]
+        """
+        sizes = outgoing_sizes(outgoing, self.rank, self.world_size)
+        if self.world_size == 1:
+            self._check_alive(where)
+            return [outgoing[0]]
+        matrix = self.all_gather(sizes, where)  # raises ODBRankFailed when a rank announced here
+        assert matrix is not None  # only a rank that announces gets None, and this one sends OK
+        try:
+            incoming = self.transport.exchange_bytes(outgoing, matrix, where)
+        except ODBExchangeError:
+            self.dead = True
+            raise
+        self._raise_interrupted()
+        return incoming
+
+    def _check_alive(self, where: str) -> None:
+        if self.dead:
+            raise ODBExchangeError(f"odb rank {self.rank} of {self.world_size}: the metadata exchange at {where} "
+                                   f"was used after it failed. This is a bug in odb; please report it.")
 
     def _gather(self, message: np.ndarray, where: str) -> np.ndarray:
         try:

@@ -24,11 +24,11 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from odb.comm.protocol import RankExchange, exchange_failed
+from odb.comm.protocol import ODBExchangeError, RankExchange, exchange_failed
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -36,22 +36,31 @@ DEFAULT_TIMEOUT_S = 60.0
 class _Meeting:
     """Where the k-th exchange of every rank meets: a barrier and one slot per rank.
 
-    The last rank to arrive stacks the slots once (the barrier's action, before any rank goes on), so a
-    gather costs one barrier and one stack however many ranks meet; a rank's next message may overwrite
-    its slot at once, since the stack of this gather stays until every rank has arrived at the next."""
+    A slot holds the rank's message (an int64 array, for ``gather``) or its outgoing parts (a tuple of
+    bytes, for ``exchange_bytes``). The last rank to arrive takes the slots once (the barrier's action,
+    before any rank goes on): it stacks messages, or keeps the list of parts; so a collective costs one
+    barrier however many ranks meet, and a rank's next message may overwrite its slot at once, since what
+    this collective took stays until every rank has arrived at the next."""
 
     def __init__(self, world_size: int) -> None:
-        self.barrier = threading.Barrier(world_size, action=self._stack)
-        self.slots: List[Optional[np.ndarray]] = [None] * world_size
+        self.barrier = threading.Barrier(world_size, action=self._take)
+        self.slots: List[Any] = [None] * world_size
         self.gathered: Optional[np.ndarray] = None
+        self.moved: Optional[List[Tuple[bytes, ...]]] = None
         self.joined = 0  # ranks that took their transport (the meeting is forgotten once all have)
 
-    def _stack(self) -> None:
-        self.gathered = np.stack(self.slots)  # type: ignore[arg-type]
+    def _take(self) -> None:
+        if all(isinstance(slot, np.ndarray) for slot in self.slots):
+            self.gathered, self.moved = np.stack(self.slots), None
+        elif all(isinstance(slot, tuple) for slot in self.slots):
+            self.gathered, self.moved = None, list(self.slots)
+        else:  # ranks out of step (some gather, some move): each raises in its own thread
+            self.gathered, self.moved = None, None
 
 
 class ThreadTransport:
-    """One rank's side of a thread meeting: ``gather`` through a barrier (no group to own or release)."""
+    """One rank's side of a thread meeting: ``gather`` and ``exchange_bytes`` through a barrier (no group to
+    own or release)."""
 
     owns_group = False
 
@@ -63,15 +72,36 @@ class ThreadTransport:
     def gather(self, message: np.ndarray, where: str) -> np.ndarray:
         """(world, len(message)) array of every rank's ``message``; ``ODBExchangeError`` when a rank does
         not arrive within the timeout (the barrier breaks: every waiting rank raises)."""
+        self._meet(np.array(message, dtype=np.int64), where)
+        gathered = self.meeting.gathered
+        if gathered is None:
+            raise self._out_of_step(where)
+        return gathered.copy()  # each rank owns what it is handed
+
+    def exchange_bytes(self, outgoing: Sequence[bytes], sizes: np.ndarray, where: str) -> List[bytes]:
+        """What every rank sent to this one (``outgoing[rank]`` stays here): each rank leaves its parts in
+        its slot and, past the barrier, takes its column. ``sizes`` is not needed here (the parts carry
+        their lengths); errors as in ``gather``."""
+        # bytes() of bytes is the same object; a bytearray is copied, as its sender may change it afterwards
+        self._meet(tuple(b"" if d == self.rank else bytes(part) for d, part in enumerate(outgoing)), where)
+        moved = self.meeting.moved
+        if moved is None:
+            raise self._out_of_step(where)
+        return [outgoing[s] if s == self.rank else parts[self.rank] for s, parts in enumerate(moved)]
+
+    def _meet(self, slot: Any, where: str) -> None:
         meeting = self.meeting
         try:
-            meeting.slots[self.rank] = np.array(message, dtype=np.int64)
+            meeting.slots[self.rank] = slot
             meeting.barrier.wait(self.timeout_s)
-            out = meeting.gathered.copy()  # type: ignore[union-attr]  # each rank owns what it is handed
         except threading.BrokenBarrierError as err:
             meeting.barrier.abort()
             raise exchange_failed(self.rank, self.world_size, where, self.timeout_s, err) from err
-        return out
+
+    def _out_of_step(self, where: str) -> ODBExchangeError:
+        return ODBExchangeError(f"odb rank {self.rank} of {self.world_size}: at {where} some ranks gathered "
+                                f"integers while others moved bytes: the ranks' exchanges are out of step. "
+                                f"This is a bug in odb (or in a custom exchange's caller); please report it.")
 
     def release(self) -> None:
         """Nothing to release (a thread meeting holds no group)."""
