@@ -13,6 +13,7 @@ OversizePolicy = Literal["error", "alone", "skip"]
 LossScaling = Literal["exact", "approx", "sample", "none"]
 Layout = Literal["padded", "packed"]
 Balance = Literal["tokens", "time"]
+StepPlan = Literal["global", "rank"]
 
 @dataclasses.dataclass(frozen=True)
 class ODBConfig:
@@ -130,9 +131,18 @@ class ODBConfig:
             each step, ``ODBStepInfo.is_last_micro_step`` marks the step's end and ``loss_scale`` is
             exact over the whole step. An epoch's last step may hold fewer (none with ``drop_last``).
             Windows, carry and the ramp do not apply: each step is planned on its own, cut into the
-            micro-batches of least total cost (``micro_batch_cost``). None (default):
+            micro-batches of least total cost (``micro_batch_cost``); under several ranks the step's samples
+            are planned across ranks (``step_plan``). None (default):
             budget-filled steps, ``gradient_accumulation_steps`` micro-batches filled to the budget
             each (fewer, larger optimizer steps than a fixed batch size gives: docs/algorithm.md).
+        step_plan: with ``global_batch_size`` under several ranks, who plans a step's micro-batches.
+            "global" (default): the step's samples of every rank (their lengths exchanged, a few integers
+            each) are planned together and dealt to ranks and micro-batches so that the slowest rank
+            costs least (the slowest rank sets a DDP step's time, and FSDP meets at every micro-step);
+            ranks may then hold different numbers of samples. With known ``lengths=`` each rank loads
+            its own planned indices; otherwise processed samples move between ranks through
+            torch.distributed (docs/distributed.md says what it costs). "rank": each rank cuts only its
+            own ``global_batch_size / world_size`` samples (no sample crosses ranks).
         join: keep finished ranks in the exchange and emit ghost batches until all
             ranks are done (True), or stop a rank when its data ends (False).
         exchange_timeout_s: how long a rank waits for the others in one exchange.
@@ -204,6 +214,7 @@ class ODBConfig:
     gradient_accumulation_steps: int = 1
     global_batch_size: Optional[int] = None
     micro_batch_cost: Optional[float] = None
+    step_plan: StepPlan = "global"
     join: bool = True
     exchange_timeout_s: float = 1800.0
     transfer_chunk_size: int = 16
@@ -305,7 +316,7 @@ PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_s
                 "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
                 "quadratic_length",
                 "max_image_patches", "oversize", "gradient_accumulation_steps", "global_batch_size", "micro_batch_cost",
-                "join", "loss_scaling",
+                "step_plan", "join", "loss_scaling",
                 "budget_schedule", "probe_worst_case", "layout", "sample_cost", "image_patch_cost", "loss_token_cost",
                 "auto_start_budget", "auto_margin",
                 "balance")

@@ -183,6 +183,9 @@ def _check_global_batch(cfg: "ODBConfig") -> None:
                              not math.isfinite(cost) or cost < 0):
         _fail("micro_batch_cost", cost, "must be None or a finite number >= 0 (tokens per micro-batch)",
               "pass None (a sixteenth of the budget) or e.g. 256.0")
+    if cfg.step_plan not in ("global", "rank"):
+        _fail("step_plan", cfg.step_plan, 'must be "global" (a step planned across ranks) or "rank" (each rank '
+              "plans its own share)", 'pass step_plan="global" (the default) or "rank"')
     if cfg.global_batch_size is not None and cfg.gradient_accumulation_steps != 1:
         _fail("gradient_accumulation_steps", cfg.gradient_accumulation_steps,
               f"must be 1 with global_batch_size={cfg.global_batch_size}: odb then plans each optimizer "

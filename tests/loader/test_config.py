@@ -76,6 +76,7 @@ INVALID = [
     ("global_batch_size", {"global_batch_size": 8.0}, TypeError, _BAD),
     ("micro_batch_cost", {"micro_batch_cost": -1.0}, ValueError, _BAD),
     ("micro_batch_cost", {"micro_batch_cost": "256"}, ValueError, _BAD),
+    ("step_plan", {"step_plan": "ranks"}, ValueError, _BAD),
     ("gradient_accumulation_steps", {"global_batch_size": 8, "gradient_accumulation_steps": 2}, ValueError, 2),
     ("gradient_accumulation_steps", {"gradient_accumulation_steps": 2.0}, TypeError, _BAD),
     ("exchange_timeout_s", {"exchange_timeout_s": 0}, ValueError, _BAD),

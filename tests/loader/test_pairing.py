@@ -49,6 +49,7 @@ def local_sizes_per_step(balance: str) -> List[List[List[int]]]:
     def one(rank: int, exchanges: Any) -> List[List[int]]:
         ds = LengthDataset(LENGTHS)
         loader = odb.ODBDataLoader(ds, token_budget=120, global_batch_size=24, balance=balance, shuffle=False,
+                                   step_plan="rank",  # ranks pair their own groups (a global plan deals one step's)
                                    sampler=odb.ShardSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=2),
                                    collate_fn=pad_collate, shift_labels=True, exchange=exchanges)
         steps: List[List[int]] = [[]]

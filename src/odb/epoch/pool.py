@@ -108,8 +108,9 @@ class SamplePool:
                 self._index.pop(i)
 
     def lowest(self) -> Optional[int]:
-        """The first position held (None when empty)."""
-        return min(self._meta) if self._meta else None
+        """The first position of this rank's order held (None when none is; samples planned here from other
+        ranks have negative keys: odb.epoch.global_step)."""
+        return min((sid for sid in self._meta if sid >= 0), default=None)
 
     def sample(self, sid: int) -> Optional[Any]:
         return self._samples.get(sid)

@@ -130,10 +130,7 @@ class RankAligner:
             return self.local(groups)
         ex, cfg = self.exchange, self.planner.cfg
         where = f"epoch {self.epoch}, window {window_index}"
-        header = self._exchange([len(groups), self._must_emit(groups), int(planned_final), self.seed], where,
-                                proposal)
-        self.agreed_plan = agree(self._plans[:, :PLAN_SIZE]) if proposal is not None else None
-        self._ready_all = bool((self._plans[:, PLAN_SIZE] == 1).all())
+        header = self.header([len(groups), self._must_emit(groups), int(planned_final), self.seed], where, proposal)
         window = decide_window(header[:, 0], header[:, 1], header[:, 2].astype(bool), cfg.join, self.whole_windows)
         if window.go_local:
             self.local_only = True
@@ -159,6 +156,23 @@ class RankAligner:
         slots = [k if ranked[k] is not None else None for k in range(n_steps)]
         return [(s, None if s.group is None else ranked[s.group])
                 for s in global_steps(everyone, ex.rank, order, slots)]
+
+    def header(self, fields: List[int], where: str, proposal: Optional[np.ndarray] = None) -> np.ndarray:
+        """Every rank's 4 header ``fields`` ((world, 4)), checking that the ranks plan under the same options;
+        ``proposal``: this rank's encoded budget plan (``agreed_plan`` then holds every rank's agreement)."""
+        header = self._exchange(fields, where, proposal)
+        self.agreed_plan = agree(self._plans[:, :PLAN_SIZE]) if proposal is not None else None
+        self._ready_all = bool((self._plans[:, PLAN_SIZE] == 1).all())
+        return header
+
+    def expect(self, shape: Optional[Tuple[int, ...]]) -> None:
+        """The shape of the exchange every rank makes next, until the next header or confirmation (None: a
+        header's): where ``announce`` joins them with a failure."""
+        self._body = shape
+
+    def steps_exchanged(self, steps: int) -> None:
+        """``steps`` steps were agreed outside ``align`` (a global step plan): they are confirmed once made."""
+        self.unconfirmed += steps
 
     @property
     def confirm_every(self) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 from odb.plan.align import StepPlan
 from odb.plan.buckets import oversize_message
 from odb.config import ODBConfig
+from odb.epoch.global_step import GlobalStep
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
@@ -45,7 +46,7 @@ class EpochRun:
                  *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, exchange: Any = None,
                  finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None,
                  notices: Optional[Set[str]] = None, budget: Optional[WindowBudget] = None,
-                 stream_marks: Any = None, lazy: bool = False) -> None:
+                 stream_marks: Any = None, lazy: bool = False, move_samples: bool = True) -> None:
         self.cfg = cfg  # the user's options; each window's prices come from the window budget
         self.budget: WindowBudget = budget if budget is not None else FixedBudget(cfg)
         self.notices = notices if notices is not None else set()  # warnings given once per loader, not per epoch
@@ -65,6 +66,13 @@ class EpochRun:
         self.aligner = RankAligner(exchange, self.planner, self.pool, epoch=epoch, seed=seed, shuffle=shuffle,
                                    steps_done=lambda: self.stats.steps, whole_windows=self.step_samples is not None,
                                    pairing=make_pairing(cfg.balance, self.budget.time_model))
+        # step_plan="global": each optimizer step planned across ranks (odb.epoch.global_step); samples move
+        # between ranks unless they are dataset indices (``move_samples=False``: known lengths)
+        self.global_step = GlobalStep(
+            self.aligner, exchange, self.planner, self.pool, self.stats, epoch=epoch, step_samples=self.step_samples,
+            drop_last=drop_last, move_samples=move_samples, register=self.register,
+            oversize_policy=self.budget.oversize, check_length=self.budget.check_length) \
+            if self.step_samples is not None and exchange is not None and cfg.step_plan == "global" else None
         self.arrived = 0  # samples taken from the source into windows
         self.window_index = 0
         self.planned_final = False
@@ -127,7 +135,7 @@ class EpochRun:
     def load_state_dict(self, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
         """Continue from ``state_dict``'s output; ``samples`` maps every retained position to
         (dataset index, sample, meta)."""
-        for sid in sorted(retained_positions(state)):
+        for sid in sorted(retained_positions(state, foreign=True)):
             index, sample, meta = samples[sid]
             self.register(sid, int(index), sample, meta)
         self.budget.load_state_dict(state["budget"])
@@ -198,6 +206,8 @@ class EpochRun:
         self.planner.set_costs(budget.next_window(step=self.step, window_index=self.window_index, planned=planned,
                                                   alone=alone))
         self.aligner.pairing.freeze(budget.freeze_point(self.step))
+        if self.global_step is not None and not alone:
+            return self._plan_global_step(self.global_step, budget)
         groups: List[np.ndarray] = []
         if not self.planned_final:
             ids, final = self._read_window()
@@ -213,6 +223,17 @@ class EpochRun:
         self.stats.deferred_groups += fit.deferred
         self.stats.carry_groups += fit.from_carry
         self.stats.split_groups += fit.split
+        return steps
+
+    def _plan_global_step(self, step: GlobalStep, budget: WindowBudget) -> List[Step]:
+        """The next optimizer step planned across ranks (odb.epoch.global_step): this rank's micro-batches."""
+        ids: List[int] = []
+        if not self.planned_final:
+            ids, self.planned_final = self._read_window()
+        self.window_index += 1
+        steps = step.plan(ids, self.planned_final, self.window_index, budget.proposal())
+        self.stats.windows += 1
+        budget.agreed(self.aligner.agreed_plan)
         return steps
 
     def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:

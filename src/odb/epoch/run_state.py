@@ -55,9 +55,10 @@ def copy_row(row: List[Any]) -> List[Any]:
     return [None if row[0] is None else list(row[0])] + row[1:]
 
 
-def retained_positions(run: Dict[str, Any], ghost: bool = True) -> Set[int]:
-    """Positions a run state still holds: carried, in planned steps not emitted yet, and the ghost's
-    (``ghost=False``: not the ghost's, a copy rather than a sample still owed).
+def retained_positions(run: Dict[str, Any], ghost: bool = True, foreign: bool = False) -> Set[int]:
+    """Positions of this rank's order a run state still holds: carried, in planned steps not emitted yet, and
+    the ghost's (``ghost=False``: not the ghost's, a copy rather than a sample still owed). ``foreign``: also
+    the keys of samples planned here from other ranks (negative: odb.epoch.global_step.foreign_key).
 
     Example:
         >>> state = {"planner": {"carry": [9]}, "position": {"pending": [[[4, 2], 2, 9, 9, 2, 1.0]],
@@ -72,7 +73,7 @@ def retained_positions(run: Dict[str, Any], ghost: bool = True) -> Set[int]:
             out.update(int(i) for i in row[0])
     if ghost and position["ghost"] is not None:
         out.add(int(position["ghost"]))
-    return out
+    return out if foreign else {i for i in out if i >= 0}
 
 
 def fresh_run_state(step: int, layers: List[Dict[str, Any]]) -> Dict[str, Any]:

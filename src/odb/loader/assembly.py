@@ -86,7 +86,8 @@ class EpochAssembly:
                        # The training thread collates what the batch thread has not reached. Not under DDP: there
                        # a batch is collated before the ranks confirm its step, so a failing collate stops every
                        # rank at the same step.
-                       lazy=cfg.ready_batches > 0 and world == 1)
+                       lazy=cfg.ready_batches > 0 and world == 1,
+                       move_samples=known is None)  # known lengths: a sample is its dataset index
         if run_state is not None:
             run.restore(run_state, retained_samples(source, run_state, dataset=loader.dataset,
                                                     sampler=loader.sampler, iterable=self.sources.iterable,

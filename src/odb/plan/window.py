@@ -152,14 +152,17 @@ class WindowPlanner:
         """
         ids = np.asarray(ids, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
-        overhead = self.cfg.micro_batch_cost
-        if overhead is None:
-            overhead = self.cost.total_budget / 16
-        plan = plan_step_share(lengths, ids, self.cost, float(overhead), patches)
+        plan = plan_step_share(lengths, ids, self.cost, self.step_overhead(), patches)
         self._seen += len(ids)
         self._seen_tokens += int(lengths.sum())
         self._emitted += len(plan.groups)
         return PlannedWindow([ids[g] for g in plan.groups], ids[plan.oversize], True, len(ids))
+
+    def step_overhead(self) -> float:
+        """The fixed cost of one micro-batch of an optimizer step: ``micro_batch_cost``, by default a sixteenth
+        of the budget."""
+        overhead = self.cfg.micro_batch_cost
+        return float(self.cost.total_budget / 16 if overhead is None else overhead)
 
     def defer(self, ids: np.ndarray, lengths: np.ndarray, patches: Optional[np.ndarray]) -> None:
         """Put planned samples back into the carry (a rank ran fewer steps than it planned)."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from odb.data.sampling import global_order, stride_sharded
 from odb.epoch.auto import merged_state
+from odb.epoch.global_step import foreign_index
 from odb.epoch.run_state import fresh_run_state, retained_positions
 
 
@@ -71,7 +72,7 @@ def repartition(states: List[Dict[str, Any]], sampler: Any, world: int, rank: in
     old_world = len(states)
     order = layered_order(sampler, prior, epoch) if prior else global_order(sampler, old_world, epoch)
     total = len(order)
-    arrived, kept = [], []
+    arrived, kept, owed = [], [], []
     for r, state in enumerate(states):
         run = state["run"]
         if run is None:  # this rank's data had ended (join=False): its whole share was emitted
@@ -80,9 +81,41 @@ def repartition(states: List[Dict[str, Any]], sampler: Any, world: int, rank: in
         arrived.append(int(run["position"]["arrived"]))
         held = retained_positions(run, ghost=False)  # the ghost is a copy, not a sample still owed
         kept.extend(p * old_world + r for p in held)
+        # samples of other ranks held here (saved inside a step planned across ranks): owed by dataset index
+        owed.extend(foreign_index(k) for k in retained_positions(run, ghost=False, foreign=True) - held)
+    kept.extend(read_positions_of(owed, order, arrived, set(kept)))
     layer = {"world": old_world, "arrived": arrived, "kept": sorted(kept), "total": total}
     return dict(running[0], epoch=epoch, world_size=world, rank=rank,
                 run=fresh_run_state(step, prior + [layer]), budget=budget)
+
+
+def read_positions_of(indices: List[int], order: np.ndarray, arrived: List[int], taken: set) -> List[int]:
+    """Positions of the global ``order`` holding the dataset ``indices``, among those their rank had read
+    (``arrived[r]`` positions of rank r's share r, r + W, ...) and that are not ``taken``: where samples that
+    one rank planned for another (odb.epoch.global_step) came from. One position per index, however often it
+    occurs.
+
+    Example:
+        >>> read_positions_of([7], np.array([5, 7, 9, 7]), [1, 2], set())
+        [3]
+    """
+    if not indices:
+        return []
+    world = len(arrived)
+    q = np.arange(len(order))
+    read = q[(q // world) < np.asarray(arrived)[q % world]]
+    free: Dict[int, List[int]] = {}
+    for pos in read.tolist():
+        if pos not in taken:
+            free.setdefault(int(order[pos]), []).append(pos)
+    out = []
+    for i in indices:
+        if not free.get(int(i)):
+            raise ValueError(f"odb rank states hold dataset index {i} for another rank, but no rank had read it "
+                             f"at a position still owed: the states are not of one run. Fix: pass the states of "
+                             f"ranks 0..W-1 saved at the same step.")
+        out.append(free[int(i)].pop())
+    return out
 
 
 def _merged_budget(states: List[Dict[str, Any]], step: int) -> Optional[Dict[str, Any]]:

@@ -17,6 +17,7 @@ import numpy as np
 from torch.utils.data import DistributedSampler, SequentialSampler
 
 from odb.config import PLAN_OPTIONS, ODBConfig
+from odb.epoch.global_step import foreign_keys
 from odb.epoch.run_state import retained_positions
 from odb.resume.elastic import check_group, rank_order, repartition
 from odb.resume.state import STATE_VERSION, check_state, cursor_state, upgrade
@@ -125,15 +126,24 @@ def retained_samples(source: Any, run_state: Dict[str, Any], *, dataset: Any, sa
     """The samples a resumed epoch needs again (carried, planned, ghost), as
     position -> (dataset index, sample, meta)."""
     positions = sorted(retained_positions(run_state))
+    # Samples planned here from other ranks (step_plan="global", saved inside a step): read by dataset index
+    foreign = foreign_keys(retained_positions(run_state, foreign=True) - set(positions))
     if iterable:  # read again from the stream's restart point (or its start)
+        if foreign:
+            raise ValueError(f"odb cannot resume this stream here: the state was saved inside an optimizer step "
+                             f"planned across ranks (step_plan='global'), and {len(foreign)} of the samples this "
+                             f"rank still owed came from other ranks' streams, which it cannot read again. Fix: "
+                             f"save at an optimizer step's end (HF Trainer and Accelerate's save_state do), or "
+                             f"pass step_plan='rank'.")
         stream, arrived = run_state["position"]["stream"], run_state["position"]["arrived"]
         return source.skip(arrived - (stream["start"] if stream else 0), positions)
     indices = _indices_at(sampler if order is None else order, positions)
+    keys, indices = positions + list(foreign), indices + list(foreign.values())
     if known is not None:  # index-only records: nothing to read
-        return {p: (i, i, (tuple(int(v) for v in known[i]), 0, 0)) for p, i in zip(positions, indices)}
+        return {p: (i, i, (tuple(int(v) for v in known[i]), 0, 0)) for p, i in zip(keys, indices)}
     meter = SampleMeter(cfg)
     out = {}
-    for p, i in zip(positions, indices):
+    for p, i in zip(keys, indices):
         sample = dataset[i] if transform is None else transform(dataset[i])
         out[p] = (i, sample, meter(i, sample))
     return out
