@@ -212,8 +212,9 @@ def test_slowest_rank_near_the_brute_force_optimum(layout, fsdp, factor):
     """The slowest rank against the optimum over all plans without an avoidable ghost, on 200 random steps of 1
     to 7 samples, 1 to 3 ranks, budgets 64..400, overheads 0..40. Observed worst ratio on these steps: padded
     1.051 (fsdp=False: the slowest rank alone) and 1.099 (default: no micro-step made costlier to even out the
-    ranks), packed 1.053. Over 2,400 other such steps: 1.10 / 1.10 / 1.085; against the optimum that may also
-    give a rank a ghost it could avoid (the planner splits a micro-batch instead), padded 1.21."""
+    ranks), packed 1.053. Over 1,200 other such steps: padded 1.061 / 1.065, packed 1.121; against the optimum
+    that may also give a rank a ghost it could avoid (the planner splits a micro-batch instead), padded
+    default 1.104."""
     assert worst_ratio(layout, 200, 7, fsdp) <= factor
 
 
@@ -247,7 +248,8 @@ def test_global_plan_beats_the_per_rank_plan(layout):
 
 def test_the_modes_trade_ddp_for_fsdp():
     """fsdp=False puts the slowest rank first, fsdp=True the micro-steps: each wins its own efficiency on average
-    (8 ranks x 16 heavy-tailed samples, 20 steps), and the default sits between them."""
+    (8 ranks x 16 heavy-tailed samples, 20 steps), and the default sits between them. Measured (DDP, FSDP):
+    False 0.845 / 0.769, default 0.839 / 0.805, True 0.832 / 0.813."""
     rng = np.random.default_rng(5)
     cost = CostModel((4096,))
     scores = {mode: [] for mode in (False, None, True)}
@@ -284,7 +286,7 @@ def test_samples_over_the_budget_are_oversize_or_alone():
     check_plan(alone, lengths, 2, cost, 5.0, None, True)
     cells = {int(g[0]): (r, len(g)) for r, gs in enumerate(alone.ranks) for g in gs if len(g)}
     assert cells[6][1] == 1 and cells[7][1] == 1 and cells[6][0] != cells[7][0]  # one each, on different ranks
-    assert alone.bound >= 200 + alone.micro_steps * 0 + 5.0
+    assert alone.bound >= 200 + 5.0 and alone.rank_costs.max() >= 200 + alone.micro_steps * 5.0
     everything_over = plan_global_step(np.array([500, 400]), 3, cost, 5.0)
     assert everything_over.micro_steps == 0 and everything_over.oversize.tolist() == [0, 1]
 
@@ -292,8 +294,7 @@ def test_samples_over_the_budget_are_oversize_or_alone():
 def test_a_step_with_fewer_samples_than_ranks_runs_ghosts():
     plan = plan_global_step(np.array([30, 20]), 4, CostModel((100,)), 7.0)
     assert plan.micro_steps == 1 and plan.ghosts == 2
-    assert plan.rank_costs.tolist() == [37.0, 27.0, 7.0, 7.0] or sorted(plan.rank_costs.tolist()) == [7.0, 7.0, 27.0,
-                                                                                                      37.0]
+    assert sorted(plan.rank_costs.tolist()) == [7.0, 7.0, 27.0, 37.0]
     empty = plan_global_step(np.zeros(0, dtype=np.int64), 3, CostModel((100,)), 7.0)
     assert empty.micro_steps == 0 and empty.rank_costs.tolist() == [0.0, 0.0, 0.0]
 

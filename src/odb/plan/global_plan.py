@@ -32,8 +32,8 @@ micro-batches of the ranks cost alike (FSDP meets there):
 
 ``fsdp`` says where ranks wait. Default (None): the slowest rank first, the FSDP step time (the sum over
 micro-steps of the costliest micro-batch) second, and evening out never makes a micro-step's costliest
-micro-batch costlier. False (DDP only): evening out may (for ~1-2% lower DDP step time, ~6% higher FSDP
-time on heavy-tailed steps). True: the FSDP time first. One rank (W = 1) in the padded layout also tries
+micro-batch costlier. False (DDP only): evening out may (on heavy-tailed steps of 8 and 1,024 ranks: DDP
+efficiency +0.4 to +0.7 points, FSDP efficiency -4 to -6 points). True: the FSDP time first. One rank (W = 1) in the padded layout also tries
 the least-cost cut of ``odb.plan.step_cut`` (the optimum over cuts of the sorted samples for one rank), as
 does a step of at most 64 samples; every candidate is scored by its dealt plan.
 
@@ -121,8 +121,8 @@ def plan_global_step(lengths: np.ndarray, world: int, cost: CostModel, overhead:
         fsdp: where the ranks wait. None (default, either): the slowest rank first, then the sum over micro-steps
             of the costliest micro-batch, and the ranks' totals are never evened out by making a micro-step's
             costliest micro-batch costlier. False (DDP: the ranks meet once a step): the slowest rank alone, which
-            may unbalance micro-steps for a little gain (measured: +0.5..1.7% DDP, -6% FSDP efficiency). True
-            (FSDP: they meet at every micro-step): that sum first, the slowest rank second, micro-steps protected.
+            may unbalance micro-steps for a little gain (the module docstring has figures). True (FSDP: they meet
+            at every micro-step): that sum first, the slowest rank second, micro-steps protected.
 
     Returns a ``GlobalStepPlan``. Every sample not oversize is in exactly one micro-batch; every micro-batch
     fits the budget (as ``cost.max_counts_sorted`` / ``odb.plan.packing`` say) and, padded, has a size that
@@ -285,7 +285,9 @@ def _emit(cand: Optional[_Candidate], world: int, oversize: np.ndarray, bound: f
           group_cost, overhead: float) -> GlobalStepPlan:
     """The plan of the chosen candidate; ``group_cost(groups, planning costs)`` gives the micro-batches' costs
     exactly as ``cost.group_cost`` defines them (rank_costs add them up)."""
-    if cand is None or cand.micro_steps == 0:
+    if cand is None:  # every M up to one sample a micro-batch was tried, and that one always fits
+        raise RuntimeError("plan_global_step found no plan for a step whose samples each fit the budget (a bug).")
+    if cand.micro_steps == 0:
         return GlobalStepPlan([[] for _ in range(world)], oversize, np.zeros(world), bound)
     m = cand.micro_steps
     ranks: List[List[np.ndarray]] = [[_EMPTY] * m for _ in range(world)]
@@ -724,6 +726,7 @@ def _plan_padded(lengths: np.ndarray, world: int, cost: CostModel, overhead: flo
         return _score(cand, world, overhead)
 
     def polish(cand: _Candidate) -> _Candidate:
+        """The candidate after ``_improve`` (its groups follow its runs)."""
         if world == 1 or (cand.micro_steps == 1 and len(cand.groups) == world):
             return cand  # one micro-batch per rank: the min-max cut is as good as moves get
         cand = _improve(cand, runs_of, world, overhead, protect)
@@ -770,10 +773,10 @@ def _plan_padded(lengths: np.ndarray, world: int, cost: CostModel, overhead: flo
 def _improve(cand: _Candidate, runs_of: _Runs, world: int, overhead: float, protect: bool) -> _Candidate:
     """Local search on the slowest rank (at most ``_IMPROVE_STEPS`` moves, each strictly lowering it below
     the old maximum): move samples from one of its runs to the neighbouring run (in the sorted order) of the same
-    or another rank, swap one of its runs with a cheaper one of the same micro-step on another rank, or hand it to
-    a rank with a ghost in that micro-step. Every
-    run keeps a sample (no ghost appears) and stays feasible; with ``protect`` no micro-step's costliest
-    micro-batch gets costlier (FSDP waits for it)."""
+    or another rank, swap one of its runs with a cheaper one of the same micro-step on another rank, or hand a
+    run to a ghost of another rank (of the same micro-step if it has one). Every run keeps a sample (no ghost
+    appears) and stays feasible; with ``protect`` no micro-step's costliest micro-batch gets costlier (FSDP
+    waits for it)."""
     runs = list(cand.runs)
     nr = len(runs)
     costs = cand.costs.copy()
