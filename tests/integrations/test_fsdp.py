@@ -69,7 +69,7 @@ def test_hf_trainer_on_a_model_sharded_by_fsdp2(tmp_path):
     base = dict(model="llama", n=24, lr=1e-3, budget=60, max_steps=1)
     runs = [dict(base, ga=1, out=str(tmp_path / "a")),
             dict(base, ga=2, avg_tokens=False, out=str(tmp_path / "b")),
-            # 3 samples, one per batch: rank 1 holds one sample for a 2-micro-batch step, so it runs a ghost
+            # 3 samples, one per batch, 2 micro-batches per rank: one rank runs a ghost
             dict(base, n=3, ga=2, out=str(tmp_path / "g"), odb={"max_batch_size": 1},
                  args=dict(logging_strategy="steps", logging_steps=1))]
     ranks = run_ranks("fsdp_workers:hf_trainer_suite", 2, {"runs": runs, "path": path}, tmp_path / "h",
@@ -87,5 +87,5 @@ def test_hf_trainer_on_a_model_sharded_by_fsdp2(tmp_path):
             err = max((r[k]["delta"][n] - v).abs().max().item() for n, v in ref.items()) / scale
             assert err < 1e-6, f"rank {rank}, run {run}: relative error {err:.2e}"  # Llama's loss runs in float32
     ghosts = [[i["is_ghost"] for i in r[2]["infos"]] for r in ranks]
-    assert [sum(g) for g in ghosts] == [0, 1] and all(len(g) == 2 for g in ghosts)
+    assert sorted(sum(g) for g in ghosts) == [0, 1] and all(len(g) == 2 for g in ghosts)  # one rank runs a ghost
     assert all(r[2]["log"][0]["odb_ghost_steps"] == 1 for r in ranks)
