@@ -1,11 +1,11 @@
-"""The benchmark of ``make demo``: convergence at the user's settings, planner quality, ranks, loader cost,
-training speed, vision-language training, end to end.
+"""The benchmark of ``make demo``: convergence at the user's settings, planner quality, ranks, step efficiency
+against world size (scale), loader cost, training speed, vision-language training, end to end.
 
-    python -m odb.bench --out out/bench            # the full run (about 20 minutes on 2 cores)
+    python -m odb.bench --out out/bench            # the full run (about 20 minutes on 2 cores, + 5 for scale)
     python -m odb.bench --out /tmp/b --quick       # tiny sizes, for the smoke test
     python -m odb.bench --out out/vlm --only-vlm   # the vision-language training section alone
 
-Writes ``results.json``, ``bench.png``, ``training_loss.png``, ``step_metrics.png`` and ``summary.md``
+Writes ``results.json``, ``bench.png``, ``training_loss.png``, ``step_metrics.png``, ``scale.png`` and ``summary.md``
 under ``--out`` and prints the tables and every goal, met or not; a line on stderr as each section
 starts and ends (and the sections' own progress lines), also when the output goes to a log. Offline: the model is built
 from a config, nothing is downloaded. ``scripts/update_readme.py`` turns results.json
@@ -27,7 +27,7 @@ import torch
 
 from odb import __version__
 from odb.bench.planning import BUFFER_SIZES, load_workloads, run_planning
-from odb.bench.report import plot, plot_step_metrics, render
+from odb.bench.report import plot, plot_scale, plot_step_metrics, render
 from odb.bench.workloads import lognormal_lengths
 
 # name -> (full, quick)
@@ -121,6 +121,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--only-convergence", action="store_true",
                    help="the convergence section alone (its results.json, summary.md and training_loss.png)")
     p.add_argument("--skip-train", action="store_true", help="skip the training benchmark")
+    p.add_argument("--skip-scale", action="store_true",
+                   help="skip the scale section (step efficiency against world size, 2 to 1,024 thread ranks)")
     p.add_argument("--skip-loader", action="store_true", help="skip the loader-cost benchmark")
     p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end benchmark")
     p.add_argument("--skip-packing", action="store_true", help="skip the packed-layout benchmark")
@@ -182,6 +184,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(f"ranks skipped: {err!r}", file=sys.stderr)
         results["ranks"] = {"error": repr(err), "world": 8, "buffer_size": 512}
     results["wall_s"]["ranks"] = time.perf_counter() - t0
+
+    if not args.skip_scale:
+        section("scale: step efficiency against world size (2 to 1,024 thread ranks, 7 arms, 2 real length sets; "
+                "about 5 min on 2 cores)")
+        t0 = time.perf_counter()
+        try:  # odb's global step plan is young: a failure is reported, the bench goes on
+            from odb.bench.scale import run_scale
+
+            results["scale"] = run_scale(quick=args.quick, progress=progress)
+        except Exception as err:  # noqa: BLE001
+            print(f"scale skipped: {err!r}", file=sys.stderr)
+            results["scale"] = {"error": repr(err)}
+        results["wall_s"]["scale"] = time.perf_counter() - t0
 
     if not args.skip_loader:
         section("loader cost")
@@ -256,6 +271,9 @@ def _finish(args: argparse.Namespace, results: Dict[str, Any], t_all: float) -> 
     if "loader" in results:
         plot_step_metrics(results["loader"], os.path.join(args.out, "step_metrics.png"))
         wrote.append("step_metrics.png")
+    if results.get("scale") and "error" not in results["scale"]:
+        plot_scale(results["scale"], os.path.join(args.out, "scale.png"))
+        wrote.append("scale.png")
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(render(results, markdown=True) + "\n")
     wrote.append("summary.md")

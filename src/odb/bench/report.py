@@ -519,6 +519,154 @@ def ranks_table(ranks: Dict[str, Any], markdown: bool) -> str:
         f"{ranks['align_world']} simulated ranks (pure planning, one rank)")
 
 
+# ---- scale ----------------------------------------------------------------------------------------
+SCALE_LEGEND = (
+    "Every arm: G = s x W samples per optimizer step (s per rank), the same memory cap, a micro-batch costing its "
+    "padded tokens + the overhead (micro_batch_cost). DDP step efficiency = (real tokens of the step / W + "
+    "overhead) / (the slowest rank's padded tokens + its micro-batches x overhead), a ghost micro-batch costing "
+    "the overhead alone; FSDP: the same over the sum over micro-steps of the costliest rank's micro-batch + "
+    "overhead; bound = (real / W + overhead) / max(real / W + overhead, longest sample + overhead): the best any "
+    "plan could do, below 1 where the step's longest sample outweighs a rank's share (of the steps of fixed and "
+    "the odb arms, which hold the same samples: the next s of each rank's DistributedSampler order); with the "
+    "cap: the same with the micro-batches the cap forces, (real / W + overhead) / (max(real / W, longest) + "
+    "ceil(ceil(real / cap) / W) x overhead), what no plan within the cap beats. Each arm's "
+    "cell: DDP median over the steps (p10-p90) / FSDP median; n/a: the arm is not in the installed odb.")
+
+
+def _scale_cell(arm: Dict[str, Any]) -> str:
+    """An arm's cell: DDP median (p10-p90) / FSDP median."""
+    if "ddp" not in arm:
+        if arm.get("skipped"):
+            return "not run"
+        return "n/a" if arm.get("available") is False else ("error" if arm else "-")
+    d, f = arm["ddp"], arm["fsdp"]
+    return f"{d['median']:.3f} ({d['p10']:.3f}-{d['p90']:.3f}) / {f['median']:.3f}"
+
+
+def scale_table(scale: Dict[str, Any], markdown: bool = False) -> str:
+    """The scale section (odb.bench.scale): per workload, rows world x s, each arm's DDP and FSDP step
+    efficiency and the bound; then its notes and goals."""
+    if "error" in scale:
+        return f"skipped: {scale['error']}"
+    h = "### " if markdown else "-- "
+    labels = scale.get("arm_labels", {})
+    arms = scale["arms"]
+    parts = [SCALE_LEGEND, ""]
+    header = ["world", "s/rank", "G", "steps"] + [labels.get(a, a) for a in arms] + ["bound / with the cap"]
+    for name, w in scale["workloads"].items():
+        parts.append(f"{h}{name}: {w['source']}, {w['samples']} samples clipped to {scale['length_range'][0]}.."
+                     f"{scale['length_range'][1]} (mean {w['mean_length']:.0f}, {100 * w['share_at_max_length']:.0f}% "
+                     f"at {scale['length_range'][1]}); cap {scale['token_budget']} tokens, overhead "
+                     f"{scale['micro_batch_cost']} tokens")
+        rows, errors, over, biggest, sources, fewer = [], [], [], 0, {}, []
+        for cell in w["cells"].values():
+            a = cell["arms"]
+            rows.append([str(cell["world"]), str(cell["share"]), str(cell["global_batch_size"]), str(cell["steps"])]
+                        + [_scale_cell(a.get(k, {})) for k in arms]
+                        + [_fmt((cell.get("bound") or {}).get("median"), "{:.3f}") + " / "
+                           + _fmt((cell.get("cap_bound") or {}).get("median"), "{:.3f}")])
+            errors += [f"{labels.get(k, k)} at {cell['world']}x{cell['share']}: {m['error']}" for k, m in a.items()
+                       if m.get("error") and m.get("available") is not False]
+            br = a.get("batch_rebalance", {})
+            if "over_cap_share" in br:
+                over.append(br["over_cap_share"])
+                biggest = max(biggest, br["max_micro_batch_tokens"])
+            fewer += [f"{labels.get(k, k)} ran {m['steps']} of {cell['steps']} steps at {cell['world']}x{cell['share']}"
+                      + (f" (its own plan of one step: {m['plan_s_per_step']:.1f} s, on every rank)"
+                         if "plan_s_per_step" in m else "")
+                      for k, m in a.items() if "steps" in m and m["steps"] < cell["steps"]]
+            skipped = [k for k, m in a.items() if m.get("skipped")]
+            if skipped:
+                fewer.append(f"not run at {cell['world']}x{cell['share']}: "
+                             + "; ".join(f"{labels.get(k, k)} ({a[k]['skipped']})" for k in skipped))
+            for k in ("odb_global", "odb_global_packed"):
+                if a.get(k, {}).get("source"):
+                    sources.setdefault(a[k]["source"], []).append(f"{cell['world']}x{cell['share']}")
+        parts += [_table(header, rows, markdown), ""]
+        if over:
+            parts.append(f"BatchRebalanceSampler knows no memory cap: {100 * float(sum(over) / len(over)):.1f}% of its "
+                         f"micro-batches (mean over cells) exceed {scale['token_budget']} padded tokens, the largest "
+                         f"{biggest} ({biggest / scale['token_budget']:.2f} x the cap).")
+        parts += fewer
+        pairs = [(c, c["paired"]["odb_global_minus_batch_rebalance"]) for c in w["cells"].values()
+                 if "odb_global_minus_batch_rebalance" in c.get("paired", {})]
+        if pairs:
+            lo, hi = min(pairs, key=lambda p: p[1]["median"]), max(pairs, key=lambda p: p[1]["median"])
+            parts.append(f"On the same steps (BatchRebalanceSampler(shuffle=False) over the samples of odb's steps, "
+                         f"step by step): odb global padded - BatchRebalance, DDP, median per cell "
+                         f"{lo[1]['median']:+.3f} ({lo[0]['world']}x{lo[0]['share']}) to {hi[1]['median']:+.3f} "
+                         f"({hi[0]['world']}x{hi[0]['share']}); odb below it in "
+                         f"{sum(p['steps_below'] for _, p in pairs)} of {sum(p['steps'] for _, p in pairs)} steps.")
+        if sources:
+            parts.append("odb global arms' source: " + "; ".join(f"{src}: {', '.join(sorted(set(cells)))}"
+                                                               for src, cells in sources.items()))
+        parts += [f"error: {e}" for e in errors] + [""]
+    plan = scale.get("planning") or {}
+    for layout, t in plan.items():
+        if "ms_median" in t:
+            parts.append(f"plan_global_step ({layout}) at {t['world']} ranks x {t['share']} samples: "
+                         f"{t['ms_median']:.1f} ms per step (max {t['ms_max']:.1f}; CPU {t['cpu_ms_median']:.1f}), "
+                         f"median of {t['repeats']}")
+        else:
+            parts.append(f"plan_global_step ({layout}): {t.get('error')}")
+    parts += ["", "notes:"] + [f"- {n}" for n in scale.get("notes", [])]
+    walls = scale.get("wall_s", {})
+    if "total" in walls:
+        parts.append(f"- section wall time {walls['total']:.0f} s")
+    return "\n".join(parts)
+
+
+def plot_scale(scale: Dict[str, Any], path: str, workload: str = "sharegpt") -> None:
+    """scale.png: DDP step efficiency against world size (log x), one panel per samples per rank, one line per
+    arm (band: p10-p90 over steps), the bounds dotted; for ``workload`` (the first one if absent)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "error" in scale or not scale.get("workloads"):
+        return
+    name = workload if workload in scale["workloads"] else next(iter(scale["workloads"]))
+    cells = list(scale["workloads"][name]["cells"].values())
+    shares = sorted({c["share"] for c in cells})
+    labels = scale.get("arm_labels", {})
+    fig, axes = plt.subplots(1, len(shares), figsize=(4.6 * len(shares), 4.4), squeeze=False, sharey=True)
+    lowest = 1.0
+    for ax, share in zip(axes[0], shares):
+        row = sorted((c for c in cells if c["share"] == share), key=lambda c: c["world"])
+        worlds = [c["world"] for c in row]
+        for k, arm in enumerate(scale["arms"]):
+            pts = [(c["world"], c["arms"][arm]["ddp"]) for c in row if "ddp" in c["arms"].get(arm, {})]
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            lowest = min(lowest, min(p[1]["p10"] for p in pts))
+            style = dict(color=f"C{k}", marker="o", ms=4, lw=1.4, ls="--" if arm.endswith("packed") else "-")
+            ax.plot(xs, [p[1]["median"] for p in pts], label=labels.get(arm, arm), **style)
+            ax.fill_between(xs, [p[1]["p10"] for p in pts], [p[1]["p90"] for p in pts], color=f"C{k}", alpha=0.08)
+        for key, style, text in (("bound", dict(color="k", ls=":"), "bound (longest sample)"),
+                                 ("cap_bound", dict(color="0.45", ls="-."), "bound with the cap's micro-batches")):
+            pts = [(c["world"], c[key]["median"]) for c in row if c.get(key)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=text, **style)
+        ax.set_xscale("log")
+        ax.set_xticks(worlds)
+        ax.set_xticklabels([f"{w:,}" for w in worlds], fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("world size (ranks)")
+        ax.set_title(f"{share} sample(s) per rank per step", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("DDP step efficiency (median over steps)")
+    axes[0][0].set_ylim(max(0.0, min(0.5, lowest - 0.05)), 1.02)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, ncol=5, loc="lower center", frameon=False)
+    fig.suptitle(f"Step efficiency against world size: {name}, G = s x W samples per step, cap "
+                 f"{scale['token_budget']} tokens, overhead {scale['micro_batch_cost']} per micro-batch", fontsize=11)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---- goals --------------------------------------------------------------------------------------
 def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]:
     """(goal, measured, target, met) for every goal the results hold."""
@@ -564,6 +712,8 @@ def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]
         from odb.bench.auto_budget import goal_rows
 
         out += goal_rows(results["auto_budget"])
+    for g in (results.get("scale") or {}).get("goals", []):
+        out.append((g["goal"], g["measured"], g["target"], g["met"]))
     return out
 
 
@@ -645,6 +795,9 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
         r = results["ranks"]
         parts += [f"{h}Ranks ({r.get('world', '?')} simulated, buffer {r.get('buffer_size', '?')})",
                   ranks_table(r, markdown), ""]
+    if results.get("scale"):
+        parts += [f"{h}Scale: step efficiency against world size (the user's samples per step)",
+                  scale_table(results["scale"], markdown), ""]
     if "loader" in results:
         parts += [f"{h}Loader cost (medians of {results['loader']['repeats']})",
                   loader_table(results["loader"], markdown)]
