@@ -280,7 +280,9 @@ class RankExchange:
             self._check_alive(where)
             return [outgoing[0]]
         matrix = self.all_gather(sizes, where)  # raises ODBRankFailed when a rank announced here
-        assert matrix is not None  # only a rank that announces gets None, and this one sends OK
+        if matrix is None:  # only a rank that announces gets None, and this one sends OK
+            raise RuntimeError(f"odb rank {self.rank}: the size exchange of move at {where} returned nothing. This is "
+                               f"a bug in odb; please report it.")
         try:
             incoming = self.transport.exchange_bytes(outgoing, matrix, where)
         except ODBExchangeError:

@@ -121,8 +121,6 @@ class GlobalStep:
         self.move_samples, self.register = move_samples, register
         self.oversize_policy, self.check_length = oversize_policy, check_length
         self.rank, self.world = exchange.rank, exchange.world_size
-        self.last_plan: Optional[GlobalStepPlan] = None
-        self.moved_bytes = 0  # pickled sample bytes this rank sent and received in the last step
 
     def plan(self, ids: List[int], final: bool, window_index: int, proposal: Optional[np.ndarray]) -> List[Step]:
         """This rank's micro-batches of the step whose own share is ``ids`` (positions in the pool; ``final``:
@@ -156,7 +154,6 @@ class GlobalStep:
         steps = self._steps(table, planned, placed)
         aligner.steps_exchanged(len(steps))
         aligner.all_done = all_final
-        self.last_plan = planned
         return steps
 
     def _gather_table(self, ids: List[int], dims: int, where: str) -> StepTable:
@@ -219,7 +216,6 @@ class GlobalStep:
         payloads = [pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL) if part else b"" for part in outgoing]
         incoming = self.exchange.move(payloads, where)
         self.aligner.expect(None)
-        self.moved_bytes = sum(len(p) for p in payloads) + sum(len(p) for r, p in enumerate(incoming) if r != self.rank)
         for source, payload in enumerate(incoming):
             if source == self.rank or not payload:
                 continue
