@@ -129,7 +129,8 @@ class ODBConfig:
             DataLoader loop with that accumulation would give it), split into as many micro-batches
             under ``token_budget`` as they need; every rank runs the same number of micro-batches in
             each step, ``ODBStepInfo.is_last_micro_step`` marks the step's end and ``loss_scale`` is
-            exact over the whole step. An epoch's last step may hold fewer (none with ``drop_last``).
+            exact over the whole step. An epoch's last step may hold fewer; ``drop_last`` drops only each
+            rank's partial last batch of your ``batch_size`` (the whole partial step where no batch size is given).
             Windows, carry and the ramp do not apply: each step is planned on its own, cut into the
             micro-batches of least total cost (``micro_batch_cost``); under several ranks the step's samples
             are planned across ranks (``step_plan``). None (default):

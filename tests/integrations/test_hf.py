@@ -76,6 +76,17 @@ def test_default_keeps_the_trainers_samples_per_step(tmp_path, ga, per_device):
     assert rel_error(first["delta"], W.reference_delta(one, first["ids"])) < EXACT
 
 
+def test_dataloader_drop_last_drops_only_the_partial_batch_as_the_trainer_does(tmp_path):
+    """dataloader_drop_last with accumulation: the Trainer drops the partial last batch of per_device (24 samples,
+    batches of 5: 4 whole batches) and steps on the 1 batch left after a full step of 3; odb keeps exactly
+    those steps (before, it dropped the whole partial last step)."""
+    p = params(ga=3, same_updates=True, max_steps=-1, budget=60, out=str(tmp_path),
+               args=dict(per_device_train_batch_size=5, dataloader_drop_last=True))
+    r = W.train_ranks(0, 1, p)
+    assert [len(ids) for (_, _, ids, _) in r["steps"]] == [15, 5]
+    assert r["global_step"] == 2
+
+
 def test_budget_filled_steps_stay_an_explicit_choice(tmp_path):
     trainer = W.build_trainer(params(ga=2, same_updates=True, odb={"global_batch_size": None}), str(tmp_path))
     assert trainer.odb_config.global_batch_size is None and trainer.odb_config.gradient_accumulation_steps == 2

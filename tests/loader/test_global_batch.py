@@ -469,3 +469,40 @@ def test_a_stream_planned_across_ranks_gives_the_plain_loops_updates_for_two_epo
             opt.step()
         assert relative_error(odb_params, [p.detach() for p in model.parameters()]) < 1e-9
     assert moved > 0 or layout == "packed"  # samples did cross ranks
+
+
+@pytest.mark.parametrize("world,step_plan,known", [(1, "global", False), (2, "global", False), (3, "global", True),
+                                                   (3, "global", False), (2, "rank", False)])
+@pytest.mark.parametrize("how", ["batch_size", "apply"])
+def test_drop_last_drops_only_each_ranks_partial_batch_as_a_plain_loop(world: int, step_plan: str, known: bool,
+                                                                       how: str) -> None:
+    """drop_last with your batch B and accumulation A: each rank drops only its last partial batch of B and the
+    last optimizer step holds the whole batches left (fewer than A of them), as the Trainer, Accelerate and a
+    plain loop that steps at the epoch's end do; before, odb dropped that whole partial step."""
+    batch_size, accumulation = 3, 4
+
+    def one(rank: int, exchanges: Any) -> List[Tuple[Dict[str, Any], odb.ODBStepInfo]]:
+        ds = LengthDataset(LENGTHS)
+        options = dict(token_budget=BUDGET, gradient_accumulation_steps=accumulation, seed=0, shift_labels=True,
+                       lengths=LENGTHS if known else None, exchange=exchanges, step_plan=step_plan)
+        if how == "apply":
+            loader = DataLoader(ds, batch_size=batch_size, sampler=sampler_of(ds, rank, world), collate_fn=pad_collate,
+                                drop_last=True)
+            odb.apply(loader, **options)
+        else:
+            loader = odb.ODBDataLoader(ds, batch_size=batch_size, sampler=sampler_of(ds, rank, world),
+                                       collate_fn=pad_collate, drop_last=True, **options)
+        out = [(b, odb.pop_step_info(b)) for b in loader]
+        assert loader.odb_optimizer_steps == len(split_steps(out))
+        return out
+
+    got = [one(0, None)] if world == 1 else ok(run_ranks(world, one))
+    odb_ids, odb_params = train(got)
+    ds = LengthDataset(LENGTHS)
+    shares = [len(sampler_of(ds, r, world)) for r in range(world)]
+    steps = max(-(-(n // batch_size) // accumulation) for n in shares)
+    ref_ids, ref_params = reference(world, batch_size, accumulation, steps, drop_last=True)
+    assert odb_ids == ref_ids
+    assert sum(map(len, odb_ids)) == sum(n - n % batch_size for n in shares)  # only the partial batches dropped
+    assert len(odb_ids[-1]) < batch_size * accumulation * world  # the last step is partial: this test shows it
+    assert relative_error(odb_params, ref_params) < 1e-9

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from odb.epoch.drop_last import DropLast
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.stats import EpochStats
@@ -113,11 +114,11 @@ class GlobalStep:
     (odb.epoch.budget)."""
 
     def __init__(self, aligner: RankAligner, exchange: Any, planner: WindowPlanner, pool: SamplePool,
-                 stats: EpochStats, *, epoch: int, step_samples: int, drop_last: bool, move_samples: bool,
+                 stats: EpochStats, *, epoch: int, step_samples: int, drops: DropLast, move_samples: bool,
                  register: Callable[[int, int, Any, Any], None], oversize_policy: Callable[[str, int], str],
                  check_length: Callable[[int], None]) -> None:
         self.aligner, self.exchange, self.planner, self.pool, self.stats = aligner, exchange, planner, pool, stats
-        self.epoch, self.step_samples, self.drop_last = epoch, step_samples, drop_last
+        self.epoch, self.step_samples, self.drops = epoch, step_samples, drops
         self.move_samples, self.register = move_samples, register
         self.oversize_policy, self.check_length = oversize_policy, check_length
         self.rank, self.world = exchange.rank, exchange.world_size
@@ -126,6 +127,11 @@ class GlobalStep:
         """This rank's micro-batches of the step whose own share is ``ids`` (positions in the pool; ``final``:
         this rank's data has ended); sets the aligner's ``all_done`` once every rank's data has ended."""
         aligner, where = self.aligner, f"epoch {self.epoch}, step window {window_index}"
+        kept = self.drops.kept(len(ids), self.step_samples) if final and self.drops.unit is not None else len(ids)
+        if kept < len(ids):  # this rank's partial last batch of the user's, as its own loop's drop_last drops it
+            self.stats.dropped_samples += len(ids) - kept
+            self.pool.forget(ids[kept:])
+            ids = ids[:kept]
         dims = self.pool.lengths(ids).shape[1] if ids else 0
         header = aligner.header([len(ids), dims, int(final), 0], where, proposal)
         all_final = bool(header[:, 2].all())
@@ -138,8 +144,8 @@ class GlobalStep:
                              f"dimensions ({header[:, 1].tolist()} by rank): length_fn must return as many lengths "
                              f"for every sample. Fix: return one length (or one per field) for every sample.")
         table = self._gather_table(ids, dims, where)
-        if self.drop_last and all_final and len(table) < self.step_samples * self.world:
-            self.stats.dropped_samples += len(ids)  # a partial last optimizer step, as drop_last drops a batch
+        if self.drops.enabled and self.drops.unit is None and all_final and len(table) < self.step_samples * self.world:
+            self.stats.dropped_samples += len(ids)  # a partial last optimizer step, no batch of the user's to keep
             self.pool.forget(ids)
             aligner.all_done = True
             return []

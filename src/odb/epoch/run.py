@@ -23,6 +23,7 @@ import numpy as np
 from odb.plan.align import StepPlan
 from odb.plan.buckets import oversize_message
 from odb.config import ODBConfig
+from odb.epoch.drop_last import DropLast
 from odb.epoch.global_step import GlobalStep
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
@@ -43,7 +44,8 @@ class EpochRun:
     """Iterates ``(batch, cursor)`` of one epoch. Built by the loader; not public API."""
 
     def __init__(self, cfg: ODBConfig, source: SampleSource, collate_fn: Callable[[List[Any]], Any],
-                 *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, exchange: Any = None,
+                 *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, batch_unit: Optional[int] = None,
+                 exchange: Any = None,
                  finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None,
                  notices: Optional[Set[str]] = None, budget: Optional[WindowBudget] = None,
                  stream_marks: Any = None, lazy: bool = False, move_samples: bool = True) -> None:
@@ -55,6 +57,7 @@ class EpochRun:
         self._collate = collate_fn
         self._finalize = finalize
         self.epoch, self.seed, self.shuffle, self.drop_last = epoch, seed, shuffle, drop_last
+        self.drops = DropLast(drop_last, batch_unit)  # a partial last step: its whole batches of the user's kept
         exchange = exchange if exchange is not None and exchange.world_size > 1 else None
         self.rank = exchange.rank if exchange is not None else 0
         self.world_size = exchange.world_size if exchange is not None else 1
@@ -70,7 +73,7 @@ class EpochRun:
         # between ranks unless they are dataset indices (``move_samples=False``: known lengths)
         self.global_step = GlobalStep(
             self.aligner, exchange, self.planner, self.pool, self.stats, epoch=epoch, step_samples=self.step_samples,
-            drop_last=drop_last, move_samples=move_samples, register=self.register,
+            drops=self.drops, move_samples=move_samples, register=self.register,
             oversize_policy=self.budget.oversize, check_length=self.budget.check_length) \
             if self.step_samples is not None and exchange is not None and cfg.step_plan == "global" else None
         self.arrived = 0  # samples taken from the source into windows
@@ -247,11 +250,12 @@ class EpochRun:
         # The probe's window emits all it holds: its longest samples must not wait in the carry for a fuller batch.
         probe = cfg.probe_worst_case and self.stats.windows == 0
         step = self.step_samples is not None
-        if step and final and self.drop_last and 0 < len(ids) < self.step_samples:
-            self.stats.dropped_samples += len(ids)  # a partial last optimizer step, as drop_last drops a batch
-            self.pool.forget(ids)
-            ids, lengths = [], lengths[:0]
-            patches = None if patches is None else patches[:0]
+        kept = self.drops.kept(len(ids), self.step_samples) if step and final else len(ids)
+        if kept < len(ids):  # a partial last optimizer step: drop_last drops the user's partial batch (or all)
+            self.stats.dropped_samples += len(ids) - kept
+            self.pool.forget(ids[kept:])
+            ids, lengths = ids[:kept], lengths[:kept]
+            patches = None if patches is None else patches[:kept]
         if step:
             planned = self.planner.plan_step(np.array(ids, dtype=np.int64), lengths, patches)
         else:

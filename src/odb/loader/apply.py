@@ -114,7 +114,7 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
     seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator, loader.sampler)
     core = LoaderCore(loader, cfg, shuffle=shuffles(loader) if shuffle is None else bool(shuffle), seed=seed,
                       group_collate=group_collate, sample_transform=transform, own_sampler=None, lengths=lengths,
-                      exchanges=exchanges)
+                      exchanges=exchanges, batch_unit=loader.batch_size or 1)
     loader.__class__ = _odb_class(type(loader))
     loader.odb_attach(core)  # the one attribute odb adds
     return ODBHandle(loader)

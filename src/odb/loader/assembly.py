@@ -28,6 +28,7 @@ from odb.comm.protocol import ExchangeFactory, RankExchange
 from odb.epoch.cursor import Cursor
 from odb.epoch.known import announce_to_steps, known_epoch
 from odb.epoch.pipeline import BatchPipeline, made
+from odb.epoch.drop_last import DropLast
 from odb.epoch.run import EpochRun
 from odb.loader.epoch_modes import KnownLengthsEpoch, OnlineEpoch
 from odb.loader.inner import InnerLoaders
@@ -52,10 +53,12 @@ class EpochAssembly:
 
     def __init__(self, loader: DataLoader, *, sources: EpochSources, inner: InnerLoaders, budget: Any,
                  group_collate: Callable[[Any], Any], transform: Optional[Callable[[Any], Any]],
-                 exchanges: Optional[ExchangeFactory], shuffle: bool, notices: Set[str]) -> None:
+                 exchanges: Optional[ExchangeFactory], shuffle: bool, notices: Set[str],
+                 drops: DropLast) -> None:
         self.loader, self.sources, self.inner, self.budget = loader, sources, inner, budget
         self.group_collate, self.transform, self.exchanges = group_collate, transform, exchanges
         self.shuffle, self.notices = shuffle, notices
+        self.drops = drops  # the loader's drop_last and the user's batch it keeps whole
         self.exchange: Optional[RankExchange] = None  # the current epoch's (released when the next starts)
         self.warned_shard = False
 
@@ -79,7 +82,7 @@ class EpochAssembly:
         pin = loader.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
         world = exchange.world_size if exchange is not None else 1
         run = EpochRun(cfg, source, list if known is not None else self.group_collate, epoch=epoch,
-                       seed=seed, shuffle=self.shuffle, drop_last=bool(loader.drop_last),
+                       seed=seed, shuffle=self.shuffle, drop_last=self.drops.enabled, batch_unit=self.drops.unit,
                        exchange=exchange, finalize=pin_batch if pin else None,
                        total=self.sources.epoch_total() if order is None else len(order), notices=self.notices,
                        budget=self.budget.epoch(), stream_marks=marks,

@@ -36,6 +36,7 @@ from odb.data.bucket_collate import PadToBucket
 from odb.data.collate_check import PaddingHint
 from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler, ShardSampler
+from odb.epoch.drop_last import DropLast
 from odb.epoch.auto import AutoControl
 from odb.epoch.cursor import Cursor
 from odb.epoch.pipeline import BatchPipeline
@@ -83,7 +84,7 @@ class LoaderCore:
     def __init__(self, loader: DataLoader, cfg: ODBConfig, *, shuffle: bool, seed: int,
                  group_collate: Callable[[Any], Any], sample_transform: Optional[Callable[[Any], Any]],
                  own_sampler: Optional[EpochShuffleSampler], lengths: Optional[Sequence[int]] = None,
-                 exchanges: Optional[ExchangeFactory] = None) -> None:
+                 exchanges: Optional[ExchangeFactory] = None, batch_unit: Optional[int] = None) -> None:
         check_in_order(getattr(loader, "in_order", True))
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         # The loader holds this core; the core and its parts hold the loader weakly. Held strongly, the loader
@@ -95,6 +96,9 @@ class LoaderCore:
         self.loader = loader
         # The window budget (odb.epoch.budget): fixed, scheduled or token_budget="auto"; it holds the options
         self.budget = make_budget(cfg, lengths)
+        # drop_last with global_batch_size drops a rank's partial last batch of the user's (``batch_unit``
+        # samples: the batch_size they wrote), or the whole partial last step where no batch size is known
+        self.drops = DropLast(bool(loader.drop_last), batch_unit)
         self.seed = seed
         if cfg.shape_buckets is not None and not isinstance(group_collate, PadToBucket):
             # odb plans each batch at a bucket length; the collate pads to the longest sample: pad on to the bucket
@@ -106,7 +110,8 @@ class LoaderCore:
         self.assembly = EpochAssembly(loader, sources=self.sources, inner=self.inner, budget=self.budget,
                                       group_collate=PaddingHint(group_collate),  # a collate that cannot pad says so
                                       transform=sample_transform, exchanges=exchanges, shuffle=shuffle,
-                                      notices=set())  # warnings the loader's epochs give once
+                                      notices=set(),  # warnings the loader's epochs give once
+                                      drops=self.drops)
         self.next_epoch = 0
         self.last_steps: Optional[int] = None  # steps of the last epoch that ran to its end
         self.last_steps_epoch: Optional[int] = None
@@ -220,7 +225,7 @@ class LoaderCore:
                 n = -(-len(sampler.data_source) // sampler.num_replicas)
         except TypeError:
             return None
-        return n // g if self.loader.drop_last else -(-n // g)
+        return self.drops.steps(n, g)
 
     def state_dict(self) -> Dict[str, Any]:
         """``state_dict``: where the loader is, as plain data (odb.resume.loader_state.saved_state)."""

@@ -141,7 +141,8 @@ class ODBLoaderMixin(DataLoader):
     @property
     def odb_optimizer_steps(self) -> Optional[int]:
         """Optimizer steps per epoch with ``global_batch_size``, exact: ceil(samples / global_batch_size)
-        (floor with ``drop_last``); None with budget-filled steps or a sampler without a length. With
+        (with ``drop_last``, of the whole batches of ``batch_size`` each rank keeps; floor without a
+        ``batch_size``); None with budget-filled steps or a sampler without a length. With
         ``global_batch_size`` the micro-batches of a step vary, so ``len(loader)`` (batches) is an estimate
         until an epoch has run, and this is the count a learning-rate schedule needs.
 
@@ -263,7 +264,8 @@ class ODBDataLoader(ODBLoaderMixin):
                          persistent_workers=persistent_workers, pin_memory_device=pin_memory_device, **dl_options)
         batch_order = shuffles(self) if shuffle is None else bool(shuffle)  # with a sampler: as it does
         self.odb_attach(LoaderCore(self, cfg, shuffle=batch_order, seed=seed, group_collate=self.collate_fn,
-                                   sample_transform=None, own_sampler=own, lengths=lengths, exchanges=exchanges))
+                                   sample_transform=None, own_sampler=own, lengths=lengths, exchanges=exchanges,
+                                   batch_unit=batch_size))
 
 
 def _held(loader: Any, batches: Iterator[Any]) -> Iterator[Any]:

@@ -66,6 +66,12 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
                                seed=int(cfg.seed or 0))
     workers = args.dataloader_num_workers
     options: Dict[str, Any] = {}
+    b, a = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if cfg.global_batch_size == b * a * args.world_size:
+        # the Trainer's own step, said as its batch: drop_last then drops only a rank's partial last batch of
+        # per_device_train_batch_size and steps on the rest, as the Trainer does (odb.epoch.drop_last)
+        cfg = cfg.replace(global_batch_size=None, gradient_accumulation_steps=a)
+        options["batch_size"] = b
     if hasattr(args, "dataloader_in_order"):
         options["in_order"] = args.dataloader_in_order
     return ODBDataLoader(
