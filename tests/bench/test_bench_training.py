@@ -14,7 +14,7 @@ import transformers  # noqa: F401  (pinned under `make test`, as trl is: a broke
 import odb
 from odb.bench import text_data
 from odb.bench.convergence import convergence_goals, loss_at, lr_for, time_to_loss
-from odb.bench.report import convergence_table, goals, training_table
+from odb.bench.report import convergence_table, goals, goals_table, training_table
 from odb.bench.training import training_goals
 from odb.bench.training_arms import ARMS, build_loader, fixed_batch_size, trl_rows
 from odb.bench.training_ddp import launch
@@ -119,7 +119,8 @@ def _ranks2(ratios):
     for name, (padded, packed) in ratios.items():
         rate = {"fixed": 100.0, "group_by_length": 100.0, "trl_packing": 100.0, "odb_padded": padded,
                 "odb_packed": packed}
-        work[name] = {"arms": {a: {"tokens_per_s": {"median": rate[a]}} for a in arms},
+        work[name] = {"arms": {a: {"tokens_per_s": {"median": rate[a], "min": 0.95 * rate[a], "max": 1.05 * rate[a]}}
+                               for a in arms},
                       "odb_over": {o: {a: rate[o] / rate[a] for a in arms if a != o} for o in ("odb_padded",
                                                                                               "odb_packed")}}
     return {"workloads": work}
@@ -135,7 +136,13 @@ def test_goals_cover_each_workload_and_say_when_missed():
     missed = [g for g in got if not g["met"]]
     assert {(g["goal"].split()[3], g["target"]) for g in missed} >= {("heavy-tailed:", 2.5), ("long-chat:", 0.97)}
     rows = goals({"training": {"goals": got}})
-    assert len(rows) == len(got) and all(r[3] == g["met"] for r, g in zip(rows, got))
+    assert len(rows) == len(got) and all(r.met == g["met"] for r, g in zip(rows, got))
+    # 1.50 against 1.45, each arm +-5% over rounds: the ratio's spread 1.36-1.66 straddles the target
+    row = next(r for r in rows if r.goal.endswith("heavy-tailed: real tokens/s, odb padded / group_by_length"))
+    assert row.met and row.straddles and row.measured == "1.50 (rounds: 1.36-1.66)"
+    assert "met (spread straddles)" in goals_table({"training": {"goals": got}})
+    clear = next(r for r in rows if r.goal.endswith("heavy-tailed: real tokens/s, odb padded / fixed"))
+    assert not clear.met and not clear.straddles  # 1.50 against 2.5: missed whatever the round
 
 
 @pytest.mark.timeout(300)
@@ -200,6 +207,9 @@ def test_convergence_arms_take_the_users_samples_per_step():
         assert m["odb_budget_filled"]["samples_per_step"] >= m["odb_padded"]["samples_per_step"]
     goals_ = convergence_goals({**conv, "accumulations": {"8": conv["accumulations"]["4"]}})
     assert len(goals_) == 5 and all(isinstance(g["met"], bool) for g in goals_)
+    for g in goals_:  # time-to-target ratios carry their rounds' spread, paired round by round
+        if "gap" not in g and g["measured"] is not None:
+            assert g["spread"][0] <= g["measured"] * (1 + 1e-9) and g["spread"][1] >= g["measured"] * (1 - 1e-9)
     conv["goals"], conv["model"] = goals_, {"num_hidden_layers": 2, "hidden_size": 128}
     text = convergence_table(conv, markdown=True)
     assert "| odb padded |" in text and "A = 4" in text and "s to target" in text

@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import odb
 
+from odb.bench.verdict import paired_spread, straddles
 from odb.bench.text_data import PAD_ID, TextSamples, held_out_batch, pad_collate, workload_lengths
 from odb.bench.training_arms import PACKED_ATTN, fixed_batch_size, trl_rows
 from odb.bench.training_run import _autocast, _counts, _reduce, build_model, wrap
@@ -503,9 +504,11 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8") -> List[Dict[str, An
             return
         a, b = ttt(arm), ttt(base)
         ratio = None if a is None or b is None or b <= 0 else a / b
+        spread = paired_spread((r["arms"][arm]["time_to_target_s"], r["arms"][base]["time_to_target_s"])
+                               for r in part.get("rounds") or [] if arm in r["arms"] and base in r["arms"])
         out.append({"goal": f"convergence (2 ranks, A = {acc}): time to target, {name}", "measured": ratio,
                     "target": target, "met": ratio is not None and ratio <= target, "lower_is_better": True,
-                    "arms": [arm, base]})
+                    "arms": [arm, base], "spread": spread, "straddles": straddles(spread, target)})
 
     ratio_goal("odb padded / fixed", "odb_padded", "fixed", 0.5)
     ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0)

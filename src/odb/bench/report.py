@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from odb.bench.verdict import spread_text, verdict
 
 PLAN_COLUMNS = [
     ("method", None), ("steps", "{:d}"), ("token eff.", "{:.3f}"), ("tokens/step / cap", "{:.3f}"),
@@ -39,6 +41,17 @@ PLANNING_LEGEND = (
 # One name per arm in every table and plot (results keys stay as they were: length_grouped, length-grouped).
 ARM_NAMES = {"length_grouped": "group_by_length", "length-grouped": "group_by_length", "plain_replay": "plain replay",
              "batch_rebalance": "BatchRebalance", "oracle": "oracle"}
+
+
+class Goal(NamedTuple):
+    """One goal's row: its name, the measured figure (with the rounds' spread where it has one), the target,
+    met or not by the median (None: not measured), and whether the spread straddles the target."""
+
+    goal: str
+    measured: str
+    target: str
+    met: Optional[bool]
+    straddles: bool = False
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -668,11 +681,13 @@ def plot_scale(scale: Dict[str, Any], path: str, workload: str = "sharegpt") -> 
 
 
 # ---- goals --------------------------------------------------------------------------------------
-def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]:
-    """(goal, measured, target, met) for every goal the results hold."""
-    out: List[Tuple[str, str, str, Optional[bool]]] = []
+def goals(results: Dict[str, Any]) -> List[Goal]:
+    """(goal, measured, target, met, straddles) for every goal the results hold; ``straddles``: the rounds'
+    min-max of the measured ratio lies on both sides of the target (odb.bench.verdict)."""
+    out: List[Goal] = []
     for g in (results.get("convergence") or {}).get("goals", []):
-        out.append((g["goal"], _goal_measured(g), _goal_target(g), g["met"]))
+        out.append(Goal(g["goal"], _goal_measured(g) + spread_text(g.get("spread")), _goal_target(g), g["met"],
+                        bool(g.get("straddles"))))
     e2e = results.get("e2e")
     if e2e:
         g = e2e["goals"]
@@ -707,14 +722,15 @@ def goals(results: Dict[str, Any]) -> List[Tuple[str, str, str, Optional[bool]]]
     if results.get("packing"):
         out += packing_goals(results["packing"])
     for g in (results.get("training") or {}).get("goals", []):
-        out.append((g["goal"], f"{g['measured']:.2f}", f">= {g['target']}", g["met"]))
+        out.append(Goal(g["goal"], f"{g['measured']:.2f}" + spread_text(g.get("spread")), f">= {g['target']}",
+                        g["met"], bool(g.get("straddles"))))
     if results.get("auto_budget"):
         from odb.bench.auto_budget import goal_rows
 
         out += goal_rows(results["auto_budget"])
     for g in (results.get("scale") or {}).get("goals", []):
         out.append((g["goal"], g["measured"], g["target"], g["met"]))
-    return out
+    return [g if isinstance(g, Goal) else Goal(*g) for g in out]
 
 
 # Window goals: odb-default's useful fill / the oracle's on every workload (a lower bar for heavy tails),
@@ -773,7 +789,7 @@ def planning_goals(planning: Dict[str, Any]) -> List[Tuple[str, str, str, Option
 
 
 def goals_table(results: Dict[str, Any], markdown: bool = False) -> str:
-    rows = [[name, value, target, _met(ok)] for name, value, target, ok in goals(results)]
+    rows = [[g.goal, g.measured, g.target, verdict(g.met, g.straddles)] for g in goals(results)]
     return _table(["goal", "measured", "target", ""], rows, markdown)
 
 

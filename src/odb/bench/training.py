@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from odb.bench.verdict import ratio_spread, straddles
 from odb.bench.text_data import VOCAB
 from odb.bench.training_arms import ARMS
 from odb.bench.training_run import MODELS
@@ -57,8 +58,10 @@ def training_goals(ranks2: Dict[str, Any]) -> List[Dict[str, Any]]:
         for workload, w in ranks2["workloads"].items():
             if (only is None or workload in only) and base in w["arms"] and arm in w["arms"]:
                 ratio = w["odb_over"][arm][base]
+                spread = ratio_spread(w["arms"][arm]["tokens_per_s"], w["arms"][base]["tokens_per_s"])
                 out.append({"goal": f"training (2 ranks) {workload}: real tokens/s, {name}", "measured": ratio,
-                            "target": target, "met": ratio >= target})
+                            "target": target, "met": ratio >= target, "spread": spread,
+                            "straddles": straddles(spread, target)})
     return out
 
 
