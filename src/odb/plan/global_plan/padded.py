@@ -1,0 +1,272 @@
+"""The padded layout's search: slot-by-slot cuts of the sorted samples for each candidate M, the last
+micro-step cut to complement the ranks, the least-cost cut on small steps, and local search on the slowest
+rank (``_plan_padded``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from odb.plan.cost import CostModel
+from odb.plan.global_plan.candidate import (_IMPROVE_STEPS, _MAX_TRIES, _better, _bound, _Candidate, _deal, _emit,
+                                            _evaluate, _primary, _score)
+from odb.plan.global_plan.result import _EMPTY, GlobalStepPlan
+from odb.plan.global_plan.runs import _Runs
+from odb.plan.planner import SortedPool
+from odb.plan.step_cut import least_cost_segments
+
+_SMALL_STEP = 64  # up to this many samples the padded planner also tries the least-cost cut
+_SMALL_WORLD = 32  # several dimensions or side costs: up to this many ranks the last micro-step is complemented
+
+
+def _fill_by_splits(runs: List[Tuple[int, int]], costs: List[float], target: int, split
+                    ) -> Tuple[List[Tuple[int, int]], List[float]]:
+    """Split the costliest splittable run at its best cut until there are ``target`` runs (or none splits)."""
+    runs, costs = list(runs), list(costs)
+    heap = [(-c, s, e) for (s, e), c in zip(runs, costs)]
+    heapq.heapify(heap)
+    dead = set()
+    while len(runs) - len(dead) < target and heap:
+        neg, s, e = heapq.heappop(heap)
+        cut = split(s, e)
+        if cut is None:
+            continue
+        m, c1, c2 = cut
+        dead.add((s, e))
+        runs.extend([(s, m), (m, e)])
+        costs.extend([c1, c2])
+        heapq.heappush(heap, (-c1, s, m))
+        heapq.heappush(heap, (-c2, m, e))
+    keep = [k for k, r in enumerate(runs) if r not in dead]
+    return [runs[k] for k in keep], [costs[k] for k in keep]
+
+
+def _plan_padded(lengths: np.ndarray, world: int, cost: CostModel, overhead: float,
+                 side: Optional[np.ndarray], alone: bool, fsdp: Optional[bool]) -> GlobalStepPlan:
+    protect, fsdp = fsdp is not False, fsdp is True
+    n_all = len(lengths)
+    pool = SortedPool.of(lengths, np.arange(n_all), cost, side)
+    order, n = pool.order, len(pool.order)
+    fixed = pool.oversize if alone else _EMPTY  # samples planned as micro-batches of their own
+    oversize = _EMPTY if alone else pool.oversize
+
+    def exact_costs(groups: List[np.ndarray]) -> List[float]:
+        return [float(cost.group_cost(lengths[g], None if side is None else side[g])) for g in groups]
+
+    def group_cost(groups: List[np.ndarray], planned: np.ndarray) -> List[float]:
+        if runs_of is not None and runs_of.fast:  # B x the first sample's padded length: exact integers already
+            return planned.tolist()
+        return exact_costs(groups)
+
+    fixed_groups = [np.array([u], dtype=np.int64) for u in fixed.tolist()]
+    fixed_costs = exact_costs(fixed_groups)
+    a = len(fixed_groups)
+    extra = cost.side_cost(side)
+    single_fixed = (cost.pad(lengths[fixed]).sum(axis=1)
+                    + (0.0 if extra is None else np.floor(extra[fixed]))) if a else np.zeros(0)
+    single_pool = (pool.padded.sum(axis=1) + (0.0 if extra is None else np.floor(extra[order]))) if n else np.zeros(0)
+    fits = cost.copies_that_fit_unrounded(pool.padded) if n else np.ones(0)
+    bound = _bound(np.concatenate((single_pool, single_fixed)).astype(np.float64),
+                   float((1.0 / np.maximum(fits, 1)).sum()) + a, world, overhead)
+    runs_of = _Runs(pool, cost) if n else None
+    if n == 0 and a == 0:
+        return GlobalStepPlan([[] for _ in range(world)], oversize, np.zeros(world), bound)
+    lb_total = max(float(np.concatenate((single_pool, single_fixed)).sum()) / world,
+                   float(np.concatenate((single_pool, single_fixed)).max()))
+
+    def candidate(runs: List[Tuple[int, int]], m: int) -> _Candidate:
+        costs = runs_of.cost(np.array([s for s, _ in runs]), np.array([e for _, e in runs])).tolist() if runs else []
+        runs, costs = _fill_by_splits(runs, costs, world * m - a, runs_of.split) if runs else (runs, costs)
+        keyed = sorted(zip(runs, costs))  # runs in sample order: the candidate does not depend on split order
+        groups = [order[s:e] for (s, e), _ in keyed] + fixed_groups
+        cand = _Candidate(groups, np.array([c for _, c in keyed] + fixed_costs, dtype=np.float64), m,
+                          runs=[r for r, _ in keyed])
+        return _evaluate(cand, world, overhead, fsdp)
+
+    def complemented(runs: List[Tuple[int, int]], last_start: int, m: int, limit: float) -> Optional[_Candidate]:
+        """The runs before ``last_start`` dealt over m - 1 micro-steps, then the last micro-step cut to even out
+        the ranks' totals (``_Runs.complement``), none of its runs costlier than the costliest of the plain cut's
+        last micro-step (FSDP waits for it)."""
+        head = [r for r in runs if r[0] < last_start]
+        tail = [r for r in runs if r[0] >= last_start]
+        if not tail or len(head) + a != world * (m - 1):
+            return None
+        run_cap = float(runs_of.cost(np.array([s for s, _ in tail]), np.array([e for _, e in tail])).max()) \
+            if protect else math.inf
+        head_costs = runs_of.cost(np.array([s for s, _ in head]), np.array([e for _, e in head])).tolist()
+        costs = np.array(head_costs + fixed_costs, dtype=np.float64)
+        rank_of, slot_of, totals = _deal(costs, world, m - 1, 0.0)
+        last = runs_of.complement(last_start, totals, limit - m * overhead, run_cap)
+        if last is None:
+            return None
+        tail, ranks = last
+        tail_costs = runs_of.cost(np.array([s for s, _ in tail]), np.array([e for _, e in tail]))
+        h = len(head)
+        groups = [order[s:e] for s, e in head + tail] + fixed_groups
+        cand = _Candidate(groups, np.concatenate((costs[:h], tail_costs, costs[h:])), m,
+                          np.concatenate((rank_of[:h], ranks, rank_of[h:])),
+                          np.concatenate((slot_of[:h], np.full(world, m - 1), slot_of[h:])), runs=head + tail)
+        return _score(cand, world, overhead)
+
+    def polish(cand: _Candidate) -> _Candidate:
+        """The candidate after ``_improve`` (its groups follow its runs)."""
+        if world == 1 or (cand.micro_steps == 1 and len(cand.groups) == world):
+            return cand  # one micro-batch per rank: the min-max cut is as good as moves get
+        cand = _improve(cand, runs_of, world, overhead, protect)
+        cand.groups[:len(cand.runs)] = [order[s:e] for s, e in cand.runs]
+        return cand
+
+    best: Optional[_Candidate] = None
+    if n == 0:
+        m = -(-a // world)
+        best = candidate([], m)
+    else:
+        min_runs = int(runs_of.count(0, math.inf, n))
+        m0 = max(1, -(-(min_runs + a) // world))
+        m_max = max(m0, n + a)  # past ceil((n + a) / W) some ranks run ghosts: a few M more, while they may win
+        misses = 0
+        for m in range(m0, m_max + 1):
+            if best is not None and lb_total + m * overhead >= _primary(best, fsdp) - 1e-9:
+                break
+            sizes = _slot_sizes(world, m, a)
+            cut = runs_of.slot_cut(sizes)
+            if cut is None:
+                continue
+            cand = candidate(cut[0], m)
+            if m > 1 and sizes[-1] == world and (runs_of.fast or world <= _SMALL_WORLD):
+                other = complemented(cut[0], cut[1], m, cand.slowest)
+                cand = other if _better(cand, other, fsdp) else cand
+            cand = polish(cand)
+            if _better(best, cand, fsdp):
+                best, misses = cand, 0
+            else:
+                misses += 1
+                if misses >= _MAX_TRIES:
+                    break
+        if world == 1 or n <= _SMALL_STEP:  # the least-cost cut of odb.plan.step_cut, dealt
+            for scale in ((1.0,) if world == 1 else (1.0, 0.5, 0.0)):
+                runs = least_cost_segments(pool.padded, runs_of.cnt, cost, overhead * scale, pool.patches)
+                m = max(1, -(-(len(runs) + a) // world))
+                cand = polish(candidate(runs, m))
+                if _better(best, cand, fsdp):
+                    best = cand
+    return _emit(best, world, oversize, bound, group_cost, overhead)
+
+
+def _improve(cand: _Candidate, runs_of: _Runs, world: int, overhead: float, protect: bool) -> _Candidate:
+    """Local search on the slowest rank (at most ``_IMPROVE_STEPS`` moves, each strictly lowering it below
+    the old maximum): move samples from one of its runs to the neighbouring run (in the sorted order) of the same
+    or another rank, swap one of its runs with a cheaper one of the same micro-step on another rank, or hand a
+    run to a ghost of another rank (of the same micro-step if it has one). Every run keeps a sample (no ghost
+    appears) and stays feasible; with ``protect`` no micro-step's costliest micro-batch gets costlier (FSDP
+    waits for it)."""
+    runs = list(cand.runs)
+    nr = len(runs)
+    costs = cand.costs.copy()
+    rank = cand.rank_of.copy()
+    slot = cand.slot_of.copy()
+    totals = np.zeros(world)
+    np.add.at(totals, rank, costs)
+    slot_max = np.zeros(cand.micro_steps)
+    np.maximum.at(slot_max, slot, costs)
+    ghosts = len(costs) < world * cand.micro_steps
+    occupied = np.zeros((world, cand.micro_steps), dtype=bool)
+    occupied[rank, slot] = True
+    for _ in range(_IMPROVE_STEPS):
+        top = int(np.argmax(totals))
+        worst = float(totals[top])
+        best_val, move = worst - 1e-9, None
+        for t in np.flatnonzero(rank[:nr] == top).tolist():
+            s, e = runs[t]
+            for nb in (t - 1, t + 1):  # give samples to a neighbour run
+                if nb < 0 or nb >= nr or e - s < 2:
+                    continue
+                q = int(rank[nb])
+                ns, ne = runs[nb]
+                k = np.arange(1, e - s)
+                if nb < t:  # our first k samples join the end of the run before
+                    a_s, a_e, b_s, b_e = s + k, np.full(len(k), e), np.full(len(k), ns), s + k
+                else:  # our last k samples join the start of the run after
+                    a_s, a_e, b_s, b_e = np.full(len(k), s), e - k, e - k, np.full(len(k), ne)
+                ok = runs_of.valid(a_s, a_e) & runs_of.valid(b_s, b_e)
+                if not ok.any():
+                    continue
+                k = k[ok]
+                a_c = runs_of.cost(a_s[ok], a_e[ok])
+                b_c = runs_of.cost(b_s[ok], b_e[ok])
+                keep = b_c <= (slot_max[slot[nb]] if protect else math.inf) + 1e-9  # no micro-step gets costlier
+                if not keep.any():
+                    continue
+                k, a_c, b_c = k[keep], a_c[keep], b_c[keep]
+                mine = worst - costs[t] + a_c
+                theirs = totals[q] - costs[nb] + b_c
+                val = np.maximum(mine, theirs) if q != top else mine + b_c - costs[nb]
+                i = int(np.argmin(val))
+                if val[i] < best_val:
+                    best_val = float(val[i])
+                    move = ("shift", t, nb, int(k[i]), float(a_c[i]), float(b_c[i]))
+            peers = np.flatnonzero((slot == slot[t]) & (rank != top))
+            if len(peers):  # swap with a cheaper run of the same micro-step
+                gain = costs[t] - costs[peers]
+                val = np.where(gain > 0, np.maximum(worst - gain, totals[rank[peers]] + gain), np.inf)
+                i = int(np.argmin(val))
+                if val[i] < best_val:
+                    best_val, move = float(val[i]), ("swap", t, int(peers[i]))
+            if ghosts:  # hand the run to a ghost of another rank (its own micro-step's first; with ``protect`` only
+                free = ~occupied  # a micro-step it does not make costlier)
+                free[top] = False
+                if protect:
+                    free &= (slot_max >= costs[t] - 1e-9)[None, :]
+                ranks_free = np.flatnonzero(free.any(axis=1))
+                if len(ranks_free):
+                    q = int(ranks_free[np.argmin(totals[ranks_free])])
+                    val = max(worst - costs[t], totals[q] + costs[t])
+                    if val < best_val:
+                        j = int(slot[t]) if free[q, slot[t]] else int(np.argmax(free[q]))
+                        best_val, move = val, ("hand", t, q, j)
+        if move is None:
+            break
+        if move[0] == "hand":
+            _, t, q, j = move
+            occupied[rank[t], slot[t]] = False
+            occupied[q, j] = True
+            totals[rank[t]] -= costs[t]
+            totals[q] += costs[t]
+            rank[t], slot[t] = q, j
+            slot_max[:] = 0.0
+            np.maximum.at(slot_max, slot, costs)
+        elif move[0] == "swap":
+            _, t, u = move
+            rt, ru = int(rank[t]), int(rank[u])
+            totals[rt] += costs[u] - costs[t]
+            totals[ru] += costs[t] - costs[u]
+            rank[t], rank[u] = ru, rt
+        else:
+            _, t, nb, k, a_c, b_c = move
+            (s, e), (ns, ne) = runs[t], runs[nb]
+            runs[t], runs[nb] = ((s + k, e), (ns, s + k)) if nb < t else ((s, e - k), (e - k, ne))
+            totals[rank[t]] += a_c - costs[t]
+            totals[rank[nb]] += b_c - costs[nb]
+            costs[t], costs[nb] = a_c, b_c
+            slot_max[:] = 0.0
+            np.maximum.at(slot_max, slot, costs)
+    cand = dataclasses.replace(cand, costs=costs, rank_of=rank, slot_of=slot, runs=runs,
+                               groups=list(cand.groups))
+    return _score(cand, world, overhead)
+
+
+def _slot_sizes(world: int, micro_steps: int, fixed: int) -> List[int]:
+    """Runs per micro-step for the cut: W each, less the micro-batches of samples planned alone (which, the
+    costliest, are dealt first)."""
+    sizes = [world] * micro_steps
+    j = 0
+    while fixed > 0 and j < micro_steps:
+        take = min(fixed, sizes[j])
+        sizes[j] -= take
+        fixed -= take
+        j += 1
+    return [s for s in sizes if s > 0] or [0]
