@@ -188,7 +188,8 @@ class ODBConfig:
         balance: how ranks pair their batches in a step (several ranks): "tokens" (default: by
             the planner's cost) or "time" (by predicted step seconds, once the step-time model is
             fitted; needs ``token_budget="auto"``), or a criterion registered with
-            ``odb.plan.pairing.register_pairing``.
+            ``odb.plan.pairing.register_pairing``. Under the global step plan the micro-batches the
+            cost model cut are dealt to ranks by the criterion's price.
     """
 
     token_budget: Union[int, Tuple[int, ...], Literal["auto"]]

@@ -397,8 +397,9 @@ def test_apply_takes_global_batch_size() -> None:
 
 
 def test_balance_time_with_auto_on_two_ranks_keeps_the_steps() -> None:
-    """balance="time" (pairing by predicted seconds once the time model is fitted) and token_budget="auto"
-    change which micro-batches ranks pair, never which samples a step holds."""
+    """balance="time" (the global plan's micro-batches dealt to ranks by predicted seconds once every rank's time
+    model is fitted) and token_budget="auto" change which rank runs which micro-batch, never which samples a
+    step holds or the update."""
     from odb.train.memory import ActivationMeter
 
     def one(rank: int, exchanges: Any) -> List[Tuple[Dict[str, Any], odb.ODBStepInfo]]:
@@ -413,12 +414,16 @@ def test_balance_time_with_auto_on_two_ranks_keeps_the_steps() -> None:
             info = odb.pop_step_info(batch)
             (token_loss(model, batch) * info.loss_scale).backward()
             out.append((batch, info))
-        return out
+        return out, loader.odb_stats["price_dealt_steps"]
 
     got = ok(run_ranks(2, one))
-    odb_ids, _ = train(got)
-    ref_ids, _ = reference(2, 4, 1, -(-N // 8))
+    odb_ids, odb_params = train([batches for batches, _ in got])
+    ref_ids, ref_params = reference(2, 4, 1, -(-N // 8))
     assert odb_ids == ref_ids
+    assert relative_error(odb_params, ref_params) < 1e-9
+    # once every rank's time model predicts, the global plan's micro-batches are dealt by predicted seconds
+    dealt = [n for _, n in got]
+    assert dealt[0] == dealt[1] > 0
 
 
 class RankStream(torch.utils.data.IterableDataset):

@@ -36,6 +36,7 @@ from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.stats import EpochStats
 from odb.plan.align import StepPlan
 from odb.plan.global_plan import GlobalStepPlan, plan_global_step
+from odb.plan.price_deal import deal_by_price, planned_groups
 from odb.plan.window import WindowPlanner
 
 SLOT_BITS = 24  # a step's samples, all ranks together, are fewer than 2 ** 24
@@ -150,6 +151,8 @@ class GlobalStep:
             aligner.all_done = True
             return []
         planned = self._planned(table)
+        if aligner.prices_ready:
+            planned = self._deal_by_price(table, planned, where)
         if planned.micro_steps > self.step_samples:  # the per-step messages hold one entry per micro-step
             raise RuntimeError(f"odb rank {self.rank}: the step planned across ranks has {planned.micro_steps} "
                                f"micro-steps, more than the {self.step_samples} samples of a rank's share that the "
@@ -201,6 +204,25 @@ class GlobalStep:
                 if table.owner[u] == self.rank:
                     self.pool.forget([int(table.position[u])])
         return with_alone(planned, alone, self.world)
+
+    def _deal_by_price(self, table: StepTable, planned: GlobalStepPlan, where: str) -> GlobalStepPlan:
+        """``planned``'s micro-batches dealt again by the pairing criterion's prices (balance="time": predicted
+        seconds), the mean of every rank's price for each, so every rank deals alike (odb.plan.price_deal);
+        the plan as it is where any rank's model gives no price for one of them."""
+        groups = planned_groups(planned)
+        cost = self.planner.cost
+        side = np.stack([table.patches, table.loss_tokens], axis=1)
+        prices = [self.aligner.pairing.price(cost.pad(table.lengths[g]), side[g]) for g in groups]
+        message = np.array([-1 if p is None else p for p in prices], dtype=np.int64)
+        self.aligner.expect(message.shape)
+        gathered = self.exchange.all_gather(message, where).reshape(self.world, len(groups))
+        self.aligner.expect(None)
+        if (gathered < 0).any():
+            return planned
+        self.stats.price_dealt_steps += 1
+        costs = np.array([cost.group_cost(table.lengths[g], side[g] if self.aligner.side else None) for g in groups],
+                         dtype=np.float64)
+        return deal_by_price(planned, gathered.mean(axis=0), costs, self.planner.step_overhead())
 
     def _hand_over(self, table: StepTable, placed: "Placement", where: str) -> None:
         """Samples planned on another rank than their owner's go there: pickled through the exchange (online

@@ -105,10 +105,16 @@ class RankAligner:
         """The planner's cost of a group (``CostModel.group_cost``)."""
         return self.planner.cost.group_cost(self.pool.lengths(group), self.pool.side(group, self.side))
 
+    @property
+    def prices_ready(self) -> bool:
+        """Whether the pairing criterion prices this window on every rank (balance="time": each rank's
+        step-time model predicts), as the last header said."""
+        return self._ready_all and self.pairing.prices
+
     def pair_cost(self, group: np.ndarray) -> int:
         """What ranks compare to pair groups of similar cost: the pairing criterion's price where every rank's
         criterion is ready this window (balance="time": predicted microseconds), else ``cost``."""
-        if self._ready_all and self.pairing.prices:
+        if self.prices_ready:
             price = self.pairing.price(self.planner.cost.pad(self.pool.lengths(group)), self.pool.side(group))
             if price is not None:
                 return price

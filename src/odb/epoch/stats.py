@@ -20,6 +20,7 @@ class EpochStats:
     oversize_alone: int = 0
     oversize_skipped: int = 0
     dropped_samples: int = 0
+    price_dealt_steps: int = 0  # steps planned across ranks whose micro-batches balance="time" dealt by seconds
     split_groups: int = 0
     carry_groups: int = 0
     deferred_groups: int = 0
