@@ -2,9 +2,10 @@
 the fix; nothing about the trainer changes. Real TRL trainers (the pinned TRL) over tiny float64 Llamas from
 configs and the offline tokenizer of tests/support/trl_workers.py.
 
-Before: DPO and the reward trainer trained silently wrong (per-token weights where TRL averages per pair,
-micro-batches up to twice the budget), GRPO and RLOO crashed deep inside train() or mixed the prompts of
-a generation group.
+Before: GRPO and RLOO crashed deep inside train() or mixed the prompts of a generation group; CPO and ORPO
+would train as DPO did before odb learnt preference pairs (per-token weights where they average per pair,
+micro-batches up to twice the budget). DPO and the reward trainer are trained exactly
+(tests/integrations/test_trl_preference.py) and accepted here.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ def build(name, tmp_path):
     if name == "RewardTrainer":
         return trl.RewardTrainer(model=_reward_model(), args=trl.RewardConfig(**c), train_dataset=_pairs(),
                                  processing_class=tok)
+    if name in ("CPOTrainer", "ORPOTrainer"):
+        import warnings
+
+        from trl.experimental import cpo, orpo
+
+        module, config = (cpo, cpo.CPOConfig) if name == "CPOTrainer" else (orpo, orpo.ORPOConfig)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TRL's notice that experimental trainers may change
+            return getattr(module, name)(model=W.H.llama(0), args=config(**c), train_dataset=_pairs(),
+                                         processing_class=tok)
     if name == "KTOTrainer":
         data = Dataset.from_dict({"prompt": ["a b", "c d"], "completion": [" e", " f"], "label": [True, False]})
         return trl.KTOTrainer(model=W.H.llama(0), ref_model=W.H.llama(1), args=trl.KTOConfig(**c),
@@ -69,8 +80,10 @@ def build(name, tmp_path):
     raise ValueError(name)
 
 
-REASONS = {"DPOTrainer": "averages its loss per pair", "RewardTrainer": "averages its loss per pair",
-           "GRPOTrainer": "RepeatSampler", "RLOOTrainer": "RepeatSampler", "KTOTrainer": "its loss and batching"}
+# GRPO and RLOO: refused by odb.integrations.hf.enable_odb with another fix (odb.integrations.trl_rl trains them
+# through odb.integrations.trl.enable_odb); their tests are tests/integrations/test_trl_grpo*.py.
+REASONS = {"CPOTrainer": "averages its loss per pair", "ORPOTrainer": "averages its loss per pair",
+           "KTOTrainer": "its loss and batching"}
 
 
 @pytest.mark.parametrize("name", sorted(REASONS))
@@ -89,14 +102,29 @@ def test_trl_trainers_odb_does_not_train_exactly_are_refused_at_the_call(tmp_pat
 
 
 def test_a_users_subclass_of_a_refused_trainer_is_refused_too(tmp_path):
-    trainer = build("DPOTrainer", tmp_path)
+    trainer = build("KTOTrainer", tmp_path)
 
-    class MyDPO(trl.DPOTrainer):  # a user's tweak of TRL's DPO keeps DPO's loss
+    class MyKTO(trl.KTOTrainer):  # a user's tweak of TRL's KTO keeps KTO's loss
         pass
 
-    trainer.__class__ = MyDPO
-    with pytest.raises(TypeError, match="odb cannot train TRL's DPOTrainer exactly"):
+    trainer.__class__ = MyKTO
+    with pytest.raises(TypeError, match="odb cannot train TRL's KTOTrainer exactly"):
         odb_hf.enable_odb(trainer, token_budget=512)
+
+
+@pytest.mark.parametrize("name", ["DPOTrainer", "RewardTrainer"])
+@pytest.mark.parametrize("enable", [odb_hf.enable_odb, odb_trl.enable_odb], ids=["hf", "trl"])
+def test_preference_trainers_are_accepted_with_their_pair_rules(tmp_path, name, enable):
+    trainer = build(name, tmp_path)
+    cls = type(trainer)
+
+    class Mine(cls):  # a user's subclass keeps the pair rules of the TRL trainer it extends
+        pass
+
+    trainer.__class__ = Mine
+    enabled = enable(trainer, token_budget=512)
+    assert enabled is trainer and isinstance(trainer, ODBTrainerMixin) and isinstance(trainer, cls)
+    assert trainer.odb_config.loss_scaling == "sample" and type(trainer.odb_config.length_fn).__name__ == "PairLength"
 
 
 def test_the_mixin_path_refuses_at_construction(tmp_path):

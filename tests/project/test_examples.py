@@ -37,7 +37,7 @@ RUN_BY = {"plain_loop.py": "test_plain_loop", "ddp_train.py": "test_ddp_train_on
           "hf_trainer.py": "test_hf_trainer_examples_on_two_processes",
           "seq2seq_trainer.py": "test_hf_trainer_examples_on_two_processes",
           "generate_batched.py": "test_generate_batched", "llamafactory_sft.py": "test_llamafactory_sft",
-          "trl_sft.py": "test_trl_sft_on_two_processes"}
+          "trl_sft.py": "test_trl_sft_on_two_processes", "trl_grpo.py": "test_trl_grpo_on_two_processes"}
 
 
 # Lines that several ranks print are matched anywhere in a line: print() writes the text and its newline
@@ -155,6 +155,21 @@ def test_trl_sft_on_two_processes(tmp_path, flags):
     found = re.search(r"\b(\d+) optimizer steps, train loss (nan|[\d.]+)", out, re.M)
     assert found and int(found.group(1)) > 0 and found.group(2) != "nan", out[-3000:]
     assert f"layout {'packed' if flags else 'padded'!r}" in out, out[-3000:]
+
+
+@pytest.mark.dist
+@pytest.mark.trl
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("flags", [[], ["--rloo"]])
+def test_trl_grpo_on_two_processes(tmp_path, flags):
+    out = run_example(TORCHRUN + [script("trl_grpo.py"), "--steps", "2", "--out", str(tmp_path / "out")] + flags,
+                      tmp_path, 180)
+    found = re.search(r"\b(\d+) optimizer steps, train loss (nan|-?[\d.]+)", out, re.M)
+    assert found and int(found.group(1)) == 2 and found.group(2) != "nan", out[-3000:]
+    cut = re.search(r"(\d+) training slices cut into (\d+) micro-batches on rank 0; padded tokens (\d+) \(real (\d+)\), "
+                    r"budget (\d+)", out)
+    assert cut and int(cut.group(2)) >= int(cut.group(1)) > 0, out[-3000:]
+    assert int(cut.group(4)) <= int(cut.group(3)), out[-3000:]
 
 
 @pytest.mark.timeout(120)

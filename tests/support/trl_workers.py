@@ -158,3 +158,107 @@ def suite_ranks(rank: int, world: int, p: Dict[str, Any]) -> List[Dict[str, Any]
     """Several runs in one set of processes (the interpreter, transformers and TRL start once)."""
     return [train_ranks(rank, world, dict(run, out=os.path.join(p["out"], str(k))) if "out" not in run else run)
             for k, run in enumerate(p["runs"])]
+
+
+# ---- TRL's preference trainers (tests/integrations/test_trl_preference.py) ------------------------------
+
+
+def pair_dataset(n: int, seed: int = 0) -> Any:
+    """``n`` preference pairs as a user hands them to DPOTrainer / RewardTrainer: prompt, chosen, rejected text of
+    varied lengths (the rejected answer is another sentence, so the pair's two rows differ in length)."""
+    from datasets import Dataset
+
+    texts = sentences(2 * n, seed=seed, low=2, high=18)
+    words = [t.split() for t in texts[:n]]
+    cut = [max(1, len(w) // 3) for w in words]
+    return Dataset.from_dict({"prompt": [" ".join(w[:c]) for w, c in zip(words, cut)],
+                              "chosen": [" " + (" ".join(w[c:]) or "the") for w, c in zip(words, cut)],
+                              "rejected": [" " + t for t in texts[n:]]})
+
+
+def reward_model(seed: int = 0) -> torch.nn.Module:
+    """A float64 tiny Llama with a one-output score head (what RewardTrainer trains)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=H.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, num_labels=1,
+                      pad_token_id=0, attn_implementation="eager")
+    return LlamaForSequenceClassification(cfg).to(torch.float64)
+
+
+def pair_trainer(p: Dict[str, Any], out: str, data: Any = None) -> Any:
+    """A TRL DPOTrainer (``p['trainer'] == 'dpo'``) or RewardTrainer over ``pair_dataset`` (or ``data``), without odb.
+
+    SGD without weight decay or clipping and a constant rate: one step changes the parameters by -lr x the
+    gradient. ``p['args']`` overrides the config.
+    """
+    import warnings
+
+    import trl
+
+    options = dict(output_dir=out, use_cpu=True, report_to="none", disable_tqdm=True, bf16=False, optim="sgd",
+                   learning_rate=p.get("lr", 1e-2), weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant",
+                   gradient_accumulation_steps=p.get("ga", 1), per_device_train_batch_size=p.get("per_device", 4),
+                   max_steps=p.get("max_steps", 1), save_strategy="no", logging_strategy="no", seed=7,
+                   dataset_num_proc=None, dataloader_num_workers=p.get("workers", 0))
+    options.update(p.get("args", {}))
+    data = data if data is not None else pair_dataset(p["n"], p.get("data_seed", 0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*padding_free.*")  # TRL 1.x turns DPO's padding_free off
+        models = [H.llama(0), H.llama(1)] if p["trainer"] == "dpo" else [reward_model(0)]
+        for model in models:  # float64 throughout (eager attention takes its softmax in float32)
+            model.set_attn_implementation("sdpa")
+        if p["trainer"] == "dpo":
+            return trl.DPOTrainer(model=models[0], ref_model=models[1], args=trl.DPOConfig(**options),
+                                  train_dataset=data, processing_class=tokenizer())
+        return trl.RewardTrainer(model=models[0], args=trl.RewardConfig(**options), train_dataset=data,
+                                 processing_class=tokenizer())
+
+
+def pair_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
+    """Train a preference trainer with odb (``p['budget']``, ``p['odb']``) on this rank; return the parameter
+    change, the last step's infos and sample ids, each collated micro-batch's (pairs, input_ids shape), and the
+    forward calls of the trained model (TRL's reference model is another module)."""
+    from odb.integrations.hf import enable_odb
+
+    if world > 1:
+        H._join_torch_distributed(rank, world)
+    trainer = enable_odb(pair_trainer(p, p["out"]), token_budget=p["budget"], buffer_size=p.get("buffer", 16),
+                         **p.get("odb", {}))
+    collate, shapes = trainer.data_collator, []
+
+    def counting(samples: List[Any]) -> Any:
+        batch = collate(samples)
+        shapes.append((len(samples), tuple(batch["input_ids"].shape)))
+        return batch
+
+    trainer.data_collator = counting
+    forwards: List[int] = []
+    hook = trainer.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    before = {n: w.detach().clone() for n, w in trainer.model.named_parameters()}
+    trainer.train()
+    hook.remove()
+    return {"delta": {n: w.detach() - before[n] for n, w in trainer.model.named_parameters()},
+            "infos": [i.as_dict() for i in trainer.odb_step_infos], "shapes": shapes, "forwards": len(forwards),
+            "ids": sorted(i for info in trainer.odb_step_infos for i in info.sample_ids),
+            "global_step": trainer.state.global_step, "loss_scaling": trainer.odb_config.loss_scaling,
+            "pad_to_multiple_of": trainer.odb_config.pad_to_multiple_of}
+
+
+def pair_suite(rank: int, world: int, p: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Several ``pair_ranks`` runs in one set of processes."""
+    return [pair_ranks(rank, world, dict(run, out=os.path.join(p["out"], str(k)))) for k, run in enumerate(p["runs"])]
+
+
+def pair_reference(p: Dict[str, Any], ids: Sequence[int], out: str) -> Dict[str, torch.Tensor]:
+    """The parameter change of one optimizer step of TRL's own trainer, without odb, over exactly the pairs
+    ``ids`` in one process: ``p['ga']`` equal micro-batches of len(ids) / ga pairs (TRL's sampler and collator)."""
+    ga = p.get("ga", 1)
+    assert len(ids) % ga == 0, (len(ids), ga)
+    data = pair_dataset(p["n"], p.get("data_seed", 0)).select([int(i) for i in ids])
+    trainer = pair_trainer(dict(p, per_device=len(ids) // ga, max_steps=1), out, data=data)
+    before = {n: w.detach().clone() for n, w in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 1
+    return {n: w.detach() - before[n] for n, w in trainer.model.named_parameters()}

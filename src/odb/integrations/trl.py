@@ -30,6 +30,13 @@ What TRL's ``DataCollatorForLanguageModeling`` implies, applied when odb is enab
 Refused, with the reason and the fix: ``packing=True`` (rows of ``max_length`` built
 before odb sees them) and odb options that contradict the collator.
 
+TRL's ``GRPOTrainer`` and ``RLOOTrainer`` keep their sampler and generation: odb cuts their
+policy update into token-budget micro-batches (``odb.integrations.trl_rl``, token_budget only).
+
+TRL's ``DPOTrainer`` and ``RewardTrainer`` train exactly too: a preference pair is one
+sample budgeted as the two rows it collates to, and the loss is weighted per pair
+(``odb.integrations.trl_pairs``). TRL's other trainers are refused with the reason and the fix.
+
 Example:
     >>> from trl import SFTConfig, SFTTrainer                                    # doctest: +SKIP
     >>> from odb.integrations.trl import enable_odb                              # doctest: +SKIP
@@ -44,31 +51,43 @@ import sys
 from typing import Any, Optional, Sequence
 
 from odb.config import ODBConfig
+from odb.integrations.trl_pairs import PairLength, PairUnits, pair_options, pair_trainer  # noqa: F401
+from odb.integrations.trl_rl import enable_odb_rl, is_rl_trainer  # noqa: F401
 from odb.integrations.trl_rules import (_SFT_MODULE, IGNORE_INDEX, SFTLossTokens, check_trl_trainer,  # noqa: F401
                                         sft_options)
 
-__all__ = ["SFTLossTokens", "enable_odb", "sft_options"]
+__all__ = ["PairLength", "PairUnits", "SFTLossTokens", "enable_odb", "enable_odb_rl", "pair_options",
+           "sft_options"]
 
 
 def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
                lengths: Optional[Sequence[int]] = None, packed_attention: str = "odb_varlen",
                **odb_options: Any) -> Any:
-    """Switch a TRL ``SFTTrainer`` to odb batches, in place; returns it.
+    """Switch a TRL ``SFTTrainer``, ``DPOTrainer`` or ``RewardTrainer`` to odb batches, in place; returns it.
 
     The same as ``odb.integrations.hf.enable_odb`` (which applies TRL's rules too), but
-    refuses a trainer that is not an ``SFTTrainer``.
+    refuses a trainer that is not one of those. A ``GRPOTrainer`` or ``RLOOTrainer`` goes to
+    ``odb.integrations.trl_rl.enable_odb_rl`` (token_budget only): its policy update is cut by tokens.
 
     Example:
         >>> enable_odb(object(), token_budget=4096)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        TypeError: odb.integrations.trl.enable_odb got object, not a trl.SFTTrainer. ...
+        TypeError: odb.integrations.trl.enable_odb got object, not a trl.SFTTrainer, DPOTrainer or RewardTrainer. ...
     """
+    if is_rl_trainer(trainer):  # GRPO, RLOO: odb cuts the policy update; TRL keeps its sampler (trl_rl)
+        extra = sorted(odb_options) + [k for k, v in (("config", config), ("lengths", lengths)) if v is not None]
+        if extra:
+            raise TypeError(f"odb.integrations.trl.enable_odb got {extra} for {type(trainer).__name__}, which takes "
+                            f"token_budget only: odb cuts its policy update, not its loader. Fix: pass token_budget "
+                            f"alone (odb.integrations.trl_rl.enable_odb_rl).")
+        return enable_odb_rl(trainer, token_budget)
     check_trl_trainer(trainer)  # TRL's other trainers, each with its reason
     sft = sys.modules.get(_SFT_MODULE)
-    if sft is None or not isinstance(trainer, sft.SFTTrainer):
-        raise TypeError(f"odb.integrations.trl.enable_odb got {type(trainer).__name__}, not a trl.SFTTrainer. Fix: "
-                        f"pass the SFTTrainer instance, or use odb.integrations.hf.enable_odb for other Trainers.")
+    if (sft is None or not isinstance(trainer, sft.SFTTrainer)) and pair_trainer(trainer) is None:
+        raise TypeError(f"odb.integrations.trl.enable_odb got {type(trainer).__name__}, not a trl.SFTTrainer, "
+                        f"DPOTrainer or RewardTrainer. Fix: pass that trainer instance, or use "
+                        f"odb.integrations.hf.enable_odb for other Trainers.")
     from odb.integrations.hf.trainer import enable_odb as enable
 
     return enable(trainer, token_budget, config=config, lengths=lengths, packed_attention=packed_attention,

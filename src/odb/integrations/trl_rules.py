@@ -18,10 +18,13 @@ import torch
 
 from odb.config import ODBConfig
 
-__all__ = ["IGNORE_INDEX", "SFTLossTokens", "check_trl_trainer", "sft_options", "sft_computes_loss"]
+__all__ = ["IGNORE_INDEX", "PAIR_TRAINERS", "SFTLossTokens", "check_trl_trainer", "sft_options", "sft_computes_loss",
+           "trl_trainer_class"]
 
 IGNORE_INDEX = -100  # the label TRL's collator writes for unsupervised tokens (and transformers' loss ignores)
 _SFT_MODULE = "trl.trainer.sft_trainer"
+# TRL's preference trainers odb trains exactly (odb.integrations.trl_pairs), by the module that defines each.
+PAIR_TRAINERS = {"DPOTrainer": "trl.trainer.dpo_trainer", "RewardTrainer": "trl.trainer.reward_trainer"}
 # From TRL 1.15 SFTTrainer.compute_loss computes the loss itself through a fused LM head (no logits), multiplies it by
 # the number of processes whenever average_tokens_across_devices and num_items_in_batch are set (whatever the model's
 # accepts_loss_kwargs), and answers return_outputs=True with a FutureWarning and an extra no-grad forward.
@@ -46,27 +49,48 @@ _PAIRS = ("a preference pair collates to two rows (chosen and rejected, each wit
 _ROLLOUTS = ("odb's loader would replace TRL's RepeatSampler (the generations of one group would come from "
              "different prompts: wrong advantages), and {name} cuts its own generation batch into equal row "
              "slices, which odb's micro-batches do not follow")
-_WHY = {"DPOTrainer": _PAIRS, "RewardTrainer": _PAIRS, "CPOTrainer": _PAIRS, "ORPOTrainer": _PAIRS,
-        "GRPOTrainer": _ROLLOUTS, "RLOOTrainer": _ROLLOUTS, "OnlineDPOTrainer": _ROLLOUTS}
+# GRPO and RLOO: odb cuts their policy update instead (odb.integrations.trl_rl), reached through trl.enable_odb.
+_RL = ("odb's loader would replace TRL's RepeatSampler (the generations of one group would come from different "
+       "prompts: wrong advantages); odb cuts {name}'s policy update into token-budget micro-batches instead, "
+       "leaving TRL's sampler, generation and rewards alone")
+_RL_FIX = ("call odb.integrations.trl.enable_odb(trainer, token_budget=...) (odb.integrations.trl_rl), not "
+           "odb.integrations.hf.enable_odb or ODBTrainerMixin")
+_WHY = {"CPOTrainer": _PAIRS, "ORPOTrainer": _PAIRS,
+        "GRPOTrainer": _RL, "RLOOTrainer": _RL, "OnlineDPOTrainer": _ROLLOUTS}
 _OTHER = ("its loss and batching are its own ({name} is not TRL's SFTTrainer, whose collator, labels and loss "
           "odb follows), and odb has not been shown to train it exactly")
 
 
 def check_trl_trainer(trainer: Any) -> None:
-    """Refuse a TRL trainer that odb does not train exactly (every one but ``SFTTrainer`` and subclasses of it
-    made outside TRL), naming it, the reason and the fix; anything that is not TRL's passes.
+    """Refuse a TRL trainer that odb does not train exactly (every one but ``SFTTrainer``, ``DPOTrainer``,
+    ``RewardTrainer`` and subclasses of them made outside TRL), naming it, the reason and the fix; anything that
+    is not TRL's passes.
 
     Example:
         >>> check_trl_trainer(object())   # not a TRL trainer: nothing to refuse
     """
-    trl_class = next((c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"), None)
-    if trl_class is None or (trl_class.__name__ == "SFTTrainer" and trl_class.__module__ == _SFT_MODULE):
+    trl_class = trl_trainer_class(trainer)
+    if trl_class is None or (trl_class.__name__ == "SFTTrainer" and trl_class.__module__ == _SFT_MODULE) or \
+            PAIR_TRAINERS.get(trl_class.__name__) == trl_class.__module__:
         return
     name = trl_class.__name__
     why = _WHY.get(name, _OTHER).format(name=name)
     raise TypeError(f"odb cannot train TRL's {name} exactly: {why}. Rule: enable_odb takes a transformers Trainer "
-                    f"whose loss is a token mean (Trainer, Seq2SeqTrainer, your subclasses) or TRL's SFTTrainer. "
-                    f"Fix: train this {name} without odb (drop the enable_odb call), or fine-tune with SFTTrainer.")
+                    f"whose loss is a token mean (Trainer, Seq2SeqTrainer, your subclasses), TRL's SFTTrainer, or "
+                    f"TRL's DPOTrainer or RewardTrainer (a mean per pair). Fix: "
+                    + (_RL_FIX if _WHY.get(name) is _RL else f"train this {name} without odb (drop the enable_odb "
+                       f"call), or fine-tune with SFTTrainer (preferences: DPOTrainer, RewardTrainer)") + ".")
+
+
+def trl_trainer_class(trainer: Any) -> Any:
+    """The first class of TRL's in ``trainer``'s class hierarchy (the TRL trainer a user's subclass extends), or
+    None when it has none.
+
+    Example:
+        >>> trl_trainer_class(object()) is None
+        True
+    """
+    return next((c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"), None)
 
 
 def sft_computes_loss(trainer: Any) -> bool:

@@ -53,6 +53,7 @@ from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, che
                        loss_shifts_labels, prepare_packed_rows)
 from odb.integrations.hf.steps import (SampleView, StepBundle, StepFiller, check_loss_tokens, next_step, pad_step,
                                        recount_loss_tokens, trainer_steps)
+from odb.integrations.trl_pairs import check_pairs_fit, pair_options, pair_trainer, ragged_gather
 from odb.integrations.trl_rules import check_trl_trainer, sft_computes_loss, sft_options
 
 __all__ = ["ODBTrainer", "ODBTrainerMixin", "collator_options", "configure_trainer", "enable_odb"]
@@ -101,7 +102,7 @@ class ODBTrainerMixin:
     def _odb_enable(self, token_budget: Any, config: Optional[ODBConfig], lengths: Optional[Sequence[int]],
                     options: Dict[str, Any], packed_attention: str = "odb_varlen") -> None:
         check_loop_api()
-        check_trl_trainer(self)  # TRL's preference and RL trainers: refused until odb trains them exactly
+        check_trl_trainer(self)  # TRL's RL trainers (and others not shown exact): refused
         check_args(self)
         args = self.args
         accumulation = args.gradient_accumulation_steps
@@ -115,6 +116,7 @@ class ODBTrainerMixin:
             options["seed"] = args.data_seed if args.data_seed is not None else args.seed
         shift = loss_shifts_labels(self)
         options = sft_options(self, config, options, shift)  # TRL's collator: its labels, padding-free rows
+        options = pair_options(self, config, token_budget, lengths, options)  # DPO, reward: a pair is 2 rows
         rules = collator_rules(self.data_collator, shift_labels=shift, config=config, options=options)
         if rules is not None:  # one of transformers' collators: the supervised tokens it trains on
             options = rules.options
@@ -128,10 +130,12 @@ class ODBTrainerMixin:
         cfg = make_config(config, token_budget, options, "enable_odb")
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
         check_fits(self, cfg, lengths)
+        check_pairs_fit(self, cfg)
         if cfg.layout == "packed":
             prepare_packed_rows(self, packed_attention)
         self._odb = ODBRun(cfg, lengths, shift)
         self._odb.count_after_collate = rules is not None and rules.count_after_collate
+        self._odb.pairs = pair_trainer(self) is not None
         self._odb.collator_name = rules.name if rules is not None else collator_label(self.data_collator)
         self.loss_is_scaled_for_ga = True  # loss_scale already covers accumulation: no division by the Trainer
         self.callback_handler.callbacks.insert(0, ProgressCallback(self._odb))
@@ -302,14 +306,17 @@ class ODBTrainerMixin:
         if info is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        if sft_computes_loss(self):
+        pairs = self._odb.pairs
+        if pairs or sft_computes_loss(self):
             # TRL >= 1.15 computes the loss itself (fused LM head, no logits): asking for its outputs costs a
             # FutureWarning and an extra forward; its loss is finite without supervised tokens, so zero_loss needs none.
-            # Its cross-rank factor applies whenever average_tokens_across_devices (odb always passes the count).
-            got = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                       num_items_in_batch=num_items_in_batch)
+            # SFT's cross-rank factor applies whenever average_tokens_across_devices (odb always passes the count);
+            # DPO and the reward trainer average per pair on each rank, with no such factor (integrations.trl_pairs).
+            with ragged_gather(self.accelerator) if pairs else contextlib.nullcontext():  # per-pair metrics
+                got = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                           num_items_in_batch=num_items_in_batch)
             loss, outputs = got if return_outputs else (got, None)
-            rescaled = self.args.average_tokens_across_devices
+            rescaled = self.args.average_tokens_across_devices and not pairs
         else:
             loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                                  num_items_in_batch=num_items_in_batch)

@@ -1,0 +1,193 @@
+"""odb in TRL's ``GRPOTrainer`` and ``RLOOTrainer``: the policy update cut into micro-batches by tokens.
+
+TRL's sampler, generation, rewards, advantages and group structure stay TRL's. TRL still
+hands each training step its slice of the generation batch (``steps_per_generation``
+equal slices, reused ``num_iterations`` times); odb replaces the one forward and backward
+pass over that slice, padded to the generation batch's longest prompt and completion, by
+as many passes as the rows need: micro-batches under ``token_budget`` padded tokens, each
+trimmed to its own longest prompt and completion. TRL's own ``compute_loss`` runs on each
+micro-batch, times the factor that makes it that micro-batch's share of TRL's loss on the
+slice (``odb.integrations.trl_rl_loss``): the gradient and the reported loss are TRL's, for
+every ``loss_type``, with the KL term, the entropy bonus and the importance ratios.
+
+Across ranks every rank gathers every rank's row lengths (one small collective per step,
+through odb's exchange) and computes the same plan (``odb.plan.rollout_plan``): the same
+number of micro-steps, with the same number of rows in each, on every rank, so DDP's
+all-reduce and TRL's per-row metric gathers line up and no rank needs a ghost pass. Every
+micro-batch but the last runs under ``no_sync``: gradients are all-reduced once per step.
+
+Example:
+    >>> from trl import GRPOConfig, GRPOTrainer                                  # doctest: +SKIP
+    >>> from odb.integrations.trl import enable_odb                              # doctest: +SKIP
+    >>> trainer = enable_odb(GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+    ...                                  train_dataset=prompts), token_budget=8192)  # doctest: +SKIP
+    >>> trainer.train()                                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any, Deque, Dict, Optional, Tuple
+
+import numpy as np
+
+from odb.comm.dist import GroupExchanges, world
+from odb.comm.protocol import RankExchange
+from odb.integrations.trl_rl_loss import RL_MODULES, SliceNormaliser, check_rl_settings, loss_mask
+from odb.integrations.trl_rl_rows import check_rollout_keys, rollout_lengths, take_rows
+from odb.plan.rollout_plan import RolloutPlan, plan_rollout_steps
+
+__all__ = ["RolloutMicroSteps", "enable_odb_rl", "is_rl_trainer"]
+
+_RECENT = 1024  # micro-batch shapes kept for inspection (tests, debugging)
+
+
+def enable_odb_rl(trainer: Any, token_budget: int, *, exchange_timeout_s: float = 1800.0) -> Any:
+    """Cut a TRL ``GRPOTrainer``'s or ``RLOOTrainer``'s policy update into micro-batches of at most
+    ``token_budget`` padded tokens, in place; returns the trainer (``trainer.odb_rl`` holds the
+    ``RolloutMicroSteps``). Call it on every rank, before ``train()``.
+
+    Settings whose loss odb cannot split exactly are refused (``ValueError`` naming the setting,
+    the reason and the fix; ``odb.integrations.trl_rl_loss.check_rl_settings``).
+
+    Example:
+        >>> enable_odb_rl(object(), token_budget=4096)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: odb.integrations.trl_rl.enable_odb_rl got object, not a TRL GRPOTrainer or RLOOTrainer. ...
+    """
+    name, kind = check_rl_settings(trainer)
+    if isinstance(token_budget, bool) or not isinstance(token_budget, (int, np.integer)) or token_budget < 1:
+        raise ValueError(f"odb got token_budget={token_budget!r} for {name}. Rule: the padded tokens of one "
+                         f"micro-batch, a positive integer. Fix: pass e.g. token_budget=8192.")
+    longest = int(getattr(trainer, "max_completion_length", 0) or 0) + 1
+    if token_budget < longest:
+        raise ValueError(f"odb got token_budget={token_budget} for {name} with max_completion_length="
+                         f"{longest - 1}. Rule: a micro-batch holds at least one rollout, a prompt and a completion "
+                         f"of up to max_completion_length tokens. Fix: token_budget >= the longest prompt plus "
+                         f"max_completion_length (e.g. {4 * longest}).")
+    if isinstance(getattr(trainer, "odb_rl", None), RolloutMicroSteps):
+        raise ValueError(f"odb is already enabled on this {name} (trainer.odb_rl). Rule: enable it once. Fix: drop "
+                         f"the second call, or build a new trainer for another token_budget.")
+    steps = RolloutMicroSteps(trainer, name, kind, int(token_budget), exchange_timeout_s)
+    trainer.odb_rl = steps
+    trainer.compute_loss = steps.compute_loss  # the Trainer's training_step calls it, then backward on its loss
+    return trainer
+
+
+class RolloutMicroSteps:
+    """The training slice's loss as micro-batches under ``token_budget`` (installed by ``enable_odb_rl``).
+
+    ``compute_loss`` (the trainer's, in training; evaluation runs TRL's own) plans the slice's
+    rows with every rank, runs TRL's loss and a backward pass on every micro-batch but the
+    last (under ``no_sync``), and returns the sum of their detached losses plus the last one's:
+    the Trainer's own backward on it completes the step. ``recent``: (rows, prompt width,
+    completion width) of the last micro-batches run, ``plans`` the last slices' plans;
+    ``micro_steps``, ``slices``, ``padded_tokens`` and ``real_tokens`` count all of them.
+    """
+
+    def __init__(self, trainer: Any, name: str, kind: str, token_budget: int, exchange_timeout_s: float) -> None:
+        self.trainer, self.name, self.kind = trainer, name, kind
+        self.token_budget, self.exchange_timeout_s = token_budget, float(exchange_timeout_s)
+        self.pad_to_multiple_of = int(getattr(trainer, "pad_to_multiple_of", None) or 1)
+        self.original = trainer.compute_loss
+        self.exchange: Optional[RankExchange] = None
+        self.recent: Deque[Tuple[int, int, int]] = collections.deque(maxlen=_RECENT)
+        self.micro_steps = self.slices = self.padded_tokens = self.real_tokens = 0
+        self.plans: Deque[RolloutPlan] = collections.deque(maxlen=_RECENT)
+
+    def compute_loss(self, model: Any, inputs: Dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        trainer = self.trainer
+        if return_outputs or not trainer.model.training:
+            return self.original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        check_rollout_keys(inputs, self.name)
+        rank, _ = world()
+        plan = self.plan(inputs)
+        normaliser = SliceNormaliser(self.kind, inputs)
+        # The Trainer divides what it backpropagates by the accumulation steps unless the loss is already scaled
+        # for them (GRPO scales it, RLOO does not): the passes odb backpropagates itself get the same division.
+        divide = 1.0 if trainer.loss_is_scaled_for_ga else float(trainer.current_gradient_accumulation_steps)
+        done, loss = [], None
+        for step in range(plan.steps):
+            prompt_width, completion_width = (int(w) for w in plan.widths[rank, step])
+            piece = take_rows(inputs, plan.rows(rank, step), prompt_width, completion_width)
+            self._count(piece)
+            last = step == plan.steps - 1
+            with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model):
+                loss = self._piece_loss(model, piece, normaliser, num_items_in_batch)
+                if not last:
+                    trainer.accelerator.backward(loss / divide)
+                    done.append(loss.detach())
+                    loss = None
+        self.slices += 1
+        self._log(plan, rank)
+        return loss + sum(done) if done else loss
+
+    def plan(self, inputs: Dict[str, Any]) -> RolloutPlan:
+        """Every rank's micro-steps for this slice (one exchange of row lengths when there are several ranks)."""
+        prompt, completion = rollout_lengths(inputs)
+        rank, size = world()
+        if size > 1:
+            if self.exchange is None:  # a gloo group of odb's: every rank reaches the first step's loss in order
+                self.exchange = GroupExchanges()(self.exchange_timeout_s)
+            where = f"{self.name} step {self.trainer.state.global_step} (odb's rollout micro-steps)"
+            rows = self.exchange.all_gather(np.array([len(prompt)]), where)[:, 0]
+            if (rows != rows[0]).any():
+                raise ValueError(f"odb rank {rank}: the ranks' {self.name} training slices hold {rows.tolist()} "
+                                 f"rollouts. Rule: every rank trains as many rows per step (TRL gathers per-row "
+                                 f"metrics at each loss call). Fix: the same per_device_train_batch_size on every "
+                                 f"rank, and a dataset that fills every generation batch.")
+            both = self.exchange.all_gather(np.stack([prompt, completion]), where)
+            prompt_all, completion_all = both[:, 0], both[:, 1]
+        else:
+            prompt_all, completion_all = prompt[None], completion[None]
+        plan = plan_rollout_steps(prompt_all, completion_all, self.token_budget, self.pad_to_multiple_of)
+        self.plans.append(plan)
+        return plan
+
+    def _piece_loss(self, model: Any, piece: Dict[str, Any], normaliser: SliceNormaliser,
+                    num_items_in_batch: Any) -> Any:
+        """TRL's loss on ``piece`` as its share of the slice's: the policy term times its factor, the entropy
+        bonus (when on) through a coefficient that gives it its own factor for this call."""
+        trainer = self.trainer
+        policy, entropy = normaliser.factors(piece)
+        coef = float(getattr(trainer, "entropy_coef", 0.0) or 0.0)
+        if not getattr(trainer, "_entropy_bonus_enabled", False) or coef == 0.0 or entropy == policy:
+            return self.original(model, piece, num_items_in_batch=num_items_in_batch) * policy
+        logged = trainer._metrics["train"].get("entropy_coef")
+        before = len(logged) if logged is not None else 0
+        trainer.entropy_coef = coef * entropy / policy
+        try:
+            loss = self.original(model, piece, num_items_in_batch=num_items_in_batch)
+        finally:
+            trainer.entropy_coef = coef
+            logged = trainer._metrics["train"].get("entropy_coef")
+            if logged is not None and len(logged) > before:  # TRL logs the coefficient: the user's, not odb's
+                logged[-1] = coef
+        return loss * policy
+
+    def _count(self, piece: Dict[str, Any]) -> None:
+        rows, width_p, width_c = (int(piece["prompt_ids"].shape[0]), int(piece["prompt_ids"].shape[1]),
+                                  int(piece["completion_ids"].shape[1]))
+        self.recent.append((rows, width_p, width_c))
+        self.micro_steps += 1
+        self.padded_tokens += rows * (width_p + width_c)
+        self.real_tokens += int(piece["prompt_mask"].sum().item()) + int(loss_mask(piece).sum().item())
+
+    def _log(self, plan: RolloutPlan, rank: int) -> None:
+        metrics = getattr(self.trainer, "_metrics", None)
+        if isinstance(metrics, dict) and "train" in metrics:
+            metrics["train"]["odb_micro_steps"].append(float(plan.steps))
+            metrics["train"]["odb_micro_batch_tokens"].append(float(plan.costs[rank].mean()))
+
+
+def is_rl_trainer(trainer: Any) -> bool:
+    """Whether ``trainer`` is a TRL ``GRPOTrainer`` or ``RLOOTrainer`` (or a subclass of one).
+
+    Example:
+        >>> is_rl_trainer(object())
+        False
+    """
+    return any(RL_MODULES.get(c.__name__) == c.__module__ for c in type(trainer).__mro__)

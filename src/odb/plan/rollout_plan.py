@@ -1,0 +1,119 @@
+"""One training step of rollouts (an RL trainer's slice of a generation batch) cut into micro-steps by tokens.
+
+Each rank holds the same number of rollout rows (a prompt, left-padded, and its completion,
+right-padded). A micro-batch is trimmed to its longest prompt and its longest completion, so
+it costs ``rows x (prompt width + completion width)`` padded tokens (each width rounded up to
+``pad_to_multiple_of``). The plan is one answer for all ranks, computed by each from every
+rank's lengths: micro-step ``s`` takes the next ``sizes[s]`` rows of every rank (each rank's
+rows sorted longest first), the most rows that keep every rank's micro-batch within the
+budget. So every rank runs the same number of micro-steps (DDP all-reduces at each synced
+backward) with the same number of rows in each (the RL trainers gather per-row metrics at
+every loss call, and a collective of unequal shapes fails), and no rank needs a ghost.
+
+Pure numpy: integers in, plan out.
+
+Example:
+    >>> import numpy as np
+    >>> plan = plan_rollout_steps(np.array([[3, 3, 2, 2]]), np.array([[9, 1, 2, 5]]), token_budget=16)
+    >>> plan.sizes, [plan.rows(0, s).tolist() for s in range(plan.steps)]
+    ((1, 2, 1), [[0], [3, 1], [2]])
+    >>> plan.costs.tolist()
+    [[12, 16, 4]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import numpy as np
+
+__all__ = ["RolloutPlan", "plan_rollout_steps", "padded_width"]
+
+
+def padded_width(length: np.ndarray, multiple: int) -> np.ndarray:
+    """``length`` rounded up to a multiple of ``multiple``, at least one token (a micro-batch keeps one column).
+
+    Example:
+        >>> padded_width(np.array([0, 5, 8]), 4).tolist()
+        [4, 8, 8]
+    """
+    length = np.maximum(np.asarray(length, dtype=np.int64), 1)
+    return -(-length // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """Micro-steps of one training step on every rank.
+
+    ``order[r]``: rank r's rows, longest first; ``sizes[s]``: rows of micro-step s (the same on
+    every rank); ``widths[r, s]``: (prompt, completion) widths of rank r's micro-batch s;
+    ``costs[r, s]``: its padded tokens.
+    """
+
+    order: np.ndarray
+    sizes: Tuple[int, ...]
+    widths: np.ndarray
+    costs: np.ndarray
+
+    @property
+    def steps(self) -> int:
+        """Micro-steps (forward and backward passes) of the step, on every rank."""
+        return len(self.sizes)
+
+    def rows(self, rank: int, step: int) -> np.ndarray:
+        """Rank ``rank``'s rows (indices into its slice) of micro-step ``step``."""
+        start = int(sum(self.sizes[:step]))
+        return self.order[rank, start:start + self.sizes[step]]
+
+
+def plan_rollout_steps(prompt_lengths: np.ndarray, completion_lengths: np.ndarray, token_budget: int,
+                       pad_to_multiple_of: int = 1) -> RolloutPlan:
+    """Cut every rank's rows into the fewest micro-steps, each within ``token_budget`` on every rank.
+
+    ``prompt_lengths``, ``completion_lengths``: (world, rows) token counts (a row's prompt
+    tokens from its first to its last; its completion tokens up to the last one trained).
+    Greedy on rows sorted longest first: a micro-step takes the most rows that fit on every
+    rank (a micro-batch's cost only grows with its rows, so the most that fit is where the
+    first rank would overflow). Raises ``ValueError`` for a row that alone exceeds the budget.
+
+    Example:
+        >>> plan = plan_rollout_steps(np.array([[4, 4], [2, 2]]), np.array([[4, 4], [1, 9]]), token_budget=16)
+        >>> plan.sizes, plan.costs.tolist()   # rank 0's two rows would fit one micro-batch; rank 1's would not
+        ((1, 1), [[8, 8], [11, 3]])
+    """
+    prompt = np.asarray(prompt_lengths, dtype=np.int64)
+    completion = np.asarray(completion_lengths, dtype=np.int64)
+    if prompt.ndim != 2 or prompt.shape != completion.shape:
+        raise ValueError(f"plan_rollout_steps got prompt lengths of shape {prompt.shape} and completion lengths of "
+                         f"shape {completion.shape}. Rule: both are (world, rows), the same shape. Fix: pass every "
+                         f"rank's lengths, one row of the array per rank.")
+    budget, multiple = int(token_budget), int(pad_to_multiple_of or 1)
+    pad_p, pad_c = padded_width(prompt, multiple), padded_width(completion, multiple)
+    world, n = prompt.shape
+    # Longest first; ties by row index, so every rank computes the same order.
+    order = np.stack([np.lexsort((np.arange(n), -(pad_p[r] + pad_c[r]))) for r in range(world)]) if n else \
+        np.zeros((world, 0), dtype=np.int64)
+    sp = np.take_along_axis(pad_p, order, axis=1)
+    sc = np.take_along_axis(pad_c, order, axis=1)
+    sizes, widths, costs, start = [], [], [], 0
+    while start < n:
+        run_p = np.maximum.accumulate(sp[:, start:], axis=1)
+        run_c = np.maximum.accumulate(sc[:, start:], axis=1)
+        cost = np.arange(1, n - start + 1) * (run_p + run_c)  # (world, rows left): cost of taking b rows
+        fits = int((cost <= budget).all(axis=0).sum())  # cost grows with b: the first misfit ends the run
+        if fits == 0:
+            r = int(np.argmax(cost[:, 0]))
+            row = int(order[r, start])
+            raise ValueError(f"odb rank {r}: rollout row {row} alone costs {int(cost[r, 0])} padded tokens (a prompt "
+                             f"of {int(prompt[r, row])} and a completion of {int(completion[r, row])} tokens, widths "
+                             f"rounded to pad_to_multiple_of={multiple}), over token_budget={budget}. Rule: a "
+                             f"micro-batch holds at least one row and stays within the budget. Fix: raise "
+                             f"token_budget to at least the longest prompt plus max_completion_length.")
+        sizes.append(fits)
+        widths.append(np.stack([run_p[:, fits - 1], run_c[:, fits - 1]], axis=1))
+        costs.append(cost[:, fits - 1])
+        start += fits
+    width_arr = np.stack(widths, axis=1) if widths else np.zeros((world, 0, 2), dtype=np.int64)
+    cost_arr = np.stack(costs, axis=1) if costs else np.zeros((world, 0), dtype=np.int64)
+    return RolloutPlan(order=order, sizes=tuple(sizes), widths=width_arr, costs=cost_arr)

@@ -1,0 +1,166 @@
+"""TRL's GRPOTrainer and RLOOTrainer with odb cutting the policy update by tokens
+(odb.integrations.trl_rl): every optimizer step's gradient is TRL's own, for every loss_type.
+
+Each case trains TRL alone, then TRL with odb, in one process from one seed: the two arms
+sample the same rollouts (tests/support/trl_rl_workers.py), and each optimizer step's gradient
+is recorded before the optimizer uses it. Tolerance: TRL computes log-probabilities with its
+own fused LM head in float32 whatever the model's dtype, so trimming a micro-batch's padding
+changes their rounding at float32 level (about 1e-7 relative); a wrong normaliser or a lost
+token changes the gradient by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import datasets  # noqa: F401  (pinned under `make test`, as trl is: a broken install fails, never skips)
+import trl
+import trl_rl_workers as R
+from dist_harness import run_ranks
+
+from odb.integrations import hf as odb_hf
+from odb.integrations import trl as odb_trl
+from odb.integrations.trl_rl import enable_odb_rl
+
+pytestmark = pytest.mark.trl
+
+EXACT = 1e-5  # float32 log-probabilities inside TRL (see the module docstring)
+BUDGET = 40   # padded tokens: TRL's slices here are 4 rows x up to 22 tokens, so most are cut in two or more
+
+
+def rel_gap(ref, got) -> float:
+    worst = 0.0
+    for g_ref, g_got in zip(ref, got):
+        scale = max(float(x.abs().max()) for x in g_ref)
+        assert scale > 0, "an optimizer step without gradient proves nothing"
+        worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(g_ref, g_got)) / scale)
+    return worst
+
+
+def check_pair(ref, odb, what) -> None:
+    assert len(odb["grads"]) == len(ref["grads"]) >= 2, what
+    assert rel_gap(ref["grads"], odb["grads"]) < EXACT, what
+    for a, b in zip(ref["losses"], odb["losses"]):  # the loss the Trainer logs is TRL's too
+        assert abs(a - b) <= EXACT * max(1.0, abs(a)), what
+    assert odb["micro_steps"] > odb["slices"] > 0, f"odb cut nothing: {what}"
+    for rows, prompt, completion in odb["micro_batches"]:
+        assert rows * (prompt + completion) <= odb["budget"], (rows, prompt, completion, what)
+    assert odb["slice_tokens"] == ref["slice_tokens"]  # the same slices were handed to the loss...
+    assert odb["padded"] < ref["slice_tokens"], what   # ...and odb trained on fewer padded tokens
+
+
+CASES = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "dapo": dict(loss_type="dapo"),
+    "cispo": dict(loss_type="cispo"),
+    "sapo": dict(loss_type="sapo"),
+    "luspo": dict(loss_type="luspo", args={"importance_sampling_level": "sequence"}),
+    "vespo": dict(loss_type="vespo"),
+    "rloo": dict(trainer="rloo"),
+    # the KL to a reference model and the entropy bonus (its own per-token normaliser)
+    "grpo_kl_entropy": dict(loss_type="grpo", beta=0.1, args={"entropy_coef": 0.5}),
+    "bnpo_kl_entropy": dict(loss_type="bnpo", beta=0.1, args={"entropy_coef": 0.5}),
+    # num_iterations=2: the generation batch trained twice, with TRL's old log-probabilities and clipped ratios
+    "dapo_iterations": dict(loss_type="dapo", num_iterations=2),
+    "rloo_kl_iterations": dict(trainer="rloo", beta=0.1, num_iterations=2, max_steps=3),
+    # steps_per_generation=4 with 2 accumulation steps: one generation spans two optimizer steps
+    "grpo_steps_per_generation": dict(loss_type="grpo", steps_per_generation=4, max_steps=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_gradient_is_trls_for_every_loss_type(tmp_path, case):
+    p = dict(CASES[case], budget=BUDGET, out=str(tmp_path))
+    got = R.pair_ranks(0, 1, p)
+    check_pair(got["ref"], got["odb"], case)
+    if "entropy_coef" in p.get("args", {}):  # odb's per-call coefficient never reaches TRL's log
+        logged = [log["entropy_coef"] for log in got["odb"]["logs"] if "entropy_coef" in log]
+        assert logged == [pytest.approx(0.5, rel=1e-12)]
+    assert [log["odb_micro_steps"] for log in got["odb"]["logs"] if "odb_micro_steps" in log][0] > 1
+
+
+@pytest.mark.dist
+def test_two_ranks_run_the_same_micro_steps_and_get_trls_gradient(tmp_path):
+    runs = [dict(CASES["grpo_kl_entropy"], budget=BUDGET), dict(CASES["dapo_iterations"], budget=BUDGET)]
+    ranks = run_ranks("trl_rl_workers:suite_ranks", 2, {"runs": runs, "out": str(tmp_path / "o")}, tmp_path / "h",
+                      deadline_s=280)
+    for k, run in enumerate(runs):
+        for rank, r in enumerate(ranks):
+            check_pair(r[k]["ref"], r[k]["odb"], f"rank {rank}, {run}")
+        # One plan for both ranks: the same micro-steps with the same rows each (DDP and TRL's gathers line up),
+        # though each rank cuts its own rollouts.
+        assert ranks[0][k]["odb"]["plans"] == ranks[1][k]["odb"]["plans"]
+        rows = [[m[0] for m in r[k]["odb"]["micro_batches"]] for r in ranks]
+        assert rows[0] == rows[1]
+        assert ranks[0][k]["odb"]["micro_batches"] != ranks[1][k]["odb"]["micro_batches"], "the ranks had one rollout"
+        # DDP averaged the gradient: both ranks hold the same one
+        assert rel_gap(ranks[0][k]["odb"]["grads"], ranks[1][k]["odb"]["grads"]) < 1e-12
+
+
+def test_a_rollout_alone_over_the_budget_stops_the_step_naming_it(tmp_path):
+    # No end-of-sequence at generation: every completion is max_completion_length=12 tokens, which the budget fits;
+    # with a prompt of more than 2 tokens it does not.
+    trainer = R.build(dict(loss_type="grpo", max_steps=1, eos_bias=-30.0), str(tmp_path), R.GradRecorder())
+    odb_trl.enable_odb(trainer, token_budget=14)
+    with pytest.raises(ValueError, match=r"rollout row \d+ alone costs \d+ padded tokens .* over token_budget=14"):
+        trainer.train()
+
+
+REFUSED = [
+    (dict(args={"top_entropy_quantile": 0.5}), "top_entropy_quantile=0.5"),
+    (dict(args={"use_adaptive_entropy": True, "entropy_coef": 0.01}), "use_adaptive_entropy=True"),
+]
+
+
+@pytest.mark.parametrize("p,words", REFUSED, ids=["entropy_quantile", "adaptive_entropy"])
+def test_settings_odb_cannot_cut_exactly_are_refused_before_anything_changes(tmp_path, p, words):
+    trainer = R.build(dict(p, loss_type="grpo"), str(tmp_path), R.GradRecorder())
+    with pytest.raises(ValueError) as refused:
+        odb_trl.enable_odb(trainer, token_budget=BUDGET)
+    text = str(refused.value)
+    assert text.startswith("odb cannot cut GRPOTrainer's policy update exactly with " + words) and "Fix: " in text
+    assert "compute_loss" not in vars(trainer) and not hasattr(trainer, "odb_rl")
+
+
+def test_a_subclass_with_its_own_loss_is_refused(tmp_path):
+    trainer = R.build(dict(loss_type="grpo"), str(tmp_path), R.GradRecorder())
+
+    class MyGRPO(trl.GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs) * 2
+
+    trainer.__class__ = MyGRPO
+    with pytest.raises(ValueError, match="_compute_loss overridden by .*MyGRPO"):
+        enable_odb_rl(trainer, token_budget=BUDGET)
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda t: odb_trl.enable_odb(t, token_budget=12), "token_budget=12 for GRPOTrainer with max_completion_length=12"),
+    (lambda t: odb_trl.enable_odb(t, token_budget=True), "token_budget=True"),
+    (lambda t: odb_trl.enable_odb(t, token_budget=BUDGET, buffer_size=8), "got ['buffer_size'] for GRPOTrainer"),
+    (lambda t: odb_trl.enable_odb(odb_trl.enable_odb(t, token_budget=BUDGET), token_budget=BUDGET),
+     "already enabled"),
+    (lambda t: odb_hf.enable_odb(t, token_budget=BUDGET), "Fix: call odb.integrations.trl.enable_odb"),
+], ids=["budget_below_a_completion", "bool_budget", "loader_options", "twice", "hf_enable_odb"])
+def test_wrong_calls_name_the_value_and_the_fix(tmp_path, call, words):
+    trainer = R.build(dict(loss_type="grpo"), str(tmp_path), R.GradRecorder())
+    with pytest.raises((TypeError, ValueError)) as refused:
+        call(trainer)
+    assert words in str(refused.value) and "Fix: " in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_the_loader_path_refuses_and_names_odbs_rl_path(tmp_path, kind):
+    trainer = R.build(dict(trainer=kind), str(tmp_path), R.GradRecorder())
+    name = type(trainer).__name__
+    loader = trainer.get_train_dataloader
+    with pytest.raises(TypeError) as refused:
+        odb_hf.enable_odb(trainer, token_budget=BUDGET)  # odb's loader would replace TRL's RepeatSampler
+    text = str(refused.value)
+    assert f"odb cannot train TRL's {name} exactly" in text and "RepeatSampler" in text
+    assert "Fix: call odb.integrations.trl.enable_odb(trainer, token_budget=...)" in text
+    assert trainer.get_train_dataloader.__func__ is loader.__func__ and not hasattr(trainer, "odb_rl")
+    assert odb_trl.enable_odb(trainer, token_budget=BUDGET) is trainer and trainer.odb_rl.name == name
+    assert trainer.get_train_dataloader.__func__ is loader.__func__  # TRL's sampler and loader stay TRL's

@@ -1,0 +1,52 @@
+"""The micro-steps of one training step of rollouts on every rank (odb.plan.rollout_plan), checked against the
+cost recomputed here from the lengths: every row once, within the budget, the same row counts on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odb.plan.rollout_plan import plan_rollout_steps
+
+
+def padded(length: int, multiple: int) -> int:
+    return -(-max(length, 1) // multiple) * multiple
+
+
+def cost(prompt, completion, rows, multiple) -> int:
+    return len(rows) * (max(padded(int(prompt[r]), multiple) for r in rows)
+                        + max(padded(int(completion[r]), multiple) for r in rows))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), st.sampled_from([1, 4]), st.integers(0, 2 ** 31 - 1))
+def test_every_row_once_within_budget_and_the_same_row_counts_on_every_rank(world, n, multiple, seed):
+    rng = np.random.default_rng(seed)
+    prompt, completion = rng.integers(0, 20, (world, n)), rng.integers(0, 30, (world, n))
+    budget = int(rng.integers(padded(50, multiple) + padded(30, multiple), 200))
+    plan = plan_rollout_steps(prompt, completion, budget, multiple)
+    assert sum(plan.sizes) == n and all(s >= 1 for s in plan.sizes)
+    for r in range(world):
+        rows = [plan.rows(r, s).tolist() for s in range(plan.steps)]
+        assert sorted(sum(rows, [])) == list(range(n))
+        for s, part in enumerate(rows):
+            assert cost(prompt[r], completion[r], part, multiple) == plan.costs[r, s] <= budget
+    # Each micro-step takes the most rows that fit: one more would overflow some rank.
+    start = 0
+    for s, size in enumerate(plan.sizes):
+        if start + size < n:
+            assert any(cost(prompt[r], completion[r], plan.order[r, start:start + size + 1], multiple) > budget
+                       for r in range(world))
+        start += size
+
+
+def test_a_row_alone_over_the_budget_is_named():
+    with pytest.raises(ValueError, match=r"odb rank 1: rollout row 0 alone costs 30 padded tokens .* token_budget=20"):
+        plan_rollout_steps(np.array([[2, 2], [10, 1]]), np.array([[3, 3], [20, 1]]), token_budget=20)
+
+
+def test_the_plan_is_the_same_whatever_ties():
+    a = plan_rollout_steps(np.array([[3, 3, 3, 3]]), np.array([[2, 2, 2, 2]]), token_budget=10)
+    assert [a.rows(0, s).tolist() for s in range(a.steps)] == [[0, 1], [2, 3]]
