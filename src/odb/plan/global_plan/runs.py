@@ -56,6 +56,19 @@ class _RangeMax:
         return cls(table, [t.tolist() for t in table], cum_extra, None if cum_extra is None else cum_extra.tolist())
 
 
+def _block_ends(g: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """For each sample, the end of the block of consecutive samples with its length and its ``cnt``.
+
+    Example:
+        >>> _block_ends(np.array([9, 9, 9, 5, 5]), np.array([2, 2, 1, 3, 3])).tolist()
+        [2, 2, 3, 5, 5]
+    """
+    n = len(g)
+    change = np.flatnonzero((g[1:] != g[:-1]) | (cnt[1:] != cnt[:-1])) + 1
+    ends = np.append(change, n)
+    return np.repeat(ends, np.diff(np.concatenate(([0], ends)))).astype(np.int64)
+
+
 class _Runs:
     """Consecutive runs of a SortedPool's samples: their group costs, and greedy cuts under a cap.
 
@@ -75,11 +88,13 @@ class _Runs:
         self.fast = dims == 1 and extra is None
         self.single = pad.sum(axis=1).astype(np.float64) + (0.0 if extra is None else extra)
         self.cnt_list = self.cnt.tolist()
+        self.same_end: List[int] = []  # one dimension, no side costs: where the block of equal (length, cnt) ends
         self.blocks: Optional[_Blocks] = None  # one dimension, no side costs
         self.ranges: Optional[_RangeMax] = None  # otherwise
         if self.fast:
             self.g = pad[:, 0].astype(np.int64)
             self.g_list = self.g.tolist()
+            self.same_end = _block_ends(self.g, self.cnt).tolist()
             self.blocks = _Blocks.of(self.g, pad, cost)
         else:
             self.ranges = _RangeMax.of(pad, extra, int(self.cnt.max(initial=1)))
@@ -158,13 +173,21 @@ class _Runs:
         """Runs of the greedy cut of samples i.. under ``cap`` (stops past ``limit``; inf: infeasible)."""
         n, runs = self.n, 0
         if self.fast and self.mult == 1 and np.isfinite(cap):
-            g, cnt, c = self.g_list, self.cnt_list, int(math.floor(cap + 1e-9))
+            g, cnt, end, c = self.g_list, self.cnt_list, self.same_end, int(math.floor(cap + 1e-9))
             while i < n:
                 step = c // g[i]
                 if step > cnt[i]:
                     step = cnt[i]
                 if step <= 0:
                     return math.inf
+                # every run that starts inside a block of equal length and cnt takes the same step: jump them
+                k = (end[i] - i) // step
+                if k > 1:
+                    runs += k
+                    if runs > limit:
+                        return limit + 1
+                    i += k * step
+                    continue
                 i += step
                 runs += 1
                 if runs > limit:
