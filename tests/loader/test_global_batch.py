@@ -511,3 +511,25 @@ def test_drop_last_drops_only_each_ranks_partial_batch_as_a_plain_loop(world: in
     assert sum(map(len, odb_ids)) == sum(n - n % batch_size for n in shares)  # only the partial batches dropped
     assert len(odb_ids[-1]) < batch_size * accumulation * world  # the last step is partial: this test shows it
     assert relative_error(odb_params, ref_params) < 1e-9
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_the_move_is_counted_where_samples_cross_ranks(known: bool) -> None:
+    """odb_stats says what moving cost each rank: samples and pickled bytes sent, seconds spent; with known
+    lengths a sample is its dataset index and nothing is sent."""
+    def one(rank: int, exchanges: Any) -> Dict[str, Any]:
+        ds = LengthDataset(LENGTHS)
+        loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=12, sampler=sampler_of(ds, rank, 2),
+                                   collate_fn=pad_collate, seed=0, shift_labels=True,
+                                   lengths=LENGTHS if known else None, exchange=exchanges)
+        seen = sum(odb.pop_step_info(b).local_samples for b in loader)
+        return dict(loader.odb_stats, seen=seen)
+
+    stats = ok(run_ranks(2, one))
+    assert sum(s["seen"] for s in stats) == N
+    moved = [s["moved_samples"] for s in stats]
+    if known:
+        assert moved == [0, 0] and all(s["moved_bytes"] == 0 for s in stats)
+    else:
+        assert sum(moved) > 0
+        assert all(s["moved_bytes"] > 0 and s["move_s"] > 0 for s, m in zip(stats, moved) if m)

@@ -20,6 +20,9 @@ class EpochStats:
     oversize_alone: int = 0
     oversize_skipped: int = 0
     dropped_samples: int = 0
+    moved_samples: int = 0  # samples this rank sent to others (a step planned across ranks, online lengths)
+    moved_bytes: int = 0  # their pickled bytes
+    move_s: float = 0.0  # seconds this rank spent moving them (pickle, exchange, unpickle)
     price_dealt_steps: int = 0  # steps planned across ranks whose micro-batches balance="time" dealt by seconds
     split_groups: int = 0
     carry_groups: int = 0
