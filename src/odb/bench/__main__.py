@@ -1,7 +1,9 @@
 """The benchmark of ``make demo``: convergence at the user's settings, planner quality, ranks, step efficiency
-against world size (scale), loader cost, training speed, vision-language training, end to end.
+against world size (scale), loader cost, training speed, vision-language training, the GRPO policy update
+(rl_update), end to end.
 
-    python -m odb.bench --out out/bench            # the full run (about 20 minutes on 2 cores, + 5 for scale)
+    python -m odb.bench --out out/bench            # the full run (about 20 minutes on 2 cores, + 5 for scale,
+                                                   # + 2 for rl_update)
     python -m odb.bench --out /tmp/b --quick       # tiny sizes, for the smoke test
     python -m odb.bench --out out/vlm --only-vlm   # the vision-language training section alone
 
@@ -128,6 +130,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-packing", action="store_true", help="skip the packed-layout benchmark")
     p.add_argument("--skip-auto", action="store_true", help="skip the token_budget='auto' benchmark")
     p.add_argument("--skip-vlm", action="store_true", help="skip the vision-language training benchmark")
+    p.add_argument("--skip-rl", action="store_true",
+                   help="skip the GRPO policy update section (TRL's GRPOTrainer with and without odb; rl_update)")
     p.add_argument("--only-vlm", action="store_true",
                    help="the vision-language training section alone (its results.json and summary.md)")
     p.add_argument("--no-real", action="store_true", help="leave out the committed real-data workloads")
@@ -234,6 +238,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     if not args.skip_vlm:
         _vlm(args, results, section)
+
+    if not args.skip_rl:
+        section("GRPO policy update: TRL as is and with odb on the same rollouts (2 gloo ranks), then plans on 8 to "
+                "128 simulated ranks (about 2 min on 2 cores)")
+        t0 = time.perf_counter()
+        try:  # TRL's trainer internals may change under it: a failure is reported, the bench goes on
+            from odb.bench.rl_update import run_rl_update
+
+            results["rl_update"] = run_rl_update(quick=args.quick, progress=progress)
+        except Exception as err:  # noqa: BLE001
+            print(f"rl_update skipped: {err!r}", file=sys.stderr)
+            results["rl_update"] = {"error": repr(err)}
+        results["wall_s"]["rl_update"] = time.perf_counter() - t0
 
     if not args.skip_e2e:
         section("end to end")

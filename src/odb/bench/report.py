@@ -730,6 +730,8 @@ def goals(results: Dict[str, Any]) -> List[Goal]:
         out += goal_rows(results["auto_budget"])
     for g in (results.get("scale") or {}).get("goals", []):
         out.append((g["goal"], g["measured"], g["target"], g["met"]))
+    for g in (results.get("rl_update") or {}).get("goals", []):
+        out.append(Goal(g["goal"], g["measured"], g["target"], g["met"], bool(g.get("straddles"))))
     return [g if isinstance(g, Goal) else Goal(*g) for g in out]
 
 
@@ -828,6 +830,9 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
         parts += [f"{h}token_budget=\"auto\" under a memory cap", auto_budget_table(results["auto_budget"], markdown), ""]
     if results.get("vlm_training"):
         parts += [f"{h}Vision-language training (Qwen2-VL, LLaVA)", vlm_table(results["vlm_training"], markdown), ""]
+    if results.get("rl_update"):
+        parts += [f"{h}GRPO policy update (TRL's GRPOTrainer, odb.integrations.trl.enable_odb)",
+                  rl_update_table(results["rl_update"], markdown), ""]
     return "\n".join(parts)
 
 
@@ -892,6 +897,45 @@ def auto_budget_table(ab: Dict[str, Any], markdown: bool = False) -> str:
     if not markdown:
         text = "\n".join(line for line in text.split("\n") if not line.startswith("|---"))
     return "\n".join([head, "", text, "", *("- " + line for line in goal_lines(ab["cases"]))])
+
+
+def _rl_spread(t: Dict[str, float], spec: str = "{:.2f}") -> str:
+    return f"{spec.format(t['median'])} ({spec.format(t['min'])}-{spec.format(t['max'])})"
+
+
+def rl_update_table(rl: Dict[str, Any], markdown: bool = False) -> str:
+    """The rl_update section (odb.bench.rl_update): the policy update of both arms at equal rollouts, the
+    planning-only comparison per simulated world size, and the notes."""
+    if "error" in rl:
+        return f"skipped: {rl['error']}"
+    h = "### " if markdown else "-- "
+    u = rl["update"]
+    budget, labels = u["settings"]["budget"], rl.get("arm_labels", {})
+    parts = [f"{h}Policy update at equal rollouts ({u['world']} gloo process(es); cap {budget} padded tokens per "
+             "micro-batch)", ""]
+    rows = []
+    for arm, a in u["arms"].items():
+        ratio = "x1.00" if arm == "trl" else f"x{u['ratio']:.2f}" + spread_text(u.get("ratio_spread"))
+        rows.append([labels.get(arm, arm), f"{a['micro_steps_per_step']:.2f}", f"{a['padding_share']:.3f}",
+                     f"{a['prompt_padding_share']:.3f}", f"{a['max_micro_batch_tokens']} / {budget}",
+                     _rl_spread(a["update_s"]), ratio])
+    parts += [_table(["arm", "micro-steps / step", "padding share", "of which prompt padding",
+                      "largest micro-batch / cap", "update s / step", "x TRL"], rows, markdown), ""]
+    pl = rl.get("planning") or {}
+    for w, cell in pl.get("worlds", {}).items():
+        parts += [f"{h}Planning only: {w} simulated ranks, {cell['steps']} step(s) (median (min-max) over steps)", ""]
+        rows = []
+        for arm, a in cell["arms"].items():
+            label = pl["arm_labels"].get(arm, arm) + (" - planned only" if arm in pl["planned_only"] else "")
+            rows.append([label, "yes" if pl["moves_rows"].get(arm) else "no", _rl_spread(a["ddp"], "{:.3f}"),
+                         f"{a['fsdp']['median']:.3f}", f"{a['padding_share']['median']:.3f}",
+                         f"{a['micro_steps']['median']:.1f}", _rl_spread(a["plan_ms"], "{:.1f}")])
+        parts += [_table(["arm", "moves rows", "DDP step eff.", "FSDP", "padding share", "micro-steps", "plan ms"],
+                         rows, markdown), ""]
+    parts += ["notes:"] + [f"- {n}" for n in rl.get("notes", [])]
+    if "total" in rl.get("wall_s", {}):
+        parts.append(f"- section wall time {rl['wall_s']['total']:.0f} s")
+    return "\n".join(parts)
 
 
 # ---- plots --------------------------------------------------------------------------------------

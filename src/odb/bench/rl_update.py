@@ -1,0 +1,227 @@
+"""The benchmark section "rl_update": TRL's GRPO policy update with and without odb, and the plans of an RL
+step on many simulated ranks.
+
+1. **Update timing** (``odb.bench.rl_update_train``): the same heavy-tailed rollouts (log-normal completion
+   lengths clipped to ``max_completion_length``, prompts of varying length, ``num_generations`` rows per
+   prompt) trained by TRL's GRPOTrainer as is (its own ``compute_loss`` on its equal slices, each padded to
+   the generation batch's longest prompt and completion) and by the same trainer with
+   ``odb.integrations.trl.enable_odb(trainer, token_budget)`` (micro-batches under the budget, each trimmed to
+   its own longest prompt and completion). One memory cap, the budget: TRL's ``per_device_train_batch_size``
+   B is the largest slice whose worst case fits it, B x (longest prompt + max_completion_length) <= budget;
+   odb's trainer takes the whole generation batch as its one slice (odb bounds the micro-batches by the
+   budget). Both train the same rows per optimizer step. Only the policy update is timed (forward and
+   backward over the step's slices), on 2 gloo DDP processes, interleaved rounds: median (min-max).
+   Padding share = 1 - real tokens / padded tokens processed.
+2. **Planning only** (``odb.bench.rl_update_plan``, no model): one generation batch per rank on 8, 32 and
+   128 simulated ranks, planned by TRL's equal slices, verl-style Karmarkar-Karp balancing (moves rows between
+   ranks, packed), odb's rollout plan (what the trainer runs: rows stay on their rank, padded) and odb's
+   global plan (padded and packed; moves rows: planned only, not yet what the trainer runs), every arm under
+   the same budget and per-micro-batch overhead: DDP step efficiency as odb.bench.scale defines it, padding
+   share, micro-steps and planning milliseconds.
+
+    python benchmarks/rl_update.py [--quick] [--out out/rl_update]   # this section alone
+    python -m odb.bench --out out/bench                               # make demo runs it (--skip-rl: not)
+
+Packed (padding-free) micro-batches are not implemented for GRPO: the odb arm is padded.
+
+Example:
+    >>> update_params(quick=True)["budget"] == 2 * (48 + 128)
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from odb.bench.scale import OVERHEAD
+from odb.bench.verdict import paired_spread, spread_text, straddles
+
+# ---- 1. the update timing ---------------------------------------------------------------------------------
+# rows per rank per optimizer step, num_generations, prompt (median, sigma, min, max), completion (median, sigma,
+# max_completion_length), TRL's per_device_train_batch_size, the tiny Llama
+UPDATE = dict(rows=32, generations=4, prompt=(48, 0.5, 8, 128), completion=(96, 1.0, 512), trl_rows=4,
+              model=dict(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024),
+              loss_type="dapo", steps=3, rounds=3, seed=0, threads=1)
+UPDATE_QUICK = dict(UPDATE, rows=8, prompt=(24, 0.5, 4, 48), completion=(32, 1.0, 128), trl_rows=2,
+                    model=dict(UPDATE["model"], vocab_size=256, hidden_size=64, intermediate_size=256,
+                               max_position_embeddings=256), steps=1, rounds=1)
+WORLD = 2
+PADDING_MAX, TIME_RATIO_MAX, GRAD_GAP_MAX = 0.15, 0.6, 1e-5
+
+# ---- 2. planning only -------------------------------------------------------------------------------------
+PLAN = dict(rows=64, generations=8, prompt=(256, 0.7, 16, 1024), completion=(700, 1.0, 4096), trl_rows=4)
+PLAN_WORLDS, PLAN_STEPS = (8, 32, 128), {8: 4, 32: 3, 128: 2}
+PLAN_QUICK_WORLDS, PLAN_QUICK_STEPS = (8,), {8: 1}
+
+ARM_LABELS = {"trl": "TRL as is", "odb": "odb padded (enable_odb)"}
+
+
+def budget_of(p: Dict[str, Any]) -> int:
+    """The token budget whose worst case TRL's slice of ``trl_rows`` fills: rows x (max prompt + max completion)."""
+    return int(p["trl_rows"] * (p["prompt"][3] + p["completion"][2]))
+
+
+def update_params(quick: bool = False) -> Dict[str, Any]:
+    p = dict(UPDATE_QUICK if quick else UPDATE)
+    p["budget"] = budget_of(p)
+    return p
+
+
+def run_update(p: Dict[str, Any], world: int = WORLD, timeout_s: float = 600.0) -> Dict[str, Any]:
+    """Part 1 on ``world`` processes, or on 1 process (with the reason) when ``world`` processes fail."""
+    from odb.bench.rl_update_train import launch, summarize
+
+    t0 = time.perf_counter()
+    print(f"[bench] rl_update: policy update on {world} gloo process(es), {p['rounds']} round(s) of 2 arms x "
+          f"{p['steps']} step(s)", file=sys.stderr, flush=True)
+    try:
+        out = summarize(launch(p, world, timeout_s))
+        out["world"] = world
+    except Exception as err:  # noqa: BLE001 - 1 process, labelled, rather than no figure
+        if world == 1:
+            raise
+        print(f"[bench] rl_update: {world} processes failed ({err!r:.300}); measuring on 1 process", file=sys.stderr)
+        out = summarize(launch(p, 1, timeout_s))
+        out.update(world=1, fallback=f"{world} gloo processes failed ({err!r:.500}): measured on 1 process")
+    print(f"[bench] rl_update: policy update done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    trl, odb = out["arms"]["trl"], out["arms"]["odb"]
+    out["ratio"] = odb["update_s"]["median"] / trl["update_s"]["median"]
+    out["ratio_spread"] = paired_spread(zip(odb["rounds_s"], trl["rounds_s"]))
+    out["settings"] = {k: v for k, v in p.items()}
+    return out
+
+
+def run_rl_update(quick: bool = False, progress: Callable[..., Any] = lambda it, **kw: it, world: int = WORLD,
+                  planning: bool = True) -> Dict[str, Any]:
+    """The section: the update timing, then the planning comparison; plain JSON-able results."""
+    from odb.bench.rl_update_plan import MOVES_ROWS, PLAN_ARM_LABELS, PLANNED_ONLY, run_planning
+
+    t_all = time.perf_counter()
+    p = update_params(quick)
+    result: Dict[str, Any] = {"quick": quick, "arm_labels": ARM_LABELS, "wall_s": {}}
+    t0 = time.perf_counter()
+    result["update"] = run_update(p, world)
+    result["wall_s"]["update"] = time.perf_counter() - t0
+    if planning:
+        t0 = time.perf_counter()
+        q = dict(PLAN, budget=budget_of(PLAN), overhead=OVERHEAD)
+        worlds, steps = (PLAN_QUICK_WORLDS, PLAN_QUICK_STEPS) if quick else (PLAN_WORLDS, PLAN_STEPS)
+        result["planning"] = {"settings": {**q, "worlds": list(worlds), "steps": {str(w): steps[w] for w in worlds}},
+                              "arm_labels": PLAN_ARM_LABELS, "moves_rows": MOVES_ROWS,
+                              "planned_only": list(PLANNED_ONLY),
+                              "worlds": run_planning(worlds, steps, q["rows"], q["generations"], q["prompt"],
+                                                     q["completion"], q["budget"], OVERHEAD, q["trl_rows"],
+                                                     progress=progress)}
+        result["wall_s"]["planning"] = time.perf_counter() - t0
+    result["goals"] = goals(result)
+    result["notes"] = notes(result)
+    result["wall_s"]["total"] = time.perf_counter() - t_all
+    return result
+
+
+# ---- goals and notes --------------------------------------------------------------------------------------
+def _goal(goal: str, measured: str, target: str, met: Optional[bool], spread: Optional[Sequence[float]] = None,
+          target_value: Optional[float] = None) -> Dict[str, Any]:
+    return {"goal": goal, "measured": measured, "target": target, "met": met,
+            "spread": None if spread is None else list(spread), "straddles": straddles(spread, target_value)}
+
+
+def goals(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The section's goals (issue 32): odb's padding share, its update time against TRL's at equal rollouts,
+    both arms training the same rows to the same gradient, and TRL's padding share today (a reference)."""
+    u = result["update"]
+    trl, odb = u["arms"]["trl"], u["arms"]["odb"]
+    where = f"GRPO policy update, {u['world']} process(es)"
+    pad = odb["padding_share"]
+    return [
+        _goal(f"rl_update ({where}): odb padded, padding share", f"{pad:.3f} (TRL as is {trl['padding_share']:.3f})",
+              f"<= {PADDING_MAX}", pad <= PADDING_MAX),
+        _goal("rl_update: odb packed, padding share", "not implemented for GRPO (enable_odb runs padded "
+              "micro-batches only)", f"<= {PADDING_MAX}", None),
+        _goal(f"rl_update ({where}): update seconds, odb / TRL at equal rollouts",
+              f"{u['ratio']:.2f}" + spread_text(u["ratio_spread"]), f"<= {TIME_RATIO_MAX}",
+              u["ratio"] <= TIME_RATIO_MAX, u["ratio_spread"], TIME_RATIO_MAX),
+        _goal("rl_update: both arms train the same rows to the same gradient",
+              f"{'same' if u['same_rows'] else 'OTHER'} rows; largest relative gradient gap {u['grad_rel_gap']:.1e}",
+              f"same rows, gap <= {GRAD_GAP_MAX:g}", bool(u["same_rows"]) and u["grad_rel_gap"] <= GRAD_GAP_MAX),
+        _goal(f"rl_update ({where}): TRL's padding share today (reference)", f"{trl['padding_share']:.3f}", "-", None),
+    ]
+
+
+def notes(result: Dict[str, Any]) -> List[str]:
+    """What the section does and every exception to it."""
+    u = result["update"]
+    s = u["settings"]
+    p_med, p_sig, p_lo, p_hi = s["prompt"]
+    c_med, c_sig, c_hi = s["completion"]
+    m = s["model"]
+    out = [
+        f"Update timing: {s['rows']} rollout rows per rank and optimizer step ({s['rows'] // s['generations']} prompts "
+        f"x num_generations={s['generations']}), prompts log-normal (median {p_med}, sigma {p_sig}) clipped to "
+        f"[{p_lo}, {p_hi}] tokens, completions log-normal (median {c_med}, sigma {c_sig}) clipped to "
+        f"max_completion_length={c_hi}; random token ids, advantages normalised per group; {s['steps']} steps, the "
+        f"same rollouts for both arms (drawn once from seed {s['seed']}; TRL's _compute_loss sees the same rows in "
+        "both, checked per row). No generation runs: the rollouts are the dict TRL's _prepare_inputs hands the loss.",
+        f"Memory cap: token_budget={s['budget']} = per_device_train_batch_size {s['trl_rows']} x ({p_hi} + "
+        f"{c_hi}), the largest TRL slice whose worst case fits it. TRL as is: per_device_train_batch_size="
+        f"{s['trl_rows']}, gradient_accumulation_steps = steps_per_generation = {s['rows'] // s['trl_rows']}. odb: "
+        f"per_device_train_batch_size={s['rows']}, 1 accumulation step, enable_odb(trainer, token_budget="
+        f"{s['budget']}). GRPOConfig defaults otherwise (loss_type {s['loss_type']}, beta 0, num_iterations 1).",
+        f"Model: Llama from a config ({m['num_hidden_layers']} layers x {m['hidden_size']} hidden, vocabulary "
+        f"{m['vocab_size']}), random weights, float32, sdpa attention, CPU, {s['threads']} thread per process. "
+        f"Timed: each step's policy update (compute_loss + backward per slice or micro-batch, no_sync but the last; "
+        f"no optimizer step), from a barrier to a barrier, after one untimed warm-up per arm; {s['rounds']} "
+        f"interleaved rounds (arm order rotated), seconds per optimizer step, median (min-max).",
+        "Packed (padding-free) micro-batches are not implemented for GRPO in odb: there is no packed arm.",
+    ]
+    if u.get("fallback"):
+        out.append(f"1 PROCESS ONLY: {u['fallback']}.")
+    pl = result.get("planning")
+    if pl:
+        q = pl["settings"]
+        out.append(
+            f"Planning only (no model): {q['rows']} rows per rank ({q['rows'] // q['generations']} prompts x "
+            f"{q['generations']}), prompts log-normal (median {q['prompt'][0]}, sigma {q['prompt'][1]}) in "
+            f"[{q['prompt'][2]}, {q['prompt'][3]}], completions log-normal (median {q['completion'][0]}, sigma "
+            f"{q['completion'][1]}) clipped to {q['completion'][2]}; token_budget {q['budget']} (TRL's slice "
+            f"{q['trl_rows']} rows), overhead {q['overhead']} tokens per micro-batch (odb.bench.scale's); steps per "
+            "world size " + ", ".join(f"{w}: {k}" for w, k in q["steps"].items()) + ", median (min-max) over steps.")
+        out.append("verl-style: the step's rows in W equal-size sets of balanced token sums (Karmarkar-Karp's largest "
+                   "differencing, balanced variant, written from the algorithm's description), set r trained by rank "
+                   "r, so rows move between ranks; each rank's rows in M micro-batches of balanced token sums (KK), M "
+                   "the largest any rank needs (ceil of its tokens / budget), raised until every micro-batch fits; a "
+                   "micro-batch costs its real tokens (packed). Its plan ms: the balance plus the mean rank's own "
+                   "split.")
+        out.append("odb global (padded and packed): plan_global_step over all ranks' rows, (prompt, completion) as two "
+                   "length dimensions under one budget; it moves rows between ranks: planned only, not yet what the "
+                   "trainer runs. odb rollout plan: what enable_odb runs (plan_rollout_steps over every rank's "
+                   "lengths; rows stay on their rank; the same rows per micro-step on every rank). TRL: each rank's "
+                   "generation batch padded to its own widths, shuffled, cut in equal slices. plan ms: one rank's.")
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds; figures not meaningful)")
+    ap.add_argument("--world", type=int, default=WORLD, help=f"processes of the update timing (default {WORLD})")
+    ap.add_argument("--out", default="out/rl_update", help="folder of results.json and summary.md")
+    args = ap.parse_args(argv)
+    from odb.bench.report import goals_table, rl_update_table
+
+    result = run_rl_update(quick=args.quick, world=args.world)
+    os.makedirs(args.out, exist_ok=True)
+    whole = {"meta": {"command": "benchmarks/rl_update.py " + " ".join(argv or sys.argv[1:]), "quick": args.quick},
+             "rl_update": result}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(whole, f, indent=1)
+    text = goals_table(whole) + "\n\n" + rl_update_table(result)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(goals_table(whole, markdown=True) + "\n\n" + rl_update_table(result, markdown=True) + "\n")
+    print(text)
+    return result
