@@ -33,13 +33,28 @@ def test_every_row_once_within_budget_and_the_same_row_counts_on_every_rank(worl
         assert sorted(sum(rows, [])) == list(range(n))
         for s, part in enumerate(rows):
             assert cost(prompt[r], completion[r], part, multiple) == plan.costs[r, s] <= budget
-    # Each micro-step takes the most rows that fit: one more would overflow some rank.
-    start = 0
-    for s, size in enumerate(plan.sizes):
-        if start + size < n:
-            assert any(cost(prompt[r], completion[r], plan.order[r, start:start + size + 1], multiple) > budget
-                       for r in range(world))
-        start += size
+    # The cut is of least total cost: no other cut of the sorted rows (same rows per micro-step on every rank)
+    # costs less (brute force over every composition of n).
+    overhead = budget / 16
+
+    def total(sizes):
+        out, start = 0.0, 0
+        for size in sizes:
+            part = [cost(prompt[r], completion[r], plan.order[r, start:start + size], multiple) for r in range(world)]
+            if max(part) > budget:
+                return float("inf")
+            out, start = out + max(part) + overhead, start + size
+        return out
+
+    def compositions(m):
+        if m == 0:
+            yield ()
+            return
+        for first in range(1, m + 1):
+            for rest in compositions(m - first):
+                yield (first,) + rest
+
+    assert total(plan.sizes) <= min(total(c) for c in compositions(n)) + 1e-9
 
 
 def test_a_row_alone_over_the_budget_is_named():
@@ -50,3 +65,9 @@ def test_a_row_alone_over_the_budget_is_named():
 def test_the_plan_is_the_same_whatever_ties():
     a = plan_rollout_steps(np.array([[3, 3, 3, 3]]), np.array([[2, 2, 2, 2]]), token_budget=10)
     assert [a.rows(0, s).tolist() for s in range(a.steps)] == [[0, 1], [2, 3]]
+
+
+def test_a_long_row_does_not_pad_the_short_ones():
+    # one completion of 60 among completions of 4: greedy would pad three short rows to 60 in one micro-batch
+    plan = plan_rollout_steps(np.array([[2, 2, 2, 2]]), np.array([[60, 4, 4, 4]]), token_budget=256)
+    assert plan.sizes == (1, 3) and plan.costs.tolist() == [[62, 18]]

@@ -5,8 +5,8 @@ right-padded). A micro-batch is trimmed to its longest prompt and its longest co
 it costs ``rows x (prompt width + completion width)`` padded tokens (each width rounded up to
 ``pad_to_multiple_of``). The plan is one answer for all ranks, computed by each from every
 rank's lengths: micro-step ``s`` takes the next ``sizes[s]`` rows of every rank (each rank's
-rows sorted longest first), the most rows that keep every rank's micro-batch within the
-budget. So every rank runs the same number of micro-steps (DDP all-reduces at each synced
+rows sorted longest first), cut where the sum of the costliest rank's padded tokens plus a
+fixed cost per micro-step is least, every micro-batch within the budget. So every rank runs the same number of micro-steps (DDP all-reduces at each synced
 backward) with the same number of rows in each (the RL trainers gather per-row metrics at
 every loss call, and a collective of unequal shapes fails), and no rank needs a ghost.
 
@@ -16,15 +16,15 @@ Example:
     >>> import numpy as np
     >>> plan = plan_rollout_steps(np.array([[3, 3, 2, 2]]), np.array([[9, 1, 2, 5]]), token_budget=16)
     >>> plan.sizes, [plan.rows(0, s).tolist() for s in range(plan.steps)]
-    ((1, 2, 1), [[0], [3, 1], [2]])
-    >>> plan.costs.tolist()
-    [[12, 16, 4]]
+    ((1, 1, 1, 1), [[0], [3], [1], [2]])
+    >>> plan.costs.tolist()   # rows 3 and 1 together would cost 16: apart, 7 + 4 and one micro-step more
+    [[12, 7, 4, 4]]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -68,19 +68,25 @@ class RolloutPlan:
 
 
 def plan_rollout_steps(prompt_lengths: np.ndarray, completion_lengths: np.ndarray, token_budget: int,
-                       pad_to_multiple_of: int = 1) -> RolloutPlan:
-    """Cut every rank's rows into the fewest micro-steps, each within ``token_budget`` on every rank.
+                       pad_to_multiple_of: int = 1, micro_batch_cost: Optional[float] = None) -> RolloutPlan:
+    """Cut every rank's rows into micro-steps of least total cost, each within ``token_budget`` on every rank.
 
     ``prompt_lengths``, ``completion_lengths``: (world, rows) token counts (a row's prompt
     tokens from its first to its last; its completion tokens up to the last one trained).
-    Greedy on rows sorted longest first: a micro-step takes the most rows that fit on every
-    rank (a micro-batch's cost only grows with its rows, so the most that fit is where the
-    first rank would overflow). Raises ``ValueError`` for a row that alone exceeds the budget.
+    Every rank's rows are sorted longest first and micro-step ``s`` takes the same number of
+    rows on every rank; the cut points minimise the sum over micro-steps of the costliest
+    rank's padded tokens plus ``micro_batch_cost`` per micro-step (default: a sixteenth of the
+    budget, a forward and backward pass over the weights), by a shortest path over the cut
+    points. Fewer, fuller micro-batches where the rows are alike; a long row's micro-batch
+    stops before it pads many short ones. Raises ``ValueError`` for a row that alone exceeds
+    the budget.
 
     Example:
         >>> plan = plan_rollout_steps(np.array([[4, 4], [2, 2]]), np.array([[4, 4], [1, 9]]), token_budget=16)
         >>> plan.sizes, plan.costs.tolist()   # rank 0's two rows would fit one micro-batch; rank 1's would not
         ((1, 1), [[8, 8], [11, 3]])
+        >>> plan_rollout_steps(np.array([[1, 1, 1, 1]]), np.array([[15, 1, 1, 1]]), token_budget=64).sizes
+        (1, 3)
     """
     prompt = np.asarray(prompt_lengths, dtype=np.int64)
     completion = np.asarray(completion_lengths, dtype=np.int64)
@@ -89,6 +95,7 @@ def plan_rollout_steps(prompt_lengths: np.ndarray, completion_lengths: np.ndarra
                          f"shape {completion.shape}. Rule: both are (world, rows), the same shape. Fix: pass every "
                          f"rank's lengths, one row of the array per rank.")
     budget, multiple = int(token_budget), int(pad_to_multiple_of or 1)
+    overhead = budget / 16 if micro_batch_cost is None else float(micro_batch_cost)
     pad_p, pad_c = padded_width(prompt, multiple), padded_width(completion, multiple)
     world, n = prompt.shape
     # Longest first; ties by row index, so every rank computes the same order.
@@ -96,8 +103,9 @@ def plan_rollout_steps(prompt_lengths: np.ndarray, completion_lengths: np.ndarra
         np.zeros((world, 0), dtype=np.int64)
     sp = np.take_along_axis(pad_p, order, axis=1)
     sc = np.take_along_axis(pad_c, order, axis=1)
-    sizes, widths, costs, start = [], [], [], 0
-    while start < n:
+    # runs[i]: (costs (world, fits), widths) of the micro-steps starting at sorted row i and taking 1..fits rows
+    runs = []
+    for start in range(n):
         run_p = np.maximum.accumulate(sp[:, start:], axis=1)
         run_c = np.maximum.accumulate(sc[:, start:], axis=1)
         cost = np.arange(1, n - start + 1) * (run_p + run_c)  # (world, rows left): cost of taking b rows
@@ -110,6 +118,19 @@ def plan_rollout_steps(prompt_lengths: np.ndarray, completion_lengths: np.ndarra
                              f"rounded to pad_to_multiple_of={multiple}), over token_budget={budget}. Rule: a "
                              f"micro-batch holds at least one row and stays within the budget. Fix: raise "
                              f"token_budget to at least the longest prompt plus max_completion_length.")
+        runs.append((cost[:, :fits], run_p[:, :fits], run_c[:, :fits]))
+    # least total cost from each start to the end (a shortest path over the cut points, fewest rows last on ties)
+    best = np.zeros(n + 1)
+    take = np.zeros(n, dtype=np.int64)
+    for start in range(n - 1, -1, -1):
+        cost = runs[start][0]
+        total = cost.max(axis=0) + overhead + best[start + 1:start + 1 + cost.shape[1]]
+        b = int(np.flatnonzero(total <= total.min() + 1e-9)[-1])  # the most rows among the least costs
+        best[start], take[start] = total[b], b + 1
+    sizes, widths, costs, start = [], [], [], 0
+    while start < n:
+        fits = int(take[start])
+        cost, run_p, run_c = runs[start]
         sizes.append(fits)
         widths.append(np.stack([run_p[:, fits - 1], run_c[:, fits - 1]], axis=1))
         costs.append(cost[:, fits - 1])
