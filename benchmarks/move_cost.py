@@ -7,7 +7,8 @@ with DDP on W real gloo processes over ShareGPT lengths (clipped to 1,024 tokens
 ``input_ids``, ``labels`` and ``attention_mask`` int64 tensors, as a tokenizing dataset returns it), one epoch
 per arm, and prints per rank and step: samples and bytes sent, move milliseconds (pickle, exchange, unpickle:
 ``odb_stats["move_s"]``) and the step's wall milliseconds, for online lengths (samples move) and known lengths
-(``lengths=``: a sample is its dataset index, nothing moves). The move's share of the step says when it pays:
+(``lengths=``: a sample is its dataset index, nothing moves), each with the step planned across ranks (the
+default) and with each rank planning its own share (``step_plan="rank"``). The move's share of the step says when it pays:
 where it is a few percent and the global plan's step efficiency gain (make demo's scale section) is larger.
 
     python benchmarks/move_cost.py                  # 2 processes
@@ -34,6 +35,8 @@ from odb.bench.training_ddp import free_port
 from odb.bench.training_run import build_model
 
 BUDGET, PER_RANK = 4096, 16
+# online / known lengths x the step planned across ranks (the default) / each rank's own share
+ARMS = ("online-global", "known-global", "online-rank", "known-rank")
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -66,10 +69,12 @@ def rank_main(rank: int, world: int, port: int, samples: int, queue: Any) -> Non
     model = torch.nn.parallel.DistributedDataParallel(build_model(torch.device("cpu"), 1024, "sdpa"))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     out: Dict[str, Any] = {}
-    for arm in ("online", "known"):
+    for arm in ARMS:
+        lengths_of, plan = arm.split("-")
         loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=PER_RANK * world, collate_fn=collate,
                                    sampler=torch.utils.data.DistributedSampler(ds, world, rank, seed=0),
-                                   lengths=lengths.tolist() if arm == "known" else None, shift_labels=True)
+                                   lengths=lengths.tolist() if lengths_of == "known" else None, shift_labels=True,
+                                   step_plan=plan)
         step_ms, t0 = [], time.perf_counter()
         for batch in loader:
             info = odb.pop_step_info(batch)
@@ -82,7 +87,8 @@ def rank_main(rank: int, world: int, port: int, samples: int, queue: Any) -> Non
                 t0 = time.perf_counter()
         s = loader.odb_stats
         steps = len(step_ms)
-        out[arm] = {"steps": steps, "step_ms": statistics.median(step_ms), "moved_per_step": s["moved_samples"] / steps,
+        wait = s["wait_s"]
+        out[arm] = {"steps": steps, "epoch_s": sum(step_ms) / 1e3, "wait_s": wait, "step_ms": statistics.median(step_ms), "moved_per_step": s["moved_samples"] / steps,
                     "kib_per_step": s["moved_bytes"] / 1024 / steps, "move_ms_per_step": 1e3 * s["move_s"] / steps}
     queue.put((rank, out))
     dist.destroy_process_group()
@@ -112,11 +118,13 @@ def main() -> None:
         proc.join()
     print(f"{a.world} gloo processes, {a.samples} ShareGPT samples, {PER_RANK} per rank per step, budget {BUDGET}, "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs")
-    print("rank  arm     steps  moved/step  KiB/step  move ms/step  step ms (median)  move share")
+    print("rank  arm            steps  moved/step  KiB/step  move ms/step  step ms (median)  move share  epoch s  "
+          "loader wait s")
     for rank in sorted(got):
         for arm, m in got[rank].items():
-            print(f"{rank:>4}  {arm:<6}  {m['steps']:>5}  {m['moved_per_step']:>10.1f}  {m['kib_per_step']:>8.1f}  "
-                  f"{m['move_ms_per_step']:>12.2f}  {m['step_ms']:>15.0f}  {m['move_ms_per_step'] / m['step_ms']:>10.3f}")
+            print(f"{rank:>4}  {arm:<13}  {m['steps']:>5}  {m['moved_per_step']:>10.1f}  {m['kib_per_step']:>8.1f}  "
+                  f"{m['move_ms_per_step']:>12.2f}  {m['step_ms']:>15.0f}  {m['move_ms_per_step'] / m['step_ms']:>10.3f}  "
+                  f"{m['epoch_s']:>7.1f}  {m['wait_s']:>13.2f}")
 
 
 if __name__ == "__main__":

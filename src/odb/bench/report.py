@@ -913,6 +913,11 @@ def rl_update_table(rl: Dict[str, Any], markdown: bool = False) -> str:
     budget, labels = u["settings"]["budget"], rl.get("arm_labels", {})
     parts = [f"{h}Policy update at equal rollouts ({u['world']} gloo process(es); cap {budget} padded tokens per "
              "micro-batch)", ""]
+    run = rl.get("run")  # a section run on its own and merged into the results file (its command, commit, date)
+    if run:
+        parts[1:1] = [f"From `{run['command']}` (odb at commit {str(run.get('commit'))[:10]}, {run.get('date')}, "
+                      f"{run.get('wall_s', 0.0):.0f} s, load average {run.get('load')}), merged into this results "
+                      f"file.", ""]
     rows = []
     for arm, a in u["arms"].items():
         ratio = "x1.00" if arm == "trl" else f"x{u['ratio']:.2f}" + spread_text(u.get("ratio_spread"))
