@@ -10,9 +10,9 @@ identically on every rank.
 Steps are confirmed once made, ``CONFIRM_STEPS`` at a time (``confirm``), before any of
 them reaches the training loop, so a rank whose batch failed stops every rank at the same
 step; ``announce`` joins the next exchange with a failure or a stop. The header and the
-confirmation have the same size (status, 4 header fields, the plan options'
+confirmation have the same layout and size (``HeaderMessage``: status, 4 header fields, the plan options'
 fingerprint), so a rank that fails anywhere but between a header and its summaries knows
-the shape the others expect. The header also
+the shape the others expect (``DueExchanges``: what this rank still owes). The header also
 carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints; zeros without
 token_budget="auto") and whether its pairing criterion (``pairing``, odb.plan.pairing: ``balance``)
 prices this window (1 int; zeros in a confirmation). Where the window budget proposes (``align``'s
@@ -53,6 +53,73 @@ class FitCounts:
     split: int = 0  # groups cut in halves
 
 
+class HeaderMessage:
+    """The layout of a window header and of a confirmation (one size: a rank that fails between them knows the
+    shape the others expect): ``FIELDS`` int64 fields, the auto part (``AUTO_SIZE``: this rank's encoded budget
+    plan proposal, zeros without one, then whether its pairing criterion prices this window) and the
+    fingerprint of the options every rank must agree on (``values``, odb.comm.agreement). Reading every rank's
+    message checks the options and keeps their auto parts; ``agree`` then reads what the last header said.
+
+    Example:
+        >>> from odb.config import ODBConfig
+        >>> layout = HeaderMessage(agreed_values(ODBConfig(token_budget=64), shuffle=False))
+        >>> one = layout.message([3, 1, 0, 7], None, ready=True)
+        >>> len(one) == layout.size, layout.read(np.stack([one, one]), rank=0).tolist()
+        (True, [[3, 1, 0, 7], [3, 1, 0, 7]])
+        >>> layout.agree(proposed=False)
+        >>> layout.agreed_plan, layout.ready_all
+        (None, True)
+    """
+
+    FIELDS = 4
+
+    def __init__(self, values: Dict[str, Any]) -> None:
+        self.values = values
+        self.fingerprint = fingerprint(values)
+        self.plans = np.zeros((0, AUTO_SIZE), dtype=np.int64)  # every rank's auto part of the last message read
+        # Every header has room for a plan proposal (zeros without token_budget="auto"), so that ranks with
+        # and without "auto" exchange messages of one shape and the options check names the difference.
+        self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (None: none sent)
+        self.ready_all = False  # whether every rank's pairing criterion priced the window of the last header
+
+    @property
+    def size(self) -> int:
+        return self.FIELDS + AUTO_SIZE + len(self.fingerprint)
+
+    def message(self, fields: List[int], plan: Optional[np.ndarray], *, ready: bool) -> np.ndarray:
+        """This rank's message: ``fields``, its encoded ``plan`` proposal (None: zeros), ``ready``, the
+        fingerprint."""
+        sent = np.zeros(AUTO_SIZE, dtype=np.int64)
+        if plan is not None:
+            sent[:PLAN_SIZE] = np.asarray(plan, dtype=np.int64)
+        sent[PLAN_SIZE] = int(ready)
+        return np.concatenate((np.asarray(fields, dtype=np.int64), sent, self.fingerprint))
+
+    def read(self, gathered: np.ndarray, rank: int) -> np.ndarray:
+        """Every rank's fields ((world, FIELDS)) of the messages ``gathered``; refuses ranks whose loaders plan
+        under other options (ODBOptionMismatch)."""
+        f, p = self.FIELDS, AUTO_SIZE
+        self.plans = gathered[:, f:f + p]
+        check_agreement(gathered[:, f + p:], self.values, rank)
+        return gathered[:, :f]
+
+    def agree(self, proposed: bool) -> None:
+        """What the header just read says: the ranks' agreement on their proposals (``proposed``: this rank
+        sent one) and whether every rank's criterion prices the window."""
+        self.agreed_plan = agree(self.plans[:, :PLAN_SIZE]) if proposed else None
+        self.ready_all = bool((self.plans[:, PLAN_SIZE] == 1).all())
+
+
+@dataclasses.dataclass
+class DueExchanges:
+    """What this rank still owes the exchange: steps exchanged and not yet confirmed (made), and the shape of
+    the next exchange when it is neither a header nor a confirmation (``body``: the summaries due after a
+    header, a global step's table or move; None: a header's)."""
+
+    unconfirmed: int = 0
+    body: Optional[Tuple[int, ...]] = None
+
+
 class RankAligner:
     """One rank's side of the per-window alignment (``exchange`` is None on a single process).
 
@@ -73,19 +140,13 @@ class RankAligner:
         self._steps_done = steps_done
         self.local_only = exchange is None
         self.all_done = False
-        self.unconfirmed = 0  # exchanged steps not yet confirmed (made) on this rank
         self.last_fit = FitCounts()
-        self._values = agreed_values(planner.cfg, shuffle)
-        self._fingerprint = fingerprint(self._values)
-        # Every header has room for a plan proposal (zeros without token_budget="auto"), so that ranks with
-        # and without "auto" exchange messages of one shape and the options check names the difference.
-        self.agreed_plan: Any = None  # agree() of every rank's proposal at the last header (None: none sent)
+        self.headers = HeaderMessage(agreed_values(planner.cfg, shuffle))  # the header's layout, what it said
+        self.due = DueExchanges()  # steps not yet confirmed (made) on this rank, the next exchange's shape
         self.side = side_needed(planner.cfg)  # the planner prices (or caps) patches, supervised tokens
         # how ranks pair their groups (balance): by the criterion's price in a window where it is ready on every
         # rank (a flag in the header), else by the planner's cost
         self.pairing = pairing if pairing is not None else TokenPairing()
-        self._ready_all = False
-        self._body: Optional[Tuple[int, int]] = None  # shape of the summaries due after a header
 
     # ---- state (odb.resume) ------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -98,7 +159,12 @@ class RankAligner:
 
     def expect_confirmations(self, steps: int) -> None:
         """A resumed run holds ``steps`` exchanged steps that it makes and confirms from now on."""
-        self.unconfirmed = steps
+        self.due.unconfirmed = steps
+
+    @property
+    def agreed_plan(self) -> Any:
+        """agree() of every rank's budget plan proposal at the last header (None: this rank sent none)."""
+        return self.headers.agreed_plan
 
     # ---- alignment ---------------------------------------------------------------------
     def cost(self, group: np.ndarray) -> int:
@@ -109,7 +175,7 @@ class RankAligner:
     def prices_ready(self) -> bool:
         """Whether the pairing criterion prices this window on every rank (balance="time": each rank's
         step-time model predicts), as the last header said."""
-        return self._ready_all and self.pairing.prices
+        return self.headers.ready_all and self.pairing.prices
 
     def pair_cost(self, group: np.ndarray) -> int:
         """What ranks compare to pair groups of similar cost: the pairing criterion's price where every rank's
@@ -143,7 +209,7 @@ class RankAligner:
             self.all_done = planned_final
             return self.local(groups)
         n_steps = window.steps
-        self._body = (n_steps, 3) if n_steps else None
+        self.due.body = (n_steps, 3) if n_steps else None
         fitted = self._fit(groups, n_steps, planned_final)
         probe = cfg.probe_worst_case and window_index == 1
         costs = [self.pair_cost(g) if g is not None else 0 for g in fitted]
@@ -153,8 +219,8 @@ class RankAligner:
         stats = np.array([[costs[k], len(fitted[k]), self.pool.loss_tokens(fitted[k])] if fitted[k] is not None
                           else [0, 0, 0] for k in rank_order], dtype=np.int64).reshape(n_steps, 3)
         everyone = ex.all_gather(stats, where) if n_steps else np.zeros((ex.world_size, 0, 3), dtype=np.int64)
-        self._body = None
-        self.unconfirmed += n_steps
+        self.due.body = None
+        self.due.unconfirmed += n_steps
         order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, window_index, self.shuffle)
         if probe and n_steps:  # every rank's batch with the longest samples runs first
             order = np.concatenate(([0], order[order != 0]))
@@ -167,18 +233,17 @@ class RankAligner:
         """Every rank's 4 header ``fields`` ((world, 4)), checking that the ranks plan under the same options;
         ``proposal``: this rank's encoded budget plan (``agreed_plan`` then holds every rank's agreement)."""
         header = self._exchange(fields, where, proposal)
-        self.agreed_plan = agree(self._plans[:, :PLAN_SIZE]) if proposal is not None else None
-        self._ready_all = bool((self._plans[:, PLAN_SIZE] == 1).all())
+        self.headers.agree(proposal is not None)
         return header
 
     def expect(self, shape: Optional[Tuple[int, ...]]) -> None:
         """The shape of the exchange every rank makes next, until the next header or confirmation (None: a
         header's): where ``announce`` joins them with a failure."""
-        self._body = shape
+        self.due.body = shape
 
     def steps_exchanged(self, steps: int) -> None:
         """``steps`` steps were agreed outside ``align`` (a global step plan): they are confirmed once made."""
-        self.unconfirmed += steps
+        self.due.unconfirmed += steps
 
     @property
     def confirm_every(self) -> int:
@@ -188,41 +253,35 @@ class RankAligner:
     def confirm(self, steps: int, where: str) -> None:
         """Tell every rank this rank made its batches of the last ``steps`` steps (and learn that they
         made theirs)."""
-        if self.local_only or self.unconfirmed <= 0:
+        if self.local_only or self.due.unconfirmed <= 0:
             return
         self._exchange([0, 0, 0, 0], where)
-        self.unconfirmed -= steps
+        self.due.unconfirmed -= steps
 
     @property
     def finished(self) -> bool:
         """No exchange of this epoch is left on any rank (so nobody would hear an announcement)."""
-        return self.local_only or (self.all_done and self.unconfirmed <= 0 and self._body is None)
+        due = self.due
+        return self.local_only or (self.all_done and due.unconfirmed <= 0 and due.body is None)
 
     def announce(self, error: Optional[BaseException]) -> None:
         """Join the next exchange with this rank's failure (``error``) or stop (None), so every rank raises
         at once; nothing when no exchange is left or the exchange already failed."""
         if self.finished:
             return
-        shape = self._body if self._body is not None else (4 + AUTO_SIZE + len(self._fingerprint),)
+        shape = self.due.body if self.due.body is not None else (self.headers.size,)
         self.exchange.announce(shape, f"epoch {self.epoch}, after step {self._steps_done()}", error)
 
     def _exchange(self, fields: List[int], where: str, plan: Optional[np.ndarray] = None) -> np.ndarray:
-        """A header-sized message (4 fields, the encoded plan proposal with token_budget="auto", and the
-        options' fingerprint) of every rank; refuses ranks whose loaders plan under other options."""
-        p = AUTO_SIZE
-        sent = np.zeros(p, dtype=np.int64)
-        if plan is not None:
-            sent[:PLAN_SIZE] = np.asarray(plan, dtype=np.int64)
-        sent[PLAN_SIZE] = int(self.pairing.ready())
-        message = np.concatenate((np.asarray(fields, dtype=np.int64), sent, self._fingerprint))
+        """A header-sized message (``HeaderMessage``) of every rank; refuses ranks whose loaders plan under other
+        options."""
+        message = self.headers.message(fields, plan, ready=self.pairing.ready())
         gathered = self.exchange.all_gather(message, where)
-        self._plans = gathered[:, 4:4 + p]
         try:
-            check_agreement(gathered[:, 4 + p:], self._values, self.exchange.rank)
+            return self.headers.read(gathered, self.exchange.rank)
         except ODBOptionMismatch:
             self.exchange.dead = True  # every rank raises this: nobody exchanges on this group again
             raise
-        return gathered[:, :4]
 
     def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[np.ndarray]:
         """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""

@@ -11,37 +11,36 @@ the number of steps emitted since (see odb.resume).
 
 from __future__ import annotations
 
-import collections
-import copy
-import dataclasses
-import threading
 import warnings
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
 from odb.plan.align import StepPlan
-from odb.plan.buckets import oversize_message
 from odb.config import ODBConfig
 from odb.epoch.drop_last import DropLast
-from odb.epoch.global_step import GlobalStep
+from odb.epoch.emission import BatchCollate, StepEmission
 from odb.epoch.pool import SamplePool
+from odb.epoch.position import RunPosition
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
-from odb.epoch.pipeline import LazyBatch
-from odb.epoch.run_state import retained_positions, step_from_row, step_row
+from odb.epoch.run_state import retained_positions
+from odb.epoch.windows import WindowGroups, window_strategy
 from odb.plan.pairing import make_pairing
 from odb.data.source import SampleSource
 from odb.epoch.stats import EpochStats
-from odb.step_info import ODBStepInfo, attach_step_info, loss_scale
-from odb.plan.window import WindowPlanner, window_limits
+from odb.step_info import ODBStepInfo, loss_scale
+from odb.plan.window import WindowPlanner
 from odb.epoch.budget import FixedBudget, WindowBudget
-
-ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
 
 
 class EpochRun:
-    """Iterates ``(batch, cursor)`` of one epoch. Built by the loader; not public API."""
+    """Iterates ``(batch, cursor)`` of one epoch. Built by the loader; not public API.
+
+    Its units: the window budget (each window's prices), the window strategy (``windows``, odb.epoch.windows:
+    how windows are read and planned), the sample pool, the window planner, the rank aligner, the counters,
+    the position (``position``: where the epoch stands, resume bookkeeping), the emission of planned steps
+    (``emission``) and the collate of their batches (``batches``)."""
 
     def __init__(self, cfg: ODBConfig, source: SampleSource, collate_fn: Callable[[List[Any]], Any],
                  *, epoch: int, seed: int, shuffle: bool, drop_last: bool = False, batch_unit: Optional[int] = None,
@@ -51,88 +50,75 @@ class EpochRun:
                  stream_marks: Any = None, lazy: bool = False, move_samples: bool = True) -> None:
         self.cfg = cfg  # the user's options; each window's prices come from the window budget
         self.budget: WindowBudget = budget if budget is not None else FixedBudget(cfg)
-        self.notices = notices if notices is not None else set()  # warnings given once per loader, not per epoch
-        self.total = total  # samples this epoch brings (None: unknown, e.g. an IterableDataset)
         self.source = source
-        self._collate = collate_fn
-        self._finalize = finalize
-        self.epoch, self.seed, self.shuffle, self.drop_last = epoch, seed, shuffle, drop_last
-        self.drops = DropLast(drop_last, batch_unit)  # a partial last step: its whole batches of the user's kept
+        self.epoch = epoch
         exchange = exchange if exchange is not None and exchange.world_size > 1 else None
         self.rank = exchange.rank if exchange is not None else 0
         self.world_size = exchange.world_size if exchange is not None else 1
         # global_batch_size: each window is one optimizer step's samples on this rank, planned whole
-        self.step_samples = cfg.step_samples(self.world_size)
+        step_samples = cfg.step_samples(self.world_size)
         self.stats = EpochStats()
         self.pool = SamplePool()
         self.planner = WindowPlanner(cfg, self.budget.costs)
         self.aligner = RankAligner(exchange, self.planner, self.pool, epoch=epoch, seed=seed, shuffle=shuffle,
-                                   steps_done=lambda: self.stats.steps, whole_windows=self.step_samples is not None,
+                                   steps_done=lambda: self.stats.steps, whole_windows=step_samples is not None,
                                    pairing=make_pairing(cfg.balance, self.budget.time_model))
-        # step_plan="global": each optimizer step planned across ranks (odb.epoch.global_step); samples move
-        # between ranks unless they are dataset indices (``move_samples=False``: known lengths)
-        self.global_step = GlobalStep(
-            self.aligner, exchange, self.planner, self.pool, self.stats, epoch=epoch, step_samples=self.step_samples,
-            drops=self.drops, move_samples=move_samples, register=self.register,
-            oversize_policy=self.budget.oversize, check_length=self.budget.check_length) \
-            if self.step_samples is not None and exchange is not None and cfg.step_plan == "global" else None
-        self.arrived = 0  # samples taken from the source into windows
-        self.window_index = 0
-        self.planned_final = False
-        # Steps planned but not emitted yet, and the micro-batches of the optimizer step being emitted
-        # (saved as "micro" and "micro_pos" of the state's "position").
-        self.pending: Deque[Step] = collections.deque()
-        self.step_batches: List[Step] = []
-        self.step_pos = 0
-        self.ghost: Optional[Tuple[int, Any, Any, int]] = None  # (position, sample copy, meta, dataset index)
-        # Resume bookkeeping (odb.resume): re-partitions of this epoch's order across ranks, and the
-        # resume points of an IterableDataset with its own state (odb.data.stream_state), when it has one.
-        self.layers: List[Dict[str, Any]] = []
-        self.stream_marks: Any = stream_marks
-        self.step = 0
-        self.snapshot: Dict[str, Any] = {}  # state_dict() after the last planned window
-        self._since = 0
+        groups = WindowGroups(cfg, self.planner, self.pool, self.aligner, self.stats, self.budget,
+                              notices=notices if notices is not None else set(),  # warnings once per loader
+                              rank=self.rank, epoch=epoch, seed=seed, shuffle=shuffle)
+        # How windows are read and planned (odb.epoch.windows); step_plan="global": each optimizer step planned
+        # across ranks, samples moving between them unless they are dataset indices (move_samples=False: known
+        # lengths); drop_last keeps a partial last step's whole batches of the user's (batch_unit).
+        self.windows = window_strategy(groups, exchange, step_samples=step_samples, total=total,
+                                       drops=DropLast(drop_last, batch_unit), move_samples=move_samples,
+                                       register=self.register)
+        self.position = RunPosition(stream_marks)
+        self.emission = StepEmission()
         # Batches left to collate (LazyBatch) by whichever thread needs them first (odb.epoch.pipeline).
-        self.lazy = lazy
-        self._collate_lock = threading.Lock()
+        self.batches = BatchCollate(collate_fn, finalize, cfg.step_info_key, lazy=lazy)
 
     @property
     def finished(self) -> bool:
         """Every step of the epoch has been produced."""
-        return self.aligner.all_done and not self.pending and self.step_pos >= len(self.step_batches)
+        return self.aligner.all_done and self.emission.done
+
+    @property
+    def step(self) -> int:
+        """Steps made so far this epoch."""
+        return self.position.step
+
+    @property
+    def snapshot(self) -> Dict[str, Any]:
+        """The state after the last planned window (what the cursors of the batches since point to)."""
+        return self.position.snapshot
+
+    @property
+    def stream_marks(self) -> Any:
+        """The restart points of a stream with its own state (None without one)."""
+        return self.position.stream_marks
+
+    @property
+    def lazy(self) -> bool:
+        """Whether batches are collated lazily (odb.epoch.pipeline.LazyBatch)."""
+        return self.batches.lazy
 
     def close(self) -> None:
         self.source.close()
 
     # ---- resume ----------------------------------------------------------------------
     def take_snapshot(self) -> None:
-        if self.stream_marks is not None:
-            self._keep_ghost_recent()
-        self.snapshot, self._since = self.state_dict(), 0
-
-    def _keep_ghost_recent(self) -> None:
-        """A stream resumes from before the first sample its state holds, the ghost's included: keep the
-        ghost a copy of a held sample, so the stream's replay stays about a window long."""
-        low = self.pool.lowest()
-        if self.ghost is not None and low is not None and self.ghost[0] < low:
-            self.ghost = (low, copy.deepcopy(self.pool.sample(low)), self.pool.meta(low), self.pool.indices([low])[0])
+        if self.position.stream_marks is not None:
+            self.emission.keep_ghost_recent(self.pool)
+        self.position.mark(self.state_dict())
 
     def state_dict(self) -> Dict[str, Any]:
         """This epoch's state as plain data (between batches; O(samples held)), one part per unit: the run's
         own place in the epoch (``position``), the window planner's, the rank aligner's, the counters' and the
         window budget's (odb.epoch.run_state.RUN_KEYS)."""
-        # Micro-batches of the current optimizer step already emitted keep only their
-        # summaries (the loss-scale denominator needs them), not their samples.
-        micro = [step_row((plan, None) if k < self.step_pos else (plan, ids))
-                 for k, (plan, ids) in enumerate(self.step_batches)]
-        position = {"arrived": self.arrived, "planned_final": self.planned_final, "window_index": self.window_index,
-                    "step": self.step, "pending": [step_row(e) for e in self.pending], "micro": micro,
-                    "micro_pos": self.step_pos, "ghost": None if self.ghost is None else int(self.ghost[0]),
-                    "layers": self.layers, "stream": None, "step_tokens": None}
+        position = self.position.state_dict(self.emission.state_dict())
         state = {"position": position, "planner": self.planner.state_dict(), "aligner": self.aligner.state_dict(),
                  "stats": self.stats.state_dict(), "budget": self.budget.state_dict()}
-        if self.stream_marks is not None:  # the latest restart point of the stream before every retained sample
-            position["stream"] = self.stream_marks.cut(min(retained_positions(state), default=self.arrived))
+        self.position.cut_stream(state)
         return state
 
     def load_state_dict(self, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
@@ -146,211 +132,76 @@ class EpochRun:
         carry = np.asarray(state["planner"]["carry"], dtype=np.int64)
         self.planner.load_state_dict(state["planner"], self.pool.lengths(carry), self.pool.side(carry, self.aligner.side))
         position = state["position"]
-        if position["ghost"] is not None:
-            gid = int(position["ghost"])
-            index, sample, meta = samples[gid]
-            self.ghost = (gid, copy.deepcopy(sample), meta, int(index))  # the pool may emit the same sample
         emitted = set(samples) - set(int(i) for i in carry)
         for row in position["pending"] + position["micro"]:
             if row[0] is not None:
                 emitted -= set(int(i) for i in row[0])
         self.pool.forget(emitted)  # only the ghost's sample: it was emitted for real before
-        self.pending.extend(step_from_row(r) for r in position["pending"])
-        self.step_batches = [step_from_row(r) for r in position["micro"]]
-        self.step_pos = int(position["micro_pos"])
-        self.arrived = int(position["arrived"])
-        self.planned_final = bool(position["planned_final"])
+        self.emission.load_state_dict(position, samples)
+        self.position.load_state_dict(position)
         self.aligner.load_state_dict(state["aligner"])
-        self.window_index = int(position["window_index"])
-        self.step = int(position["step"])
-        self.layers = [dict(layer) for layer in position["layers"]]
         self.stats.load_state_dict(state["stats"])
         # Steps exchanged and not made yet: made and confirmed from here on.
-        self.aligner.expect_confirmations(len(self.pending) + len(self.step_batches) - self.step_pos)
+        self.aligner.expect_confirmations(self.emission.planned())
 
     def restore(self, state: Dict[str, Any], samples: Dict[int, Tuple[int, Any, Any]]) -> None:
         """``load_state_dict``, then the snapshot the next batches' cursors point to."""
         self.load_state_dict(state, samples)
         # The saved ghost stays: moving it here (take_snapshot) would pick another sample than the interrupted
         # run, whose next move comes with its next window, as the resumed run's does.
-        self.snapshot, self._since = self.state_dict(), 0
+        self.position.mark(self.state_dict())
 
     def register(self, sid: int, index: int, sample: Any, meta: Any) -> None:
         """Hold the sample at position ``sid`` of the epoch's order (dataset index ``index``)."""
         self.pool.add(sid, sample, meta, index)
-        if self.ghost is None and not self.aligner.local_only:
-            # A copy: the user's collate_fn may change the real sample when it is emitted.
-            self.ghost = (sid, copy.deepcopy(sample), meta, index)
+        if not self.aligner.local_only:
+            self.emission.offer_ghost(sid, sample, meta, index)
 
     # ---- window and plan -----------------------------------------------------------
-    def _remaining(self) -> Optional[int]:
-        return None if self.total is None else max(self.total - self.arrived, 0)
-
     def _read_window(self) -> Tuple[List[int], bool]:
-        if self.step_samples is not None:  # the next optimizer step's samples, exactly (fewer at the end)
-            records, ended = [], False
-            while len(records) < self.step_samples and not ended:
-                more, ended = self.source.take(self.step_samples - len(records), None)
-                records.extend(more)
-        else:
-            records, ended = self.source.take(*window_limits(self.cfg, self.stats.windows, self._remaining(),
-                                                              len(self.planner.carried_ids),
-                                                              self.planner.window_tokens))
+        records, ended = self.windows.read(self.source, self.position.arrived)
         ids = []
         for sid, index, sample, meta in records:
             self.register(int(sid), int(index), sample, meta)
-            self.arrived += 1
+            self.position.arrived += 1
             ids.append(int(sid))
         return ids, ended
 
     def _plan_next_window(self) -> List[Step]:
-        budget, alone = self.budget, self.aligner.local_only
-        planned = self.step + len(self.step_batches) - self.step_pos + len(self.pending)
-        self.planner.set_costs(budget.next_window(step=self.step, window_index=self.window_index, planned=planned,
-                                                  alone=alone))
-        self.aligner.pairing.freeze(budget.freeze_point(self.step))
-        if self.global_step is not None and not alone:
-            return self._plan_global_step(self.global_step, budget)
-        groups: List[np.ndarray] = []
-        if not self.planned_final:
-            ids, final = self._read_window()
-            groups = self._plan(ids, final)
-            self.planned_final = final
-        elif len(self.planner.carried_ids):  # groups deferred by the alignment after the data ended
-            groups = self._plan([], True)
-        self.window_index += 1
-        steps = self.aligner.align(groups, self.planned_final, self.window_index,
-                                   None if alone else budget.proposal())
-        budget.agreed(self.aligner.agreed_plan)
-        fit = self.aligner.last_fit
-        self.stats.deferred_groups += fit.deferred
-        self.stats.carry_groups += fit.from_carry
-        self.stats.split_groups += fit.split
-        return steps
-
-    def _plan_global_step(self, step: GlobalStep, budget: WindowBudget) -> List[Step]:
-        """The next optimizer step planned across ranks (odb.epoch.global_step): this rank's micro-batches."""
+        budget, alone, position = self.budget, self.aligner.local_only, self.position
+        self.planner.set_costs(budget.next_window(step=position.step, window_index=position.window_index,
+                                                  planned=position.step + self.emission.planned(), alone=alone))
+        self.aligner.pairing.freeze(budget.freeze_point(position.step))
         ids: List[int] = []
-        if not self.planned_final:
-            ids, self.planned_final = self._read_window()
-        self.window_index += 1
-        steps = step.plan(ids, self.planned_final, self.window_index, budget.proposal())
-        self.stats.windows += 1
+        fresh = not position.planned_final
+        if fresh:
+            ids, position.planned_final = self._read_window()
+        position.window_index += 1
+        steps = self.windows.plan(ids, fresh=fresh, final=position.planned_final, window_index=position.window_index,
+                                  alone=alone)
         budget.agreed(self.aligner.agreed_plan)
         return steps
-
-    def _plan(self, ids: List[int], final: bool) -> List[np.ndarray]:
-        cfg = self.cfg
-        patches = self.pool.side(ids, self.aligner.side)  # image patches and supervised tokens, when they count
-        lengths = self.pool.lengths(ids)
-        if len(lengths) and cfg.oversize != "skip":
-            self.budget.check_length(int(lengths.sum(axis=1).max()))  # refuses what no batch can hold (auto's cap)
-        if self.stats.windows == 0 and self.rank == 0:
-            self._note_one_length(lengths)
-        # The probe's window emits all it holds: its longest samples must not wait in the carry for a fuller batch.
-        probe = cfg.probe_worst_case and self.stats.windows == 0
-        step = self.step_samples is not None
-        kept = self.drops.kept(len(ids), self.step_samples) if step and final else len(ids)
-        if kept < len(ids):  # a partial last optimizer step: drop_last drops the user's partial batch (or all)
-            self.stats.dropped_samples += len(ids) - kept
-            self.pool.forget(ids[kept:])
-            ids, lengths = ids[:kept], lengths[:kept]
-            patches = None if patches is None else patches[:kept]
-        if step:
-            planned = self.planner.plan_step(np.array(ids, dtype=np.int64), lengths, patches)
-        else:
-            planned = self.planner.plan(np.array(ids, dtype=np.int64), lengths, patches, final=final or probe)
-        self.stats.windows += 1
-        groups = list(planned.groups)
-        for sid in planned.oversize.tolist():
-            groups.extend(self._oversize(sid))
-        if final and self.drop_last and not step:
-            keep = [g for g in groups if self.aligner.cost(g) >= 0.5 * self.planner.costs.total]
-            kept = {id(g) for g in keep}
-            for g in groups:
-                if id(g) not in kept:
-                    self.stats.dropped_samples += len(g)
-                    self.pool.forget(g)
-            groups = keep
-        return self._order(groups)
-
-    def _note_one_length(self, lengths: np.ndarray) -> None:
-        """Warn (once per loader) when every sample of the epoch's first window has one length: the batches
-        are then a fixed batch size's, and odb has nothing to group (e.g. run_clm.py's block_size chunks)."""
-        if "one_length" in self.notices or len(lengths) < ONE_LENGTH_MIN or (lengths != lengths[0]).any():
-            return
-        self.notices.add("one_length")
-        cost = self.planner.cost
-        fit = int(cost.copies_that_fit_unrounded(cost.pad(lengths[:1]))[0])
-        length = int(lengths[0, 0]) if lengths.shape[1] == 1 else tuple(int(v) for v in lengths[0])
-        what = "rows of" if self.cfg.layout == "packed" else "batches of"
-        warnings.warn(f"odb: all {len(lengths)} samples of the epoch's first window have length {length}, so odb "
-                      f"builds fixed {what} {fit} samples (token_budget={self.planner.costs.token_budget}), as a fixed batch "
-                      f"size would: there is nothing to group by length, and no padding to save. Samples cut to one "
-                      f"length (e.g. group_texts / block_size chunks of concatenated texts) leave odb nothing to "
-                      f"gain. Fix: tokenize without concatenating (one sample per text, truncated to a max_length), "
-                      f"so odb groups samples of different lengths; layout='packed' then also fills every row "
-                      f"without padding (docs/packing.md).", UserWarning, stacklevel=2)
-
-    def _oversize(self, sid: int) -> List[np.ndarray]:
-        lengths, _, patches = self.pool.meta(sid)
-        cfg, budget = self.cfg, self.planner.costs.token_budget
-        policy = self.budget.oversize(cfg.oversize, int(sum(lengths)))
-        if policy == "error":
-            if cfg.shape_buckets is not None:  # the rule is the buckets', not the budget alone
-                raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
-                                                  max(lengths), cfg.shape_buckets, budget))
-            raise ValueError(
-                f"sample {sid} has length {lengths if len(lengths) > 1 else lengths[0]}"
-                f"{f' and {patches} image patches' if cfg.image_patches_key else ''}, so alone it "
-                f"exceeds token_budget={budget}"
-                f"{f' / max_image_patches={cfg.max_image_patches}' if cfg.image_patches_key else ''}. "
-                f"Rule: oversize='error' refuses such samples. Fix: raise token_budget, truncate samples "
-                f"(e.g. tokenizer max_length), or pass oversize='alone' (own batch) or 'skip'.")
-        if policy == "alone":
-            self.stats.oversize_alone += 1
-            return [np.array([sid], dtype=np.int64)]
-        self.stats.oversize_skipped += 1
-        self.pool.forget([sid])
-        return []
-
-    def _order(self, groups: List[np.ndarray]) -> List[np.ndarray]:
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, self.epoch, self.stats.windows])
-            groups = [groups[k] for k in rng.permutation(len(groups))]
-        else:
-            groups = sorted(groups, key=self.pool.first_position)
-        if self.cfg.probe_worst_case and self.stats.windows == 1 and groups:
-            worst = max(range(len(groups)), key=lambda k: (self.pool.longest(groups[k]),
-                                                           self.aligner.cost(groups[k])))
-            groups.insert(0, groups.pop(worst))
-        return groups
 
     # ---- emitting ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Tuple[Any, Cursor]]:
-        # global_batch_size: an optimizer step is one window's steps, however many; else k micro-batches
-        k = self.cfg.gradient_accumulation_steps if self.step_samples is None else None
+        k = self.windows.micro_steps  # micro-batches of an optimizer step (None: a window's steps, however many)
+        emission = self.emission
         held: List[Tuple[Any, Cursor]] = []  # batches made, not yet confirmed by every rank
         while True:
-            if self.step_pos >= len(self.step_batches):
+            if emission.step_over:
                 yield from self._confirmed(held)  # before planning: the next exchange may be a header
                 planned = False
-                while (len(self.pending) < k if k is not None else not self.pending) and not self.aligner.all_done:
-                    self.pending.extend(self._plan_next_window())
+                while emission.wants(k) and not self.aligner.all_done:
+                    emission.add(self._plan_next_window())
                     planned = True
                 if planned:
                     self.take_snapshot()
-                if not self.pending:
+                if not emission.pending:
                     break
-                take = len(self.pending) if k is None else min(k, len(self.pending))
-                self.step_batches = [self.pending.popleft() for _ in range(take)]
-                self.step_pos = 0
-            j = self.step_pos
-            self.step_pos += 1
-            plan, ids = self.step_batches[j]
-            batch = self._make_batch(plan, ids, [p for p, _ in self.step_batches], j)
-            self._since += 1
-            held.append((batch, Cursor(self.snapshot, self._since, dataclasses.replace(self.stats))))
+                emission.start_step(k)
+            plan, ids, micro, j = emission.next_micro()
+            batch = self._make_batch(plan, ids, micro, j)
+            held.append((batch, self.position.cursor(self.stats)))
             if len(held) >= self.aligner.confirm_every:
                 yield from self._confirmed(held)
         yield from self._confirmed(held)
@@ -368,7 +219,7 @@ class EpochRun:
     def _warn_at_end(self) -> None:
         fill = self.stats.padded_tokens / max(self.stats.steps * self.planner.costs.total, 1)
         if self.world_size > 1 and self.stats.steps >= 10 and fill < 0.5 and not self.budget.learns() and \
-                self.step_samples is None:  # (auto: it moves; global_batch_size: a step's samples set the fill)
+                self.windows.fill_warning:  # (auto: it moves; global_batch_size: a step's samples set the fill)
             warnings.warn(f"odb rank {self.rank}: batches filled only {fill:.0%} of token_budget on "
                           f"average in epoch {self.epoch} (split groups: {self.stats.split_groups}, ghost steps: "
                           f"{self.stats.ghost_steps}): this rank's shard holds far fewer tokens than others'. "
@@ -381,11 +232,12 @@ class EpochRun:
     def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], micro: List[StepPlan], j: int) -> Any:
         ghost = plan.group is None
         if ghost:
-            if self.ghost is None:
+            copied = self.emission.ghost
+            if copied is None:
                 raise RuntimeError("odb must emit a ghost batch on a rank that received no sample this epoch. "
                                    "Fix: give every rank at least one sample (shard the data so no rank is empty).")
-            ids = np.array([self.ghost[0]])
-            samples, metas = [self.ghost[1]], [self.ghost[2]]
+            ids = np.array([copied[0]])
+            samples, metas = [copied[1]], [copied[2]]
             indices: List[int] = []
         else:
             ids = group
@@ -395,17 +247,18 @@ class EpochRun:
         real = int(lengths.sum())
         padded = self.planner.cost.group_tokens(lengths)
         local_loss = 0 if ghost else plan.local_loss_tokens
+        step = self.position.step
         if not ghost:
-            self.budget.made(self.step, lengths, metas, self.planner.cost)
+            self.budget.made(step, lengths, metas, self.planner.cost)
         info = ODBStepInfo(
-            step=self.step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
+            step=step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
             all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,
             global_loss_tokens=sum(p.global_loss_tokens for p in micro), real_tokens=0 if ghost else real,
             padded_tokens=padded, loss_scale=0.0 if ghost else self._scale(plan, micro),
             is_ghost=ghost, world_size=self.world_size, micro_step=j, micro_steps=len(micro),
             sample_ids=tuple(indices), buffered_samples=len(self.pool),
             rank_imbalance=plan.imbalance)
-        self.step += 1
+        self.position.step += 1
         st = self.stats
         st.steps += 1
         st.buffered_max = max(st.buffered_max, len(self.pool))
@@ -418,15 +271,7 @@ class EpochRun:
         st.real_tokens += info.real_tokens
         st.padded_tokens += padded
         st.loss_tokens += local_loss
-        if self.lazy:
-            return LazyBatch(samples, info, self._finish, self._collate_lock)
-        return self._finish(samples, info)
-
-    def _finish(self, samples: List[Any], info: ODBStepInfo) -> Any:
-        batch = self._collate(samples)
-        if self._finalize is not None:
-            batch = self._finalize(batch)
-        return attach_step_info(batch, info, self.cfg.step_info_key)
+        return self.batches.make(samples, info)
 
     def _scale(self, plan: StepPlan, micro: List[StepPlan]) -> float:
         """The loss scale of one micro-batch of the optimizer step ``micro`` (odb.step_info.loss_scale)."""
