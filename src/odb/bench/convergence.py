@@ -525,7 +525,7 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8") -> List[Dict[str, An
 
 CAP = 4096
 BASE_LR = 3e-3  # every arm's learning rate (AdamW, constant)
-# The full run (20 min on 2 cores under a load average of 8-10, published 2026-11-27; idle cores: unmeasured)
+# The full run (10.7 min on 2 cores at commit 9dc16cd, load average 1.5 at its start, published 2026-11-28)
 # and the smoke test's (structure only, its figures mean nothing).
 SIZES: Dict[str, Dict[str, Any]] = {
     "full": {"workload": "heavy-tailed", "samples": 384, "epochs": 2, "evals": 6, "rounds": 3,
