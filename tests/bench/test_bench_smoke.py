@@ -15,7 +15,8 @@ import transformers  # noqa: F401  (its samplers and models)
 
 import odb
 from odb.bench.planning import batch_metrics, odb_configs, odb_loader_run, time_planner
-from odb.bench.report import _met, goals
+from odb.bench.report import goals
+from odb.bench.verdict import verdict
 from odb.bench.workloads import encoder_decoder_lengths, lognormal_lengths, pareto_lengths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -124,9 +125,9 @@ def test_outputs_written(bench):
     start = lines.index("== Goals") + 2  # past the table's header line
     rows = lines[start:start + len(expected) + 1]
     assert len(rows) == len(expected) + 1 and not rows[-1].strip(), "the goals table has another number of rows"
-    for row, (name, measured, target, ok) in zip(rows, expected):
+    for row, (name, measured, target, ok, straddles) in zip(rows, expected):
         assert row.strip().startswith(name) and measured in row and target in row, (row, name)
-        assert row.rstrip().endswith("  " + _met(ok)), (row, ok)
+        assert row.rstrip().endswith("  " + verdict(ok, straddles)), (row, ok)
     assert results["meta"]["quick"] is True
     assert not missing_citations(summary, str(out)), "the summary cites files that do not exist"
 

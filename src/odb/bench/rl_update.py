@@ -53,6 +53,7 @@ UPDATE_QUICK = dict(UPDATE, rows=8, prompt=(24, 0.5, 4, 48), completion=(32, 1.0
                                max_position_embeddings=256), steps=1, rounds=1)
 WORLD = 2
 PADDING_MAX, TIME_RATIO_MAX, GRAD_GAP_MAX = 0.15, 0.6, 1e-5
+PACKED_PADDING_MAX = 0.02  # the goal for packed rows (not implemented for GRPO yet)
 
 # ---- 2. planning only -------------------------------------------------------------------------------------
 PLAN = dict(rows=64, generations=8, prompt=(256, 0.7, 16, 1024), completion=(700, 1.0, 4096), trl_rows=4)
@@ -143,7 +144,7 @@ def goals(result: Dict[str, Any]) -> List[Dict[str, Any]]:
         _goal(f"rl_update ({where}): odb padded, padding share", f"{pad:.3f} (TRL as is {trl['padding_share']:.3f})",
               f"<= {PADDING_MAX}", pad <= PADDING_MAX),
         _goal("rl_update: odb packed, padding share", "not implemented for GRPO (enable_odb runs padded "
-              "micro-batches only)", f"<= {PADDING_MAX}", None),
+              "micro-batches only)", f"<= {PACKED_PADDING_MAX}", None),
         _goal(f"rl_update ({where}): update seconds, odb / TRL at equal rollouts",
               f"{u['ratio']:.2f}" + spread_text(u["ratio_spread"]), f"<= {TIME_RATIO_MAX}",
               u["ratio"] <= TIME_RATIO_MAX, u["ratio_spread"], TIME_RATIO_MAX),
