@@ -102,7 +102,7 @@ venv-min: $(STAMP_MIN)
 # workers exiting), the rest of tests/bench (the benchmark's own correctness: `make demo` runs on the pins), and
 # the static checks of tests/project (import layers, the options page, the agent skill's text). The doc snippets
 # and the examples still run here: they exercise the integrations on the floors.
-MIN_SKIPPED := --ignore=tests/integrations/test_trl.py --ignore=tests/integrations/test_trl_refusals.py --ignore=tests/bench --ignore=tests/project/test_layers.py \
+MIN_SKIPPED := --ignore=tests/integrations/test_trl.py --ignore=tests/integrations/test_trl_refusals.py --ignore=tests/integrations/test_trl_preference.py --ignore=tests/integrations/test_trl_grpo.py --ignore=tests/bench --ignore=tests/project/test_layers.py \
 	--ignore=tests/project/test_options_doc.py --ignore=tests/project/test_agent_skills.py
 
 test-min: $(STAMP_MIN)
