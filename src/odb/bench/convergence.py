@@ -55,12 +55,16 @@ from odb.bench.training_run import _autocast, _counts, _reduce, build_model, wra
 
 ARMS = ("fixed", "group_by_length", "batch_rebalance", "trl_packing", "odb_padded", "odb_packed",
         "odb_budget_filled")
-SAME_UPDATES = ("fixed", "group_by_length", "batch_rebalance", "odb_padded", "odb_packed")  # exactly G per step
-ODB = ("odb_padded", "odb_packed", "odb_budget_filled")
+SAME_UPDATES = ("fixed", "group_by_length", "batch_rebalance", "odb_padded", "odb_packed",
+                "odb_padded_rank")  # exactly G per step
+ODB = ("odb_padded", "odb_packed", "odb_budget_filled", "odb_padded_rank")
+# Arms a run may ask for by name (params["arms"]) beside the default ones: odb padded with each rank cutting its
+# own share (step_plan="rank"), to set against the default step planned across ranks.
+EXTRA_ARMS = ("odb_padded_rank",)
 ATTENTION = {"trl_packing": PACKED_ATTN, "odb_packed": PACKED_ATTN}
 LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
           "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
-          "odb_budget_filled": "odb budget-filled"}
+          "odb_budget_filled": "odb budget-filled", "odb_padded_rank": "odb padded, per-rank plan"}
 
 FLOAT_TOLERANCE = 1e-4  # of the loss-per-step comparison, beside the rounds' spread: float32 sums in another order
 Micro = Dict[str, Any]  # {"batch", "scale" (None: from the step's token count), "samples", "ghost"}
@@ -153,7 +157,7 @@ class _Arm:
         self.lengths: List[int] = dataset.lengths.tolist()
         self.wait = 0.0  # seconds in next(loader) this epoch (rank 0's is reported)
         self.settings = ""
-        if arm in ("fixed", "odb_padded", "odb_packed", "odb_budget_filled"):
+        if arm in ("fixed",) + ODB:
             self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
         if arm == "fixed":
             self.loader: Any = DataLoader(dataset, batch_size=b, sampler=self.sampler, collate_fn=pad_collate)
@@ -185,7 +189,10 @@ class _Arm:
                                  "budget-filled steps (more samples per update), same learning rate")
             else:
                 options["global_batch_size"] = self.g
+                if arm == "odb_padded_rank":
+                    options["step_plan"] = "rank"
                 self.settings = (f"ODBDataLoader(token_budget={cap}, global_batch_size={self.g}"
+                                 + (", step_plan='rank'" if arm == "odb_padded_rank" else "")
                                  + (", layout='packed'), odb_varlen" if arm == "odb_packed" else ")")
                                  + ", the DistributedSampler of fixed")
             self.loader = odb.ODBDataLoader(dataset, token_budget=cap, sampler=self.sampler, seed=seed, **options)
