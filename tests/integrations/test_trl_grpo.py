@@ -43,10 +43,15 @@ def check_pair(ref, odb, what) -> None:
     for a, b in zip(ref["losses"], odb["losses"]):  # the loss the Trainer logs is TRL's too
         assert abs(a - b) <= EXACT * max(1.0, abs(a)), what
     assert odb["micro_steps"] > odb["slices"] > 0, f"odb cut nothing: {what}"
-    for rows, prompt, completion in odb["micro_batches"]:
-        assert rows * (prompt + completion) <= odb["budget"], (rows, prompt, completion, what)
+    for rows, prompt, completion, tokens in odb["micro_batches"]:
+        # within the budget, and never more than TRL's layout of the same rows (its longest prompt + completion)
+        assert tokens <= odb["budget"] and tokens <= rows * (prompt + completion), (rows, prompt, completion, what)
     assert odb["slice_tokens"] == ref["slice_tokens"]  # the same slices were handed to the loss...
     assert odb["padded"] < ref["slice_tokens"], what   # ...and odb trained on fewer padded tokens
+    if "packed" in what:  # packed rows: the model ran the rollouts' tokens and nothing else
+        assert odb["padded"] == odb["real"], what
+    else:
+        assert odb["padded"] >= odb["real"], what
 
 
 CASES = {
@@ -67,6 +72,12 @@ CASES = {
     "rloo_kl_iterations": dict(trainer="rloo", beta=0.1, num_iterations=2, max_steps=3),
     # steps_per_generation=4 with 2 accumulation steps: one generation spans two optimizer steps
     "grpo_steps_per_generation": dict(loss_type="grpo", steps_per_generation=4, max_steps=3),
+    # packed rows (one row of rollouts per micro-batch, odb's per-sample attention): the same gradients
+    "grpo_packed": dict(loss_type="grpo", layout="packed"),
+    "bnpo_kl_entropy_packed": dict(loss_type="bnpo", beta=0.1, args={"entropy_coef": 0.5}, layout="packed"),
+    "dapo_iterations_packed": dict(loss_type="dapo", num_iterations=2, layout="packed"),
+    "dr_grpo_packed": dict(loss_type="dr_grpo", layout="packed"),
+    "rloo_packed": dict(trainer="rloo", layout="packed"),
 }
 
 
@@ -83,12 +94,13 @@ def test_the_gradient_is_trls_for_every_loss_type(tmp_path, case):
 
 @pytest.mark.dist
 def test_two_ranks_run_the_same_micro_steps_and_get_trls_gradient(tmp_path):
-    runs = [dict(CASES["grpo_kl_entropy"], budget=BUDGET), dict(CASES["dapo_iterations"], budget=BUDGET)]
+    runs = [dict(CASES["grpo_kl_entropy"], budget=BUDGET), dict(CASES["dapo_iterations"], budget=BUDGET),
+            dict(CASES["grpo_packed"], budget=BUDGET)]
     ranks = run_ranks("trl_rl_workers:suite_ranks", 2, {"runs": runs, "out": str(tmp_path / "o")}, tmp_path / "h",
                       deadline_s=280)
     for k, run in enumerate(runs):
         for rank, r in enumerate(ranks):
-            check_pair(r[k]["ref"], r[k]["odb"], f"rank {rank}, {run}")
+            check_pair(r[k]["ref"], r[k]["odb"], f"rank {rank}, {run}" + (" packed" if run.get("layout") else ""))
         # One plan for both ranks: the same micro-steps with the same rows each (DDP and TRL's gathers line up),
         # though each rank cuts its own rollouts.
         assert ranks[0][k]["odb"]["plans"] == ranks[1][k]["odb"]["plans"]
@@ -143,7 +155,8 @@ def test_a_subclass_with_its_own_loss_is_refused(tmp_path):
     (lambda t: odb_trl.enable_odb(odb_trl.enable_odb(t, token_budget=BUDGET), token_budget=BUDGET),
      "already enabled"),
     (lambda t: odb_hf.enable_odb(t, token_budget=BUDGET), "Fix: call odb.integrations.trl.enable_odb"),
-], ids=["budget_below_a_completion", "bool_budget", "loader_options", "twice", "hf_enable_odb"])
+    (lambda t: odb_trl.enable_odb(t, token_budget=BUDGET, layout="rows"), "layout='rows' for GRPOTrainer"),
+], ids=["budget_below_a_completion", "bool_budget", "loader_options", "twice", "hf_enable_odb", "layout"])
 def test_wrong_calls_name_the_value_and_the_fix(tmp_path, call, words):
     trainer = R.build(dict(loss_type="grpo"), str(tmp_path), R.GradRecorder())
     with pytest.raises((TypeError, ValueError)) as refused:

@@ -102,7 +102,7 @@ def train_arm(p: Dict[str, Any], out: str, budget: Any) -> Dict[str, Any]:
     recorder = GradRecorder()
     trainer = build(p, out, recorder)
     if budget is not None:
-        odb_trl.enable_odb(trainer, token_budget=budget)
+        odb_trl.enable_odb(trainer, token_budget=budget, layout=p.get("layout", "padded"))
     losses: List[float] = []
     slices: List[int] = []  # padded tokens of every training slice TRL hands the loss (rows x its widths)
     step, loss_of = trainer.training_step, trainer.compute_loss
@@ -128,6 +128,7 @@ def train_arm(p: Dict[str, Any], out: str, budget: Any) -> Dict[str, Any]:
             "micro_batches": list(odb.recent) if odb is not None else [],
             "micro_steps": odb.micro_steps if odb is not None else 0, "slices": odb.slices if odb is not None else 0,
             "padded": odb.padded_tokens if odb is not None else 0, "budget": budget,
+            "real": odb.real_tokens if odb is not None else 0,
             "plans": [list(p.sizes) for p in odb.plans] if odb is not None else [],
             "logs": list(trainer.state.log_history)}
 

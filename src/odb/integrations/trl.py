@@ -31,7 +31,8 @@ Refused, with the reason and the fix: ``packing=True`` (rows of ``max_length`` b
 before odb sees them) and odb options that contradict the collator.
 
 TRL's ``GRPOTrainer`` and ``RLOOTrainer`` keep their sampler and generation: odb cuts their
-policy update into token-budget micro-batches (``odb.integrations.trl_rl``, token_budget only).
+policy update into token-budget micro-batches, padded or packed (``odb.integrations.trl_rl``:
+``token_budget``, ``layout`` and ``packed_attention`` only).
 
 TRL's ``DPOTrainer`` and ``RewardTrainer`` train exactly too: a preference pair is one
 sample budgeted as the two rows it collates to, and the loss is weighted per pair
@@ -67,7 +68,8 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
 
     The same as ``odb.integrations.hf.enable_odb`` (which applies TRL's rules too), but
     refuses a trainer that is not one of those. A ``GRPOTrainer`` or ``RLOOTrainer`` goes to
-    ``odb.integrations.trl_rl.enable_odb_rl`` (token_budget only): its policy update is cut by tokens.
+    ``odb.integrations.trl_rl.enable_odb_rl`` (``token_budget``, ``layout``, ``packed_attention``): its
+    policy update is cut by tokens.
 
     Example:
         >>> enable_odb(object(), token_budget=4096)  # doctest: +ELLIPSIS
@@ -76,12 +78,14 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
         TypeError: odb.integrations.trl.enable_odb got object, not a trl.SFTTrainer, DPOTrainer or RewardTrainer. ...
     """
     if is_rl_trainer(trainer):  # GRPO, RLOO: odb cuts the policy update; TRL keeps its sampler (trl_rl)
-        extra = sorted(odb_options) + [k for k, v in (("config", config), ("lengths", lengths)) if v is not None]
+        extra = sorted(set(odb_options) - {"layout"})
+        extra += [k for k, v in (("config", config), ("lengths", lengths)) if v is not None]
         if extra:
             raise TypeError(f"odb.integrations.trl.enable_odb got {extra} for {type(trainer).__name__}, which takes "
-                            f"token_budget only: odb cuts its policy update, not its loader. Fix: pass token_budget "
-                            f"alone (odb.integrations.trl_rl.enable_odb_rl).")
-        return enable_odb_rl(trainer, token_budget)
+                            f"token_budget, layout and packed_attention only: odb cuts its policy update, not its "
+                            f"loader. Fix: pass those alone (odb.integrations.trl_rl.enable_odb_rl).")
+        return enable_odb_rl(trainer, token_budget, layout=odb_options.get("layout", "padded"),
+                             packed_attention=packed_attention)
     check_trl_trainer(trainer)  # TRL's other trainers, each with its reason
     sft = sys.modules.get(_SFT_MODULE)
     if (sft is None or not isinstance(trainer, sft.SFTTrainer)) and pair_trainer(trainer) is None:

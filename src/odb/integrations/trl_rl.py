@@ -4,8 +4,12 @@ TRL's sampler, generation, rewards, advantages and group structure stay TRL's. T
 hands each training step its slice of the generation batch (``steps_per_generation``
 equal slices, reused ``num_iterations`` times); odb replaces the one forward and backward
 pass over that slice, padded to the generation batch's longest prompt and completion, by
-as many passes as the rows need: micro-batches under ``token_budget`` padded tokens, each
-trimmed to its own longest prompt and completion. TRL's own ``compute_loss`` runs on each
+as many passes as the rows need: micro-batches under ``token_budget`` tokens, each run
+without the gap TRL leaves between a short prompt and its completion
+(``odb.integrations.trl_rl_forward``): ``layout="padded"`` right-pads each row to the
+micro-batch's longest prompt plus completion, ``layout="packed"`` runs the micro-batch's
+rollouts as one packed row (no padding; the model is switched to odb's per-sample
+attention and probed, as for SFT's packed rows). TRL's own ``compute_loss`` runs on each
 micro-batch, times the factor that makes it that micro-batch's share of TRL's loss on the
 slice (``odb.integrations.trl_rl_loss``): the gradient and the reported loss are TRL's, for
 every ``loss_type``, with the KL term, the entropy bonus and the importance ratios.
@@ -34,19 +38,26 @@ import numpy as np
 
 from odb.comm.dist import GroupExchanges, world
 from odb.comm.protocol import RankExchange
+from odb.integrations.trl_rl_forward import RolloutForward
 from odb.integrations.trl_rl_loss import RL_MODULES, SliceNormaliser, check_rl_settings, loss_mask
 from odb.integrations.trl_rl_rows import check_rollout_keys, rollout_lengths, take_rows
-from odb.plan.rollout_plan import RolloutPlan, plan_rollout_steps
+from odb.plan.rollout_plan import ROLLOUT_LAYOUTS, RolloutPlan, plan_rollout_steps
 
 __all__ = ["RolloutMicroSteps", "enable_odb_rl", "is_rl_trainer"]
 
 _RECENT = 1024  # micro-batch shapes kept for inspection (tests, debugging)
 
 
-def enable_odb_rl(trainer: Any, token_budget: int, *, exchange_timeout_s: float = 1800.0) -> Any:
+def enable_odb_rl(trainer: Any, token_budget: int, *, layout: str = "padded", packed_attention: str = "odb_varlen",
+                  exchange_timeout_s: float = 1800.0) -> Any:
     """Cut a TRL ``GRPOTrainer``'s or ``RLOOTrainer``'s policy update into micro-batches of at most
-    ``token_budget`` padded tokens, in place; returns the trainer (``trainer.odb_rl`` holds the
+    ``token_budget`` tokens, in place; returns the trainer (``trainer.odb_rl`` holds the
     ``RolloutMicroSteps``). Call it on every rank, before ``train()``.
+
+    ``layout``: ``"padded"`` (rows right-padded to the micro-batch's longest rollout) or
+    ``"packed"`` (one packed row per micro-batch: the model must keep packed samples apart;
+    ``packed_attention`` as in ``odb.packed.models.prepare_packed_model``: ``"odb_varlen"``
+    switches an ``sdpa``/``eager`` model to odb's per-sample attention, ``"model"`` keeps its own).
 
     Settings whose loss odb cannot split exactly are refused (``ValueError`` naming the setting,
     the reason and the fix; ``odb.integrations.trl_rl_loss.check_rl_settings``).
@@ -70,7 +81,15 @@ def enable_odb_rl(trainer: Any, token_budget: int, *, exchange_timeout_s: float 
     if isinstance(getattr(trainer, "odb_rl", None), RolloutMicroSteps):
         raise ValueError(f"odb is already enabled on this {name} (trainer.odb_rl). Rule: enable it once. Fix: drop "
                          f"the second call, or build a new trainer for another token_budget.")
-    steps = RolloutMicroSteps(trainer, name, kind, int(token_budget), exchange_timeout_s)
+    if layout not in ROLLOUT_LAYOUTS:
+        raise ValueError(f"odb got layout={layout!r} for {name}. Rule: one of {ROLLOUT_LAYOUTS}. Fix: pass "
+                         f"layout='padded' (default) or layout='packed'.")
+    if layout == "packed":
+        from odb.packed.models import prepare_packed_model
+
+        policy = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+        prepare_packed_model(policy, attention=packed_attention)  # refuses a model that mixes packed samples
+    steps = RolloutMicroSteps(trainer, name, kind, int(token_budget), exchange_timeout_s, layout)
     trainer.odb_rl = steps
     trainer.compute_loss = steps.compute_loss  # the Trainer's training_step calls it, then backward on its loss
     return trainer
@@ -83,17 +102,22 @@ class RolloutMicroSteps:
     rows with every rank, runs TRL's loss and a backward pass on every micro-batch but the
     last (under ``no_sync``), and returns the sum of their detached losses plus the last one's:
     the Trainer's own backward on it completes the step. ``recent``: (rows, prompt width,
-    completion width) of the last micro-batches run, ``plans`` the last slices' plans;
-    ``micro_steps``, ``slices``, ``padded_tokens`` and ``real_tokens`` count all of them.
+    completion width, tokens run) of the last micro-batches, ``plans`` the last slices' plans;
+    ``micro_steps``, ``slices``, ``padded_tokens`` (the tokens the model ran, padding included)
+    and ``real_tokens`` count all of them.
     """
 
-    def __init__(self, trainer: Any, name: str, kind: str, token_budget: int, exchange_timeout_s: float) -> None:
+    def __init__(self, trainer: Any, name: str, kind: str, token_budget: int, exchange_timeout_s: float,
+                 layout: str = "padded") -> None:
         self.trainer, self.name, self.kind = trainer, name, kind
         self.token_budget, self.exchange_timeout_s = token_budget, float(exchange_timeout_s)
         self.pad_to_multiple_of = int(getattr(trainer, "pad_to_multiple_of", None) or 1)
+        self.layout = layout
+        pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
+        self.forward = RolloutForward(layout, self.pad_to_multiple_of, int(pad_id or 0))
         self.original = trainer.compute_loss
         self.exchange: Optional[RankExchange] = None
-        self.recent: Deque[Tuple[int, int, int]] = collections.deque(maxlen=_RECENT)
+        self.recent: Deque[Tuple[int, int, int, int]] = collections.deque(maxlen=_RECENT)
         self.micro_steps = self.slices = self.padded_tokens = self.real_tokens = 0
         self.plans: Deque[RolloutPlan] = collections.deque(maxlen=_RECENT)
 
@@ -113,10 +137,12 @@ class RolloutMicroSteps:
         for step in range(plan.steps):
             prompt_width, completion_width = (int(w) for w in plan.widths[rank, step])
             piece = take_rows(inputs, plan.rows(rank, step), prompt_width, completion_width)
-            self._count(piece)
             last = step == plan.steps - 1
+            ran = self.forward.tokens
             with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model):
-                loss = self._piece_loss(model, piece, normaliser, num_items_in_batch)
+                with self.forward.swapped_in(trainer):
+                    loss = self._piece_loss(model, piece, normaliser, num_items_in_batch)
+                self._count(piece, self.forward.tokens - ran)
                 if not last:
                     trainer.accelerator.backward(loss / divide)
                     done.append(loss.detach())
@@ -143,7 +169,8 @@ class RolloutMicroSteps:
             prompt_all, completion_all = both[:, 0], both[:, 1]
         else:
             prompt_all, completion_all = prompt[None], completion[None]
-        plan = plan_rollout_steps(prompt_all, completion_all, self.token_budget, self.pad_to_multiple_of)
+        plan = plan_rollout_steps(prompt_all, completion_all, self.token_budget, self.pad_to_multiple_of,
+                                  layout=self.layout)
         self.plans.append(plan)
         return plan
 
@@ -168,12 +195,12 @@ class RolloutMicroSteps:
                 logged[-1] = coef
         return loss * policy
 
-    def _count(self, piece: Dict[str, Any]) -> None:
+    def _count(self, piece: Dict[str, Any], tokens: int) -> None:
         rows, width_p, width_c = (int(piece["prompt_ids"].shape[0]), int(piece["prompt_ids"].shape[1]),
                                   int(piece["completion_ids"].shape[1]))
-        self.recent.append((rows, width_p, width_c))
+        self.recent.append((rows, width_p, width_c, int(tokens)))
         self.micro_steps += 1
-        self.padded_tokens += rows * (width_p + width_c)
+        self.padded_tokens += int(tokens)
         self.real_tokens += int(piece["prompt_mask"].sum().item()) + int(loss_mask(piece).sum().item())
 
     def _log(self, plan: RolloutPlan, rank: int) -> None:
