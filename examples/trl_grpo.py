@@ -3,14 +3,16 @@
     python examples/trl_grpo.py
     python examples/trl_grpo.py --loss-type grpo --beta 0.05     # another loss, with a KL to a reference model
     python examples/trl_grpo.py --rloo                           # TRL's RLOOTrainer
+    python examples/trl_grpo.py --packed                         # packed micro-batches: no padding at all
     torchrun --nproc_per_node=2 examples/trl_grpo.py            # DDP; on CPU the ranks talk over gloo
 
 TRL samples prompts, generates completions, scores them and computes advantages as it
 always does. Each training step TRL hands its slice of the generation batch to the loss;
 ``enable_odb`` (odb.integrations.trl_rl) cuts that slice into micro-batches of at most
-``--token-budget`` padded tokens, each trimmed to its own longest prompt and completion,
-and runs TRL's own loss and a backward pass on each: the gradient is TRL's, on fewer padded
-tokens. The reward here is a toy one (distinct words, minus a little per word) so the
+``--token-budget`` tokens, runs each row without the gap TRL leaves between a short prompt
+and its completion (rows right-padded to the micro-batch's longest, or packed into one row
+with ``--packed``), and runs TRL's own loss and a backward pass on each: the gradient is
+TRL's, on fewer padded tokens. The reward here is a toy one (distinct words, minus a little per word) so the
 example runs offline in seconds; the tokenizer is trained on generated sentences.
 """
 
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--loss-type", default="dapo", help="GRPO's loss_type (TRL's default: dapo)")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a reference model when > 0)")
     parser.add_argument("--rloo", action="store_true", help="TRL's RLOOTrainer instead of GRPOTrainer")
+    parser.add_argument("--packed", action="store_true", help="packed micro-batches (layout='packed')")
     parser.add_argument("--out", default="out/trl_grpo")
     opts = parser.parse_args()
 
@@ -64,13 +67,13 @@ def main() -> None:
     else:
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(loss_type=opts.loss_type, **common),
                               train_dataset=prompts, processing_class=tokenizer)
-    enable_odb(trainer, token_budget=opts.token_budget)
+    enable_odb(trainer, token_budget=opts.token_budget, layout="packed" if opts.packed else "padded")
     result = trainer.train()
     if trainer.is_world_process_zero():
         odb = trainer.odb_rl
         print(f"{result.global_step} optimizer steps, train loss {result.training_loss:.4f}")
         print(f"{odb.slices} training slices cut into {odb.micro_steps} micro-batches on rank 0; padded tokens "
-              f"{odb.padded_tokens} (real {odb.real_tokens}), budget {odb.token_budget}")
+              f"{odb.padded_tokens} (real {odb.real_tokens}), budget {odb.token_budget}, layout {odb.layout!r}")
 
 
 if __name__ == "__main__":

@@ -73,8 +73,11 @@ def test_every_planning_arm_keeps_the_rows_and_the_budget(world):
         assert fig["plan_ms"] >= 0
     assert plan_step(rows, "trl", budget, 256.0, 4)["micro_steps"] == 8
     assert plan_step(rows, "odb_rollout", budget, 256.0, 4)["moved"] == 0.0
-    for arm in ("verl", "odb_global_packed"):
+    for arm in ("verl", "odb_global_packed", "odb_rollout_packed"):
         assert plan_step(rows, arm, budget, 256.0, 4)["padding_share"] == 0.0
+    # odb runs a row without the gap between its prompt and its completion: less padding than TRL's layout
+    assert plan_step(rows, "odb_rollout", budget, 256.0, 4)["padding_share"] < plan_step(
+        rows, "trl", budget, 256.0, 4)["padding_share"]
 
 
 def test_trl_slices_pad_every_slice_to_the_rank_widths():
@@ -134,10 +137,11 @@ def test_the_quick_section_runs_and_yields_every_figure():
     u = result["update"]
     assert u["world"] == 2 and "fallback" not in u
     assert u["same_rows"] and u["grad_rel_gap"] < 1e-5  # the same rollouts reached both arms, the same gradient
-    trl, odb = u["arms"]["trl"], u["arms"]["odb"]
-    assert 0 < odb["padding_share"] < trl["padding_share"] < 1
-    assert odb["max_micro_batch_tokens"] <= u["settings"]["budget"] >= trl["max_micro_batch_tokens"]
-    for arm in (trl, odb):
+    trl, odb, packed = u["arms"]["trl"], u["arms"]["odb"], u["arms"]["odb_packed"]
+    assert 0 < odb["padding_share"] < trl["padding_share"] < 1 and packed["padding_share"] == 0.0
+    for arm in (odb, packed):
+        assert arm["max_micro_batch_tokens"] <= u["settings"]["budget"] >= trl["max_micro_batch_tokens"]
+    for arm in (trl, odb, packed):
         assert arm["micro_steps_per_step"] >= 1 and arm["update_s"]["median"] > 0 and 0 <= arm["prompt_padding_share"]
     assert u["ratio"] > 0 and u["ratio_spread"] is not None
     assert "odb_real_tokens_mismatch" not in u
@@ -146,6 +150,6 @@ def test_the_quick_section_runs_and_yields_every_figure():
     for fig in cell["arms"].values():
         assert {"ddp", "fsdp", "padding_share", "micro_steps", "plan_ms", "moved"} <= set(fig)
     names = [g.goal for g in goals({"rl_update": result})]
-    assert len(names) == 5 and any("odb / TRL" in n for n in names)
+    assert len(names) == 6 and any("odb packed / TRL" in n for n in names)
     text = render({"rl_update": result}, markdown=True)
     assert "GRPO policy update" in text and "verl-style" in text and "planned only" in text

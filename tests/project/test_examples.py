@@ -160,16 +160,19 @@ def test_trl_sft_on_two_processes(tmp_path, flags):
 @pytest.mark.dist
 @pytest.mark.trl
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("flags", [[], ["--rloo"]])
+@pytest.mark.parametrize("flags", [[], ["--rloo", "--packed"]])
 def test_trl_grpo_on_two_processes(tmp_path, flags):
     out = run_example(TORCHRUN + [script("trl_grpo.py"), "--steps", "2", "--out", str(tmp_path / "out")] + flags,
                       tmp_path, 180)
     found = re.search(r"\b(\d+) optimizer steps, train loss (nan|-?[\d.]+)", out, re.M)
     assert found and int(found.group(1)) == 2 and found.group(2) != "nan", out[-3000:]
     cut = re.search(r"(\d+) training slices cut into (\d+) micro-batches on rank 0; padded tokens (\d+) \(real (\d+)\), "
-                    r"budget (\d+)", out)
+                    r"budget (\d+), layout '(\w+)'", out)
     assert cut and int(cut.group(2)) >= int(cut.group(1)) > 0, out[-3000:]
     assert int(cut.group(4)) <= int(cut.group(3)), out[-3000:]
+    assert cut.group(6) == ("packed" if flags else "padded"), out[-3000:]
+    if flags:  # packed rows: the model ran the rollouts' tokens and no padding
+        assert int(cut.group(4)) == int(cut.group(3)), out[-3000:]
 
 
 @pytest.mark.timeout(120)

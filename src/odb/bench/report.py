@@ -920,7 +920,10 @@ def rl_update_table(rl: Dict[str, Any], markdown: bool = False) -> str:
                       f"file.", ""]
     rows = []
     for arm, a in u["arms"].items():
-        ratio = "x1.00" if arm == "trl" else f"x{u['ratio']:.2f}" + spread_text(u.get("ratio_spread"))
+        if "ratios" in u:
+            ratio = f"x{u['ratios'][arm]:.2f}" + ("" if arm == "trl" else spread_text(u["ratio_spreads"][arm]))
+        else:  # a results file from before the packed arm
+            ratio = "x1.00" if arm == "trl" else f"x{u['ratio']:.2f}" + spread_text(u.get("ratio_spread"))
         rows.append([labels.get(arm, arm), f"{a['micro_steps_per_step']:.2f}", f"{a['padding_share']:.3f}",
                      f"{a['prompt_padding_share']:.3f}", f"{a['max_micro_batch_tokens']} / {budget}",
                      _rl_spread(a["update_s"]), ratio])

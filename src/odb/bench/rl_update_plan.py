@@ -1,8 +1,10 @@
 """The rl_update section's planning-only comparison: one RL training step of heavy-tailed rollouts on W
 simulated ranks, planned by each arm under one token budget (no model, pure numpy).
 
-A rollout row is a prompt and its completion; a padded micro-batch of rows costs ``rows x (longest prompt +
-longest completion)`` tokens, a packed one its real tokens; every micro-batch also costs a fixed
+A rollout row is a prompt and its completion. TRL pads a micro-batch of rows to ``rows x (longest prompt +
+longest completion)`` tokens; odb runs a row's prompt and completion without the gap between them, so its
+padded micro-batch costs ``rows x longest (prompt + completion)`` and a packed one its real tokens
+(``odb.integrations.trl_rl_forward``); every micro-batch also costs a fixed
 ``overhead`` (a forward and backward pass over the weights). Figures as odb.bench.scale defines them
 (``odb.bench.scale.step_efficiency``): DDP step efficiency = (real tokens / W + overhead) / max over ranks of
 (the rank's padded tokens + its micro-batches x overhead).
@@ -17,10 +19,12 @@ Arms (``PLAN_ARMS``):
   set r to rank r (rows move between ranks); then each rank's rows into M micro-batches of balanced token sums,
   M the largest number any rank needs (ceil of its tokens / budget), raised until every micro-batch of every
   rank fits the budget; packed (a micro-batch costs its real tokens).
-* ``odb_rollout``: what ``odb.integrations.trl.enable_odb`` runs: ``odb.plan.rollout_plan.plan_rollout_steps``
-  over every rank's rows (rows stay on their rank, padded, the same row count per micro-step on every rank).
+* ``odb_rollout`` / ``odb_rollout_packed``: what ``odb.integrations.trl.enable_odb`` runs (``layout="padded"``
+  / ``"packed"``): ``odb.plan.rollout_plan.plan_rollout_steps`` over every rank's rows (rows stay on their rank,
+  the same row count per micro-step on every rank).
 * ``odb_global`` / ``odb_global_packed``: ``odb.plan.global_plan.plan_global_step`` over all ranks' rows
-  (padded / packed), which moves rows between ranks: planned only, not yet what the trainer runs.
+  (each row's prompt + completion as one length, as odb's layouts run them; padded / packed), which moves rows
+  between ranks: planned only, not yet what the trainer runs.
 
 Example:
     >>> kk_partition([8, 7, 6, 5, 4], 2)        # sums 14 and 16: LDM's answer (15 / 15 exists)
@@ -42,11 +46,12 @@ import numpy as np
 
 from odb.bench.scale import MicroBatch, step_efficiency
 
-PLAN_ARMS = ("trl", "verl", "odb_rollout", "odb_global", "odb_global_packed")
+PLAN_ARMS = ("trl", "verl", "odb_rollout", "odb_rollout_packed", "odb_global", "odb_global_packed")
 PLAN_ARM_LABELS = {"trl": "TRL equal slices", "verl": "verl-style KK balance (packed)",
-                   "odb_rollout": "odb rollout plan (padded)", "odb_global": "odb global (padded)",
-                   "odb_global_packed": "odb global (packed)"}
-MOVES_ROWS = {"trl": False, "verl": True, "odb_rollout": False, "odb_global": True, "odb_global_packed": True}
+                   "odb_rollout": "odb rollout plan (padded)", "odb_rollout_packed": "odb rollout plan (packed)",
+                   "odb_global": "odb global (padded)", "odb_global_packed": "odb global (packed)"}
+MOVES_ROWS = {"trl": False, "verl": True, "odb_rollout": False, "odb_rollout_packed": False, "odb_global": True,
+              "odb_global_packed": True}
 PLANNED_ONLY = ("odb_global", "odb_global_packed")  # not yet what the trainer runs
 
 Rows = Tuple[np.ndarray, np.ndarray]  # (prompt lengths, completion lengths), each (world, rows)
@@ -127,15 +132,17 @@ def kk_partition(weights: Sequence[float], k: int, equal_size: bool = False) -> 
 
 
 # ---- one step, every arm ----------------------------------------------------------------------------------
-def _mb(prompt: np.ndarray, completion: np.ndarray, idx: Sequence[int], packed: bool) -> Optional[MicroBatch]:
-    """The micro-batch of rows ``idx`` (flat indices), padded (rows x (longest prompt + longest completion))
-    or packed (its real tokens); None for a ghost."""
+def _mb(prompt: np.ndarray, completion: np.ndarray, idx: Sequence[int], layout: str) -> Optional[MicroBatch]:
+    """The micro-batch of rows ``idx`` (flat indices) as ``layout`` runs it: ``"trl"`` rows x (longest prompt +
+    longest completion), ``"padded"`` rows x longest (prompt + completion), ``"packed"`` its real tokens; None
+    for a ghost."""
     if len(idx) == 0:
         return None
     i = np.asarray(idx, dtype=np.int64)
     p, c = prompt[i], completion[i]
     real = int(p.sum() + c.sum())
-    return MicroBatch(real if packed else len(i) * int(p.max() + c.max()), real, int((p + c).max()))
+    padded = {"trl": len(i) * int(p.max() + c.max()), "padded": len(i) * int((p + c).max()), "packed": real}[layout]
+    return MicroBatch(padded, real, int((p + c).max()))
 
 
 Planned = Tuple[List[List[Optional[MicroBatch]]], float, float]  # (step, rows moved share, planning seconds)
@@ -182,25 +189,26 @@ def verl_plan(rows: Rows, budget: int) -> Planned:
             break
         m += 1
     split_s = (time.perf_counter() - t0) / world
-    return [[_mb(p, c, part, packed=True) for part in rank] for rank in parts], moved, balance_s + split_s
+    return [[_mb(p, c, part, "packed") for part in rank] for rank in parts], moved, balance_s + split_s
 
 
-def odb_rollout(rows: Rows, budget: int) -> Planned:
+def odb_rollout(rows: Rows, budget: int, packed: bool = False) -> Planned:
     """odb's rollout plan: every rank computes it from every rank's lengths; rows stay on their rank."""
     from odb.plan.rollout_plan import plan_rollout_steps
 
     prompt, completion = rows
     world, n = prompt.shape
+    layout = "packed" if packed else "padded"
     t0 = time.perf_counter()
-    plan = plan_rollout_steps(prompt, completion, budget)
+    plan = plan_rollout_steps(prompt, completion, budget, layout=layout)
     plan_s = time.perf_counter() - t0
-    return [[_mb(prompt[r], completion[r], plan.rows(r, s), packed=False) for s in range(plan.steps)]
+    return [[_mb(prompt[r], completion[r], plan.rows(r, s), layout) for s in range(plan.steps)]
             for r in range(world)], 0.0, plan_s
 
 
 def odb_global(rows: Rows, budget: int, overhead: float, packed: bool) -> Planned:
-    """``plan_global_step`` over all ranks' rows, (prompt, completion) as two length dimensions under one
-    budget (a padded micro-batch costs rows x (longest prompt + longest completion)); every rank computes it."""
+    """``plan_global_step`` over all ranks' rows, each row's prompt + completion as one length (odb's layouts run
+    a row without the gap between them); every rank computes it."""
     from odb.plan.cost import CostModel
     from odb.plan.global_plan import plan_global_step
 
@@ -209,12 +217,13 @@ def odb_global(rows: Rows, budget: int, overhead: float, packed: bool) -> Planne
     p, c = prompt.ravel(), completion.ravel()
     cost = CostModel((int(budget),), layout="packed" if packed else "padded")
     t0 = time.perf_counter()
-    plan = plan_global_step(np.stack([p, c], axis=1), world, cost, overhead)
+    plan = plan_global_step(p + c, world, cost, overhead)
     plan_s = time.perf_counter() - t0
     if len(plan.oversize):
         raise RuntimeError(f"rl_update: {len(plan.oversize)} rollout rows over the budget {budget}")
     moved = sum(int(i) // n != r for r, groups in enumerate(plan.ranks) for g in groups for i in g) / max(len(p), 1)
-    return [[_mb(p, c, g, packed) for g in groups] for groups in plan.ranks], moved, plan_s
+    layout = "packed" if packed else "padded"
+    return [[_mb(p, c, g, layout) for g in groups] for groups in plan.ranks], moved, plan_s
 
 
 def plan_step(rows: Rows, arm: str, budget: int, overhead: float, slice_rows: int, seed: int = 0
@@ -224,8 +233,8 @@ def plan_step(rows: Rows, arm: str, budget: int, overhead: float, slice_rows: in
         step, moved, plan_s = trl_slices(rows, slice_rows, seed)
     elif arm == "verl":
         step, moved, plan_s = verl_plan(rows, budget)
-    elif arm == "odb_rollout":
-        step, moved, plan_s = odb_rollout(rows, budget)
+    elif arm in ("odb_rollout", "odb_rollout_packed"):
+        step, moved, plan_s = odb_rollout(rows, budget, packed=arm == "odb_rollout_packed")
     elif arm in ("odb_global", "odb_global_packed"):
         step, moved, plan_s = odb_global(rows, budget, overhead, packed=arm == "odb_global_packed")
     else:

@@ -12,11 +12,13 @@ them). Each rank (``run_worker``):
   ``advantages`` (rewards normalised within each group of ``num_generations``) and ``num_items_in_batch`` (the
   loss tokens of all ranks). No ``old_per_token_logps``: with ``num_iterations=1`` and ``steps_per_generation``
   equal to the accumulation steps TRL does not compute them either;
-* builds two GRPOTrainers over one tiny Llama (random weights from a config, float32, sdpa attention),
+* builds three GRPOTrainers over one tiny Llama (random weights from a config, float32, sdpa attention),
   wrapped once in ``DistributedDataParallel``: the TRL arm with ``per_device_train_batch_size`` B (the
   largest whose worst case fits the budget) and ``gradient_accumulation_steps = steps_per_generation = N / B``;
-  the odb arm with the whole generation batch as one slice (``per_device_train_batch_size = N``, 1 step) and
-  ``enable_odb(trainer, token_budget)``. Both train the same N rows per rank per optimizer step;
+  the odb arms with the whole generation batch as one slice (``per_device_train_batch_size = N``, 1 step) and
+  ``enable_odb(trainer, token_budget, layout=...)``, padded and packed (the packed arm switches the model's
+  attention to odb's per-sample ``odb_varlen``, which runs padded batches, the TRL arm's and the padded
+  arm's, through transformers' ``sdpa`` as before). All train the same N rows per rank per optimizer step;
 * times the policy update of each step: the TRL arm shuffles and cuts the generation batch as
   ``_prepare_inputs`` does (TRL's ``shuffle_sequence_dict`` and ``split_tensor_dict``) and runs, per slice, what
   ``Trainer.training_step`` runs after ``_prepare_inputs``: ``compute_loss`` then ``accelerator.backward``,
@@ -24,7 +26,7 @@ them). Each rank (``run_worker``):
   ``compute_loss`` runs TRL's loss and a backward pass per micro-batch). Gradients are zeroed between steps,
   no optimizer step (the weights stay the initial ones). Timed from a barrier to a barrier (the slowest rank
   sets it), a warm-up update per arm first (untimed: it also records the rows TRL's ``_compute_loss`` sees and
-  the gradient, to check that both arms train the same rows to the same gradient), then ``rounds``
+  the gradient, to check that every arm trains the same rows to the same gradient), then ``rounds``
   interleaved rounds (the arm order rotated).
 """
 
@@ -50,7 +52,8 @@ import torch
 
 from odb.bench.rl_update_plan import draw_rollouts
 
-ARMS = ("trl", "odb")
+ARMS = ("trl", "odb", "odb_packed")
+ODB_ARMS = {"odb": "padded", "odb_packed": "packed"}  # odb's arms: the layout each runs
 PAD, EOS = 0, 1
 
 
@@ -190,7 +193,7 @@ def _warm_up(trainers: Dict[str, Any], model: torch.nn.Module, wrapped: torch.nn
     between the arms' gradients over the steps."""
     seen: Dict[str, List[str]] = {}
     grads: Dict[str, List[List[torch.Tensor]]] = {}
-    for arm in ARMS:
+    for arm in trainers:
         seen[arm], grads[arm] = [], []
         undo = _seen(trainers[arm], seen[arm])
         for k, batch in enumerate(batches):
@@ -198,24 +201,21 @@ def _warm_up(trainers: Dict[str, Any], model: torch.nn.Module, wrapped: torch.nn
             update(trainers[arm], wrapped, batch, cuts[arm], seed=k)
             grads[arm].append(_grads(model))
         undo()
-    return seen, max(_rel_gap(a, b) for a, b in zip(grads["trl"], grads["odb"]))
+    return seen, max(_rel_gap(a, b) for arm in ODB_ARMS for a, b in zip(grads["trl"], grads[arm]))
 
 
-def _prompt_padding(batches: List[Dict[str, torch.Tensor]], plans: List[Any], rank: int) -> Dict[str, int]:
-    """Padded prompt tokens of each arm: TRL pads every row to the generation batch's longest prompt, odb each
-    micro-batch's rows to their own (``plans``: odb's plan of each step)."""
-    out = {"trl": 0, "odb": 0}
-    for batch, plan in zip(batches, plans):
+def _prompt_padding(batches: List[Dict[str, torch.Tensor]]) -> int:
+    """TRL's padded prompt tokens: it pads every row to the generation batch's longest prompt (odb's layouts run
+    a row's prompt and completion without a gap: no prompt padding)."""
+    out = 0
+    for batch in batches:
         p_len, width_p = batch["prompt_mask"].sum(1).numpy(), int(batch["prompt_ids"].shape[1])
-        out["trl"] += len(p_len) * width_p - int(p_len.sum())
-        for s in range(plan.steps):
-            rows = plan.rows(rank, s)
-            out["odb"] += len(rows) * int(plan.widths[rank, s, 0]) - int(p_len[rows].sum())
+        out += len(p_len) * width_p - int(p_len.sum())
     return out
 
 
 def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = None) -> Dict[str, Any]:
-    """One rank: both arms' warm-up (rows seen, gradients), then the timed rounds. ``tmp``: the trainers'
+    """One rank: every arm's warm-up (rows seen, gradients), then the timed rounds. ``tmp``: the trainers'
     output_dir's parent (default: a temporary folder, removed after)."""
     if tmp is None:
         with tempfile.TemporaryDirectory(prefix="odb-rl-") as folder:
@@ -225,9 +225,11 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
     batches = step_batches(p, rank, world)
     model = build_model(p["model"])
     slices = p["rows"] // p["trl_rows"]
-    trainers = {"trl": build_trainer(p, model, p["trl_rows"], slices, f"{tmp}/trl"),
-                "odb": enable_odb(build_trainer(p, model, p["rows"], 1, f"{tmp}/odb"), token_budget=p["budget"])}
-    cuts = {"trl": slices, "odb": 1}
+    trainers = {"trl": build_trainer(p, model, p["trl_rows"], slices, f"{tmp}/trl")}
+    for arm, layout in ODB_ARMS.items():
+        trainers[arm] = enable_odb(build_trainer(p, model, p["rows"], 1, f"{tmp}/{arm}"), token_budget=p["budget"],
+                                   layout=layout)
+    cuts = {arm: slices if arm == "trl" else 1 for arm in ARMS}
     wrapped = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -235,10 +237,11 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
         wrapped = DistributedDataParallel(model)
     wrapped.train()
     seen, gap = _warm_up(trainers, model, wrapped, batches, cuts)
-    odb_rl = trainers["odb"].odb_rl
-    micro0, padded0, real0 = odb_rl.micro_steps, odb_rl.padded_tokens, odb_rl.real_tokens
-    shapes = list(odb_rl.recent)[-micro0:]  # the warm-up's micro-batches: (rows, prompt width, completion width)
-    prompt_pad = _prompt_padding(batches, list(odb_rl.plans)[:len(batches)], rank)
+    warm = {}  # the warm-up's counts of each odb arm: micro-steps, tokens run, real tokens, micro-batches
+    for arm in ODB_ARMS:
+        odb_rl = trainers[arm].odb_rl
+        warm[arm] = (odb_rl.micro_steps, odb_rl.padded_tokens, odb_rl.real_tokens,
+                     list(odb_rl.recent)[-odb_rl.micro_steps:])  # (rows, prompt width, completion width, tokens)
     seconds: Dict[str, List[float]] = {arm: [] for arm in ARMS}
     for r in range(p["rounds"]):
         for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:
@@ -250,15 +253,17 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
             _barrier(world)
             seconds[arm].append(time.perf_counter() - t0)
     widths = [int(b["prompt_ids"].shape[1] + b["completion_ids"].shape[1]) for b in batches]
-    return {"rank": rank, "seconds": seconds, "steps": len(batches),
-            "real_tokens": sum(int(b["prompt_mask"].sum() + b["completion_mask"].sum()) for b in batches),
-            "trl": {"padded_tokens": p["rows"] * sum(widths), "prompt_padding": prompt_pad["trl"],
-                    "micro_steps": slices * len(batches), "max_micro_batch_tokens": p["trl_rows"] * max(widths)},
-            "odb": {"padded_tokens": padded0, "prompt_padding": prompt_pad["odb"], "real_tokens_counted": real0,
-                    "micro_steps": micro0, "max_micro_batch_tokens": max(b * (w + c) for b, w, c in shapes),
-                    "micro_batches": [list(s) for s in shapes]},
-            "same_rows": sorted(seen["trl"]) == sorted(seen["odb"]) and len(seen["trl"]) == p["rows"] * len(batches),
-            "grad_rel_gap": gap, "threads": torch.get_num_threads()}
+    out = {"rank": rank, "seconds": seconds, "steps": len(batches),
+           "real_tokens": sum(int(b["prompt_mask"].sum() + b["completion_mask"].sum()) for b in batches),
+           "trl": {"padded_tokens": p["rows"] * sum(widths), "prompt_padding": _prompt_padding(batches),
+                   "micro_steps": slices * len(batches), "max_micro_batch_tokens": p["trl_rows"] * max(widths)},
+           "same_rows": all(sorted(seen["trl"]) == sorted(seen[arm]) for arm in ODB_ARMS)
+           and len(seen["trl"]) == p["rows"] * len(batches),
+           "grad_rel_gap": gap, "threads": torch.get_num_threads()}
+    for arm, (micro, padded, real, shapes) in warm.items():
+        out[arm] = {"padded_tokens": padded, "prompt_padding": 0, "real_tokens_counted": real, "micro_steps": micro,
+                    "max_micro_batch_tokens": max(s[3] for s in shapes), "micro_batches": [list(s) for s in shapes]}
+    return out
 
 
 # ---- processes ------------------------------------------------------------------------------------------
@@ -327,8 +332,8 @@ def _child(argv: List[str]) -> None:
 
 
 def summarize(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Both arms' figures over all ranks: padding share, micro-steps per step, update seconds (median, min-max
-    over rounds: a round's time is the slowest rank's, the barriers make them equal) and the odb/TRL ratio."""
+    """Every arm's figures over all ranks: padding share, micro-steps per step, update seconds (median, min-max
+    over rounds: a round's time is the slowest rank's, the barriers make them equal)."""
     steps = ranks[0]["steps"]
     real = sum(r["real_tokens"] for r in ranks)
     out: Dict[str, Any] = {"arms": {}, "same_rows": all(r["same_rows"] for r in ranks),
@@ -342,8 +347,9 @@ def summarize(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
                             "max_micro_batch_tokens": max(r[arm]["max_micro_batch_tokens"] for r in ranks),
                             "update_s": {"median": float(np.median(secs)), "min": min(secs), "max": max(secs)},
                             "rounds_s": secs}
-    if any(r["odb"]["real_tokens_counted"] != r["real_tokens"] for r in ranks):
-        out["odb_real_tokens_mismatch"] = [(r["odb"]["real_tokens_counted"], r["real_tokens"]) for r in ranks]
+    for arm in ODB_ARMS:
+        if any(r[arm]["real_tokens_counted"] != r["real_tokens"] for r in ranks):
+            out["odb_real_tokens_mismatch"] = [(arm, r[arm]["real_tokens_counted"], r["real_tokens"]) for r in ranks]
     return out
 
 
