@@ -533,3 +533,43 @@ def test_the_move_is_counted_where_samples_cross_ranks(known: bool) -> None:
     else:
         assert sum(moved) > 0
         assert all(s["moved_bytes"] > 0 and s["move_s"] > 0 for s, m in zip(stats, moved) if m)
+
+
+class CorpusSlices(torch.utils.data.Dataset):
+    """Samples cut from one large token tensor (as a memory-mapped corpus gives them): each is a view of it."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.lengths = list(lengths)
+        self.offsets = np.concatenate(([0], np.cumsum(self.lengths)[:-1]))
+        self.corpus = torch.arange(int(sum(self.lengths)) + 200_000) % 97 + 3  # 200k tokens no sample holds
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        start = int(self.offsets[index])
+        ids = self.corpus[start:start + self.lengths[index]]
+        return {"input_ids": ids, "labels": ids, "idx": index, "pid": 0, "tag": None}
+
+
+def test_a_moved_sample_sends_its_own_tokens_not_the_corpus_it_is_cut_from() -> None:
+    """pickle writes a tensor view with its whole storage: a sample cut from a corpus tensor would send the
+    corpus. The move sends each sample's own elements, and the receiver trains on the same tokens."""
+    def one(rank: int, exchanges: Any) -> Dict[str, Any]:
+        ds = CorpusSlices(LENGTHS)
+        loader = odb.ODBDataLoader(ds, token_budget=BUDGET, global_batch_size=12, sampler=sampler_of(ds, rank, 2),
+                                   collate_fn=pad_collate, seed=0, shift_labels=True, exchange=exchanges)
+        rows = []
+        for batch in loader:
+            odb.pop_step_info(batch)
+            for i, row in zip(batch["idx"], batch["input_ids"]):
+                rows.append((i, row[:LENGTHS[i]].tolist() == ds[i]["input_ids"].tolist()))
+        return dict(loader.odb_stats, rows=rows)
+
+    stats = ok(run_ranks(2, one))
+    assert sum(len(s["rows"]) for s in stats) == N and all(same for s in stats for _, same in s["rows"])
+    moved = sum(s["moved_samples"] for s in stats)
+    assert moved > 0
+    corpus_bytes = 8 * (sum(LENGTHS) + 200_000)
+    # each moved sample costs about its own int64 tokens (twice: input_ids and labels) plus pickle's framing
+    assert sum(s["moved_bytes"] for s in stats) < moved * (16 * max(LENGTHS) + 2_000) < corpus_bytes

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from odb.data import sample_bytes
 from odb.epoch.drop_last import DropLast
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
@@ -243,7 +244,7 @@ class GlobalStep:
         for u in leaving.tolist():
             sample = self.pool.pop([int(table.position[u])])[0][0]
             outgoing[int(dest[u])].append((u, sample))
-        payloads = [pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL) if part else b"" for part in outgoing]
+        payloads = [sample_bytes.dumps(part) if part else b"" for part in outgoing]  # tensor views: their own data
         incoming = self.exchange.move(payloads, where)
         self.aligner.expect(None)
         for source, payload in enumerate(incoming):
