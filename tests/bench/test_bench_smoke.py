@@ -109,12 +109,15 @@ def test_outputs_written(bench):
     assert set(conv["accumulations"]) == {"1", "8"}
     for part in conv["accumulations"].values():
         assert set(part["arms"]) == {"fixed", "group_by_length", "batch_rebalance", "trl_packing", "odb_padded",
-                                     "odb_packed", "odb_budget_filled"}
+                                     "odb_packed", "odb_budget_filled", "odb_padded_rank"}
         for m in part["arms"].values():
             assert m["steps"] >= 1 and m["samples_per_step"] > 0 and m["loss_by_step"]
     assert [g["goal"].split(": ")[-1] for g in conv["goals"]][:3] == [
         "time to target, odb padded / fixed", "time to target, odb padded / group_by_length",
         "time to target, odb packed / group_by_length"]
+    # the default (global) step plan against the per-rank plan, at A = 8 and A = 1
+    plans = [g["goal"] for g in conv["goals"] if "per-rank plan" in g["goal"]]
+    assert [p.split(": ")[0] for p in plans] == ["convergence (2 ranks, A = 8)", "convergence (2 ranks, A = 1)"]
     assert "[bench] convergence" in CHECKOUT["stderr"] and "[bench] end to end" in CHECKOUT["stderr"]
     # The printed goals table holds every goal of the results, in order, with its figure, target and verdict.
     expected = goals(results)

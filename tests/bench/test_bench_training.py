@@ -206,7 +206,8 @@ def test_convergence_arms_take_the_users_samples_per_step():
                 assert [p["s"] for p in curve] == sorted(p["s"] for p in curve) and curve[-1]["loss"] < curve[0]["loss"]
         assert m["odb_budget_filled"]["samples_per_step"] >= m["odb_padded"]["samples_per_step"]
     goals_ = convergence_goals({**conv, "accumulations": {"8": conv["accumulations"]["4"]}})
-    assert len(goals_) == 5 and all(isinstance(g["met"], bool) for g in goals_)
+    assert len(goals_) == 5 and all(isinstance(g["met"], bool) for g in goals_)  # no per-rank arm here: 5 goals
+    assert len(convergence_goals(conv, "1", plans_only=True)) == 1  # against group_by_length
     for g in goals_:  # time-to-target ratios carry their rounds' spread, paired round by round
         if "gap" not in g and g["measured"] is not None:
             assert g["spread"][0] <= g["measured"] * (1 + 1e-9) and g["spread"][1] >= g["measured"] * (1 - 1e-9)

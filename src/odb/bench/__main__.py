@@ -162,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if not args.skip_convergence:
         from odb.bench.convergence_run import run_convergence_section
 
-        section("convergence at the user's settings: 2 ranks, 7 arms, A = 1 and 8, 3 rounds (10.7 min on 2 cores at 9dc16cd)")
+        section("convergence at the user's settings: 2 ranks, 8 arms, A = 1 and 8, 3 rounds (10.7 min with 7 arms on 2 cores at 9dc16cd)")
         t0 = time.perf_counter()
         results["convergence"] = run_convergence_section(quick=args.quick, device="cpu", out_dir=args.out)
         results["wall_s"]["convergence"] = time.perf_counter() - t0

@@ -19,7 +19,9 @@ weights, with the loss of a step the token mean over all its micro-batches on al
   exactly), the padding-free collator, ``odb_varlen`` attention; a rank left short runs a ghost;
 - ``odb_padded`` / ``odb_packed``: ``ODBDataLoader(token_budget=cap, global_batch_size=G)`` over the
   same ``DistributedSampler`` as fixed: step k holds exactly fixed's samples of step k, split into as
-  many micro-batches under the cap as they need;
+  many micro-batches under the cap as they need, planned across both ranks (the default ``step_plan``);
+- ``odb_padded_rank``: odb padded with ``step_plan="rank"``: each rank cuts its own share of the step
+  (the same samples per step; the plan before the global one, to set the default against);
 - ``odb_budget_filled``: today's default without ``global_batch_size``: ``gradient_accumulation_steps=A``
   micro-batches filled to the cap per step: several times G samples per update (fewer, larger
   updates) at the same learning rate; a separate row, not the same updates.
@@ -54,13 +56,10 @@ from odb.bench.training_arms import PACKED_ATTN, fixed_batch_size, trl_rows
 from odb.bench.training_run import _autocast, _counts, _reduce, build_model, wrap
 
 ARMS = ("fixed", "group_by_length", "batch_rebalance", "trl_packing", "odb_padded", "odb_packed",
-        "odb_budget_filled")
+        "odb_budget_filled", "odb_padded_rank")
 SAME_UPDATES = ("fixed", "group_by_length", "batch_rebalance", "odb_padded", "odb_packed",
                 "odb_padded_rank")  # exactly G per step
 ODB = ("odb_padded", "odb_packed", "odb_budget_filled", "odb_padded_rank")
-# Arms a run may ask for by name (params["arms"]) beside the default ones: odb padded with each rank cutting its
-# own share (step_plan="rank"), to set against the default step planned across ranks.
-EXTRA_ARMS = ("odb_padded_rank",)
 ATTENTION = {"trl_packing": PACKED_ATTN, "odb_packed": PACKED_ATTN}
 LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
           "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
@@ -494,8 +493,10 @@ def run_convergence(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, 
     return out
 
 
-def convergence_goals(conv: Dict[str, Any], acc: str = "8") -> List[Dict[str, Any]]:
-    """The goals (2 ranks, A = 8): time to the target against fixed and group_by_length, and the curve's match."""
+def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = False) -> List[Dict[str, Any]]:
+    """The goals (2 ranks, at accumulation ``acc``): time to the target against fixed, group_by_length and the
+    per-rank plan (odb_padded_rank: each rank cuts its own share), and the curve's match. ``plans_only``: the
+    two goals of the default step plan alone (against group_by_length and the per-rank plan)."""
     part = conv.get("accumulations", {}).get(acc)
     if not part:
         return []
@@ -515,11 +516,17 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8") -> List[Dict[str, An
                                for r in part.get("rounds") or [] if arm in r["arms"] and base in r["arms"])
         out.append({"goal": f"convergence (2 ranks, A = {acc}): time to target, {name}", "measured": ratio,
                     "target": target, "met": ratio is not None and ratio <= target, "lower_is_better": True,
-                    "arms": [arm, base], "spread": spread, "straddles": straddles(spread, target)})
+                    "arms": [arm, base], "spread": spread, "straddles": straddles(spread, target),
+                    "accumulation": int(acc)})
 
+    if plans_only:
+        ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0)
+        ratio_goal("odb padded (global plan) / odb padded, per-rank plan", "odb_padded", "odb_padded_rank", 1.0)
+        return out
     ratio_goal("odb padded / fixed", "odb_padded", "fixed", 0.5)
     ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0)
     ratio_goal("odb packed / group_by_length", "odb_packed", "group_by_length", 0.85)
+    ratio_goal("odb padded (global plan) / odb padded, per-rank plan", "odb_padded", "odb_padded_rank", 1.0)
     for arm in ("odb_padded", "odb_packed"):
         if arm in arms and "fixed" in arms:
             gap = curve_gap(part, arm)
@@ -542,12 +549,13 @@ SIZES: Dict[str, Dict[str, Any]] = {
 }
 
 
-def breakdown(conv: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """What a step of each arm costs, measured (A = 8, else the largest A): the figures a missed goal is read by."""
+def breakdown(conv: Dict[str, Any], acc: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+    """What a step of each arm costs, measured at accumulation ``acc`` (default A = 8, else the largest A): the
+    figures a missed goal is read by."""
     accs = conv.get("accumulations", {})
-    if not accs:
+    if not accs or (acc is not None and acc not in accs):
         return {}
-    acc = "8" if "8" in accs else max(accs, key=int)
+    acc = acc if acc is not None else ("8" if "8" in accs else max(accs, key=int))
     return {a: {"accumulation": int(acc), "padding_share": m["padding_share"],
                 "micro_steps_per_step": m["micro_steps_per_step"], "ms_per_micro_step": m["ms_per_micro_step"],
                 "loader_wait_s": (m["loader_wait_s"] or {}).get("median"), "train_s": (m["train_s"] or {}).get("median"),

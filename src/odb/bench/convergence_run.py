@@ -25,8 +25,9 @@ def run_convergence_section(*, quick: bool = False, device: str = "cpu", out_dir
     from odb.bench.training_run import MODELS
 
     conv["model"] = dict(MODELS["cuda" if str(device).startswith("cuda") else "cpu"])
-    conv["goals"] = convergence_goals(conv)
+    conv["goals"] = convergence_goals(conv) + convergence_goals(conv, "1", plans_only=True)
     conv["breakdown"] = breakdown(conv)
+    conv["breakdowns"] = {acc: breakdown(conv, acc) for acc in conv["accumulations"]}
     if out_dir:
         from odb.bench.report import plot_convergence
 

@@ -306,7 +306,8 @@ def convergence_rows(part: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
 
 CONVERGENCE_LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
                       "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
-                      "odb_budget_filled": "odb budget-filled (not the same updates)"}
+                      "odb_budget_filled": "odb budget-filled (not the same updates)",
+                      "odb_padded_rank": "odb padded, per-rank plan"}
 
 
 def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
@@ -325,11 +326,12 @@ def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
     for g in conv.get("goals", []):
         line = f"goal: {g['goal']}: {_goal_measured(g)} (target {_goal_target(g)}): {_met(g['met'])}"
         if not g["met"] and "gap" not in g:
-            line += "; breakdown: " + "; ".join(
+            costs = conv.get("breakdowns", {}).get(str(g.get("accumulation")), conv.get("breakdown", {}))
+            line += f"; breakdown (A = {g.get('accumulation', 8)}): " + "; ".join(
                 f"{CONVERGENCE_LABELS.get(a, a)}: padding share {b['padding_share']:.3f}, "
                 f"{b['micro_steps_per_step']:.2f} micro-steps per step at {b['ms_per_micro_step']:.0f} ms each, "
                 f"loader wait {_fmt(b['loader_wait_s'], '{:.2f}')} s of {_fmt(b['train_s'], '{:.1f}')} s"
-                for a, b in ((a, conv.get("breakdown", {}).get(a)) for a in g.get("arms", [])) if b)
+                for a, b in ((a, costs.get(a)) for a in g.get("arms", [])) if b)
         parts.append(line)
     return "\n".join(parts)
 
