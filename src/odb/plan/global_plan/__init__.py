@@ -12,8 +12,9 @@ micro-batches of the ranks cost alike (FSDP meets there):
   K = W x M consecutive runs, each within the budget. For each candidate M (from the fewest micro-steps
   the budget allows, up while M's lower bound can still beat the best plan so far) the runs are cut
   *slot by slot*: the next W runs take the longest samples left, each as long as a cap c_j allows, c_j
-  being the least cap under which the samples left fit the runs left (a binary search on the cap with
-  the greedy count, started from an estimate over blocks of equal length). The caps fall from slot to
+  being the least cap under which the samples left fit the runs left (a search on the cap with the exact
+  greedy count; with one dimension, no side costs and no ``batch_size_multiple`` the count walks blocks of
+  samples that take one step at a time and the slot before's cap is tried first). The caps fall from slot to
   slot, so the runs of a slot cost about the same, and a long sample that forces a high cap makes the
   other runs of its slot take more samples. Runs are split (the costliest, at its best cut) while there
   are fewer than K: a rank runs a ghost only when the step has fewer samples than cells.

@@ -20,14 +20,17 @@ _IMPROVE_STEPS = 32  # local-search moves on the slowest rank
 class _Candidate:
     """K micro-batches (cost order is decided by ``_deal``) and where dealing put them."""
 
-    groups: List[np.ndarray]  # positions into the step's samples; may hold fewer than W x M (the rest: ghosts)
+    # positions into the step's samples; may hold fewer than W x M (the rest: ghosts). Padded: None until the
+    # chosen candidate is emitted (its runs, then the samples planned alone)
+    groups: Optional[List[np.ndarray]]
     costs: np.ndarray  # (len(groups),) their group costs (planning precision)
     micro_steps: int
     rank_of: np.ndarray = None  # (len(groups),)
     slot_of: np.ndarray = None
     slowest: float = math.inf  # the slowest rank's cost (DDP's step time)
     meet: float = math.inf  # sum over micro-steps of the costliest micro-batch plus overhead (FSDP's step time)
-    runs: Optional[List[Tuple[int, int]]] = None  # padded: the first len(runs) groups as runs of the sorted samples
+    runs: Optional[np.ndarray] = None  # padded: (len, 2) starts and ends of the first len(runs) groups as runs of the
+    # sorted samples
 
 
 def _deal(costs: np.ndarray, world: int, micro_steps: int, overhead: float
@@ -136,11 +139,10 @@ def _emit(cand: Optional[_Candidate], world: int, oversize: np.ndarray, bound: f
         return GlobalStepPlan([[] for _ in range(world)], oversize, np.zeros(world), bound)
     m = cand.micro_steps
     ranks: List[List[np.ndarray]] = [[_EMPTY] * m for _ in range(world)]
-    totals = np.full(world, m * overhead)
-    exact = group_cost(cand.groups, cand.costs)
-    for g, r, j, c in zip(cand.groups, cand.rank_of.tolist(), cand.slot_of.tolist(), exact):
+    for g, r, j in zip(cand.groups, cand.rank_of.tolist(), cand.slot_of.tolist()):
         ranks[r][j] = g
-        totals[r] += c
+    totals = np.full(world, m * overhead)
+    np.add.at(totals, cand.rank_of, np.asarray(group_cost(cand.groups, cand.costs), dtype=np.float64))  # in order
     return GlobalStepPlan(ranks, oversize, totals, bound)
 
 

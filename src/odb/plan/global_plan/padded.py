@@ -78,67 +78,77 @@ def _plan_padded(lengths: np.ndarray, world: int, cost: CostModel, overhead: flo
     lb_total = max(float(np.concatenate((single_pool, single_fixed)).sum()) / world,
                    float(np.concatenate((single_pool, single_fixed)).max()))
 
-    def candidate(runs: List[Tuple[int, int]], m: int) -> _Candidate:
-        costs = runs_of.cost(np.array([s for s, _ in runs]), np.array([e for _, e in runs])).tolist() if runs else []
-        runs, costs = _fill_by_splits(runs, costs, world * m - a, runs_of.split) if runs else (runs, costs)
-        keyed = sorted(zip(runs, costs))  # runs in sample order: the candidate does not depend on split order
-        groups = [order[s:e] for (s, e), _ in keyed] + fixed_groups
-        cand = _Candidate(groups, np.array([c for _, c in keyed] + fixed_costs, dtype=np.float64), m,
-                          runs=[r for r, _ in keyed])
+    fixed_cost_array = np.array(fixed_costs, dtype=np.float64)
+
+    def candidate(starts: np.ndarray, ends: np.ndarray, m: int, costs: Optional[np.ndarray] = None) -> _Candidate:
+        """The runs [starts, ends) (``costs``: theirs, when known), split up to W x m of them with the samples
+        planned alone (``_fill_by_splits``), in sample order, dealt and scored (its groups come at ``_emit``)."""
+        if costs is None:
+            costs = runs_of.cost(starts, ends) if len(starts) else np.zeros(0)
+        if 0 < len(starts) < world * m - a:
+            runs, split_costs = _fill_by_splits(list(zip(starts.tolist(), ends.tolist())), costs.tolist(),
+                                                world * m - a, runs_of.split)
+            starts, ends = np.array(runs, dtype=np.int64).T
+            costs = np.array(split_costs, dtype=np.float64)
+        if len(starts) > 1 and not (starts[1:] > starts[:-1]).all():  # in sample order: not dependent on split order
+            by_start = np.argsort(starts, kind="stable")
+            starts, ends, costs = starts[by_start], ends[by_start], costs[by_start]
+        cand = _Candidate(None, np.concatenate((costs, fixed_cost_array)), m,
+                          runs=np.stack((starts, ends), axis=1))
         return _evaluate(cand, world, overhead, fsdp)
 
-    def complemented(runs: List[Tuple[int, int]], last_start: int, m: int, limit: float) -> Optional[_Candidate]:
-        """The runs before ``last_start`` dealt over m - 1 micro-steps, then the last micro-step cut to even out
-        the ranks' totals (``_Runs.complement``), none of its runs costlier than the costliest of the plain cut's
-        last micro-step (FSDP waits for it)."""
-        head = [r for r in runs if r[0] < last_start]
-        tail = [r for r in runs if r[0] >= last_start]
-        if not tail or len(head) + a != world * (m - 1):
+    def complemented(starts: np.ndarray, ends: np.ndarray, costs: np.ndarray, last_start: int, m: int,
+                     limit: float) -> Optional[_Candidate]:
+        """The runs (in sample order, ``costs`` theirs) before ``last_start`` dealt over m - 1 micro-steps, then the
+        last micro-step cut to even out the ranks' totals (``_Runs.complement``), none of its runs costlier than
+        the costliest of the plain cut's last micro-step (FSDP waits for it)."""
+        h = int(np.searchsorted(starts, last_start))
+        if h == len(starts) or h + a != world * (m - 1):
             return None
-        run_cap = float(runs_of.cost(np.array([s for s, _ in tail]), np.array([e for _, e in tail])).max()) \
-            if protect else math.inf
-        head_costs = runs_of.cost(np.array([s for s, _ in head]), np.array([e for _, e in head])).tolist()
-        costs = np.array(head_costs + fixed_costs, dtype=np.float64)
-        rank_of, slot_of, totals = _deal(costs, world, m - 1, 0.0)
+        run_cap = float(costs[h:].max()) if protect else math.inf
+        head_costs = np.concatenate((costs[:h], fixed_cost_array))
+        rank_of, slot_of, totals = _deal(head_costs, world, m - 1, 0.0)
         last = runs_of.complement(last_start, totals, limit - m * overhead, run_cap)
         if last is None:
             return None
         tail, ranks = last
-        tail_costs = runs_of.cost(np.array([s for s, _ in tail]), np.array([e for _, e in tail]))
-        h = len(head)
-        groups = [order[s:e] for s, e in head + tail] + fixed_groups
-        cand = _Candidate(groups, np.concatenate((costs[:h], tail_costs, costs[h:])), m,
+        tail = np.array(tail, dtype=np.int64)
+        tail_costs = runs_of.cost(tail[:, 0], tail[:, 1])
+        cand = _Candidate(None, np.concatenate((costs[:h], tail_costs, fixed_cost_array)), m,
                           np.concatenate((rank_of[:h], ranks, rank_of[h:])),
-                          np.concatenate((slot_of[:h], np.full(world, m - 1), slot_of[h:])), runs=head + tail)
+                          np.concatenate((slot_of[:h], np.full(world, m - 1), slot_of[h:])),
+                          runs=np.concatenate((np.stack((starts[:h], ends[:h]), axis=1), tail)))
         return _score(cand, world, overhead)
 
     def polish(cand: _Candidate) -> _Candidate:
-        """The candidate after ``_improve`` (its groups follow its runs)."""
-        if world == 1 or (cand.micro_steps == 1 and len(cand.groups) == world):
+        """The candidate after ``_improve``."""
+        if world == 1 or (cand.micro_steps == 1 and len(cand.costs) == world):
             return cand  # one micro-batch per rank: the min-max cut is as good as moves get
-        cand = _improve(cand, runs_of, world, overhead, protect)
-        cand.groups[:len(cand.runs)] = [order[s:e] for s, e in cand.runs]
-        return cand
+        return _improve(cand, runs_of, world, overhead, protect)
 
     best: Optional[_Candidate] = None
     if n == 0:
         m = -(-a // world)
-        best = candidate([], m)
+        best = candidate(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), m)
     else:
         min_runs = int(runs_of.count(0, math.inf, n))
         m0 = max(1, -(-(min_runs + a) // world))
         m_max = max(m0, n + a)  # past ceil((n + a) / W) some ranks run ghosts: a few M more, while they may win
-        misses = 0
+        misses, first_cap, first_runs = 0, None, 0
         for m in range(m0, m_max + 1):
             if best is not None and lb_total + m * overhead >= _primary(best, fsdp) - 1e-9:
                 break
             sizes = _slot_sizes(world, m, a)
-            cut = runs_of.slot_cut(sizes)
+            cut, cap = runs_of.slot_cut(sizes, first_cap if sum(sizes) >= first_runs else None)
+            if cap is not None:  # all the samples fit sum(sizes) runs under it: so they fit more
+                first_cap, first_runs = cap, sum(sizes)
             if cut is None:
                 continue
-            cand = candidate(cut[0], m)
+            starts, ends, last_start = cut
+            costs = runs_of.cost(starts, ends)
+            cand = candidate(starts, ends, m, costs)
             if m > 1 and sizes[-1] == world and (runs_of.fast or world <= _SMALL_WORLD):
-                other = complemented(cut[0], cut[1], m, cand.slowest)
+                other = complemented(starts, ends, costs, last_start, m, cand.slowest)
                 cand = other if _better(cand, other, fsdp) else cand
             cand = polish(cand)
             if _better(best, cand, fsdp):
@@ -151,9 +161,12 @@ def _plan_padded(lengths: np.ndarray, world: int, cost: CostModel, overhead: flo
             for scale in ((1.0,) if world == 1 else (1.0, 0.5, 0.0)):
                 runs = least_cost_segments(pool.padded, runs_of.cnt, cost, overhead * scale, pool.patches)
                 m = max(1, -(-(len(runs) + a) // world))
-                cand = polish(candidate(runs, m))
+                cand = polish(candidate(np.array([s for s, _ in runs], dtype=np.int64),
+                                        np.array([e for _, e in runs], dtype=np.int64), m))
                 if _better(best, cand, fsdp):
                     best = cand
+    if best is not None:  # the chosen candidate's groups: its runs of the sorted samples, then those planned alone
+        best = dataclasses.replace(best, groups=[order[s:e] for s, e in best.runs.tolist()] + fixed_groups)
     return _emit(best, world, oversize, bound, group_cost, overhead)
 
 
@@ -164,7 +177,7 @@ def _improve(cand: _Candidate, runs_of: _Runs, world: int, overhead: float, prot
     run to a ghost of another rank (of the same micro-step if it has one). Every run keeps a sample (no ghost
     appears) and stays feasible; with ``protect`` no micro-step's costliest micro-batch gets costlier (FSDP
     waits for it)."""
-    runs = list(cand.runs)
+    runs = cand.runs.copy()
     nr = len(runs)
     costs = cand.costs.copy()
     rank = cand.rank_of.copy()
@@ -176,6 +189,7 @@ def _improve(cand: _Candidate, runs_of: _Runs, world: int, overhead: float, prot
     ghosts = len(costs) < world * cand.micro_steps
     occupied = np.zeros((world, cand.micro_steps), dtype=bool)
     occupied[rank, slot] = True
+    members = _by_slot(slot, cand.micro_steps)
     for _ in range(_IMPROVE_STEPS):
         top = int(np.argmax(totals))
         worst = float(totals[top])
@@ -187,6 +201,10 @@ def _improve(cand: _Candidate, runs_of: _Runs, world: int, overhead: float, prot
                     continue
                 q = int(rank[nb])
                 ns, ne = runs[nb]
+                if _shift_hopeless(runs_of, (int(s), int(e)), (int(ns), int(ne)), nb < t,
+                                   float(slot_max[slot[nb]]) if protect else math.inf,
+                                   float(totals[q]) - float(costs[nb]) if q != top else None, best_val):
+                    continue
                 k = np.arange(1, e - s)
                 if nb < t:  # our first k samples join the end of the run before
                     a_s, a_e, b_s, b_e = s + k, np.full(len(k), e), np.full(len(k), ns), s + k
@@ -209,7 +227,8 @@ def _improve(cand: _Candidate, runs_of: _Runs, world: int, overhead: float, prot
                 if val[i] < best_val:
                     best_val = float(val[i])
                     move = ("shift", t, nb, int(k[i]), float(a_c[i]), float(b_c[i]))
-            peers = np.flatnonzero((slot == slot[t]) & (rank != top))
+            peers = members[slot[t]]
+            peers = peers[rank[peers] != top]
             if len(peers):  # swap with a cheaper run of the same micro-step
                 gain = costs[t] - costs[peers]
                 val = np.where(gain > 0, np.maximum(worst - gain, totals[rank[peers]] + gain), np.inf)
@@ -237,6 +256,7 @@ def _improve(cand: _Candidate, runs_of: _Runs, world: int, overhead: float, prot
             totals[rank[t]] -= costs[t]
             totals[q] += costs[t]
             rank[t], slot[t] = q, j
+            members = _by_slot(slot, cand.micro_steps)
             slot_max[:] = 0.0
             np.maximum.at(slot_max, slot, costs)
         elif move[0] == "swap":
@@ -254,9 +274,27 @@ def _improve(cand: _Candidate, runs_of: _Runs, world: int, overhead: float, prot
             costs[t], costs[nb] = a_c, b_c
             slot_max[:] = 0.0
             np.maximum.at(slot_max, slot, costs)
-    cand = dataclasses.replace(cand, costs=costs, rank_of=rank, slot_of=slot, runs=runs,
-                               groups=list(cand.groups))
+    cand = dataclasses.replace(cand, costs=costs, rank_of=rank, slot_of=slot, runs=runs)
     return _score(cand, world, overhead)
+
+
+def _by_slot(slot: np.ndarray, micro_steps: int) -> List[np.ndarray]:
+    """The micro-batches of each micro-step, in index order."""
+    order = np.argsort(slot, kind="stable")
+    return np.split(order, np.searchsorted(slot[order], np.arange(1, micro_steps)))
+
+
+def _shift_hopeless(runs_of: _Runs, mine: Tuple[int, int], theirs: Tuple[int, int], before: bool, run_cap: float,
+                    rest: Optional[float], best: float) -> bool:
+    """Whether no shift of samples from run ``mine`` to its neighbour ``theirs`` (the run ``before`` it, or after)
+    can be taken: the neighbour's run only gets costlier as it takes more, so if taking one sample already makes
+    it costlier than ``run_cap``, or (``rest``: the neighbour rank's total less that run, when it is another rank)
+    its rank's total no less than ``best``, no larger shift does better."""
+    (s, e), (ns, ne) = mine, theirs
+    if (s + 1 - ns if before else ne - e + 1) > runs_of.longest_run:  # beyond what ``cost_of`` prices: try them
+        return False
+    one = runs_of.cost_of(ns, s + 1) if before else runs_of.cost_of(e - 1, ne)
+    return one > run_cap + 1e-9 or (rest is not None and rest + one >= best)
 
 
 def _slot_sizes(world: int, micro_steps: int, fixed: int) -> List[int]:
