@@ -143,7 +143,7 @@ def run_rank(rank: int, ranks: ThreadRanks, lengths: np.ndarray, balance: str, s
     def time_cost(mark: Any, lens: Any, side: Any = None) -> Any:
         seconds = original(mark, lens, side)
         if seconds is not None and not timed_from:
-            timed_from.append(int(loader.odb_core.run.step))
+            timed_from.append(int(loader.odb_core.under_way.run.step))
         return seconds
 
     auto.time_cost = time_cost  # the aligner's lambda looks it up on the instance

@@ -278,7 +278,7 @@ def _thread_rank(rank: int, ranks: ThreadRanks, plans: Dict[int, list], **option
         info = odb.pop_step_info(batch)
         trainer.step(batch, info)
         infos.append(info)
-    plans[rank] = list(loader.odb_core.run.budget.plan_log)
+    plans[rank] = list(loader.odb_core.under_way.run.budget.plan_log)
     return infos
 
 

@@ -84,7 +84,7 @@ class Rank:
                 break
         state = json.loads(json.dumps(self.loader.state_dict()))  # the step in flight is measured here
         return {"steps": steps, "state": state, "peaks": list(self.peaks),
-                "plans": list(getattr(self.loader.odb_core.run.budget, "plan_log", []))}
+                "plans": list(getattr(self.loader.odb_core.under_way.run.budget, "plan_log", []))}
 
 
 def thread_phase(world: int, states: Optional[List[Dict[str, Any]]], stop: Optional[int],

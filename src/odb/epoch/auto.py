@@ -3,12 +3,15 @@
 The model and its proposals are odb.plan.auto_budget's (pure); this module holds what runs on the
 loader's two threads: the training thread feeds each handed-out batch's measurements, the batch
 thread reads the plan of the next window, frozen at a step mark so that planning does not depend on
-how far it has read ahead (a resumed run plans the same windows).
+how far it has read ahead (a resumed run plans the same windows). AutoControl keeps two parts:
+its settings (``AutoSettings``: the cap, the meter and how AutoBudgets are made and frozen) and
+the epoch's frozen plans (``FrozenPlans``: the proposals frozen at step marks, the steps observed).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -18,6 +21,124 @@ import numpy as np
 from odb.config import ODBConfig
 from odb.epoch.budget import AutoWindows
 from odb.plan.plan_costs import PlanCosts
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSettings:
+    """What a loader's token_budget="auto" measures and models with: the memory ``cap`` (bytes), the
+    ``meter`` (its peak since it was last read, or None), the ``packed`` layout, the safety ``margin``
+    and ``time_balance`` (balance="time": each frozen proposal keeps a copy of the AutoBudget's time model).
+
+    Example:
+        >>> settings = AutoSettings(cap=10**9, meter=lambda: None, packed=False, margin=0.1)
+        >>> plan, model = settings.freeze(settings.new_budget(64))
+        >>> plan.token_budget, model
+        (64, None)
+    """
+
+    cap: float
+    meter: Callable[[], Optional[float]]
+    packed: bool
+    margin: float
+    time_balance: bool = False
+
+    def new_budget(self, start: int) -> Any:
+        """A new AutoBudget (odb.plan.auto_budget) whose first proposal is ``start`` tokens."""
+        from odb.plan.auto_budget import AutoBudget
+
+        return AutoBudget(self.cap, int(start), packed=self.packed, margin=self.margin)
+
+    def freeze(self, budget: Any) -> Tuple[Any, Any]:
+        """``budget``'s proposal of now, with a copy of it for time balance (else None)."""
+        return budget.propose(), (copy.deepcopy(budget) if self.time_balance else None)
+
+
+class FrozenPlans:
+    """One epoch's plans, each frozen once the training loop observed the steps before its mark: an entry
+    is (BudgetPlan, AutoBudget copy for time balance, or None). Used behind AutoControl's lock; ``freeze``
+    arguments make the entry of now, ``lookahead`` is the steps a framework holds fetched and not yet
+    trained (a mark freezes once ``mark - lookahead`` steps are observed).
+
+    Example:
+        >>> plans = FrozenPlans(); plans.restart(("plan 0", None))
+        >>> plans.mark(4, lookahead=0, freeze=lambda: ("plan 4", None)); plans.ready(4)
+        False
+        >>> plans.observe(4, lookahead=0, freeze=lambda: ("plan 4", None)); plans.use(4)
+        ('plan 4', None)
+    """
+
+    def __init__(self) -> None:
+        self.observed = 0  # steps of this epoch observed (ghosts counted)
+        self.frozen: Dict[int, Tuple[Any, Any]] = {}  # mark -> (BudgetPlan, AutoBudget copy for time balance)
+        self.marks: Set[int] = set()  # marks registered, not reached yet
+        self.used: List[int] = []  # marks planned with, the latest last
+
+    def restart(self, first: Tuple[Any, Any]) -> None:
+        """A new epoch: nothing observed yet; its windows 1 and 2 plan under ``first`` (frozen at mark 0)."""
+        self.observed, self.marks, self.used = 0, set(), []
+        self.frozen = {0: first}
+
+    def mark(self, mark: int, *, lookahead: int, freeze: Callable[[], Tuple[Any, Any]]) -> None:
+        """Freeze the entry of ``mark`` once its steps are observed (now, if they are)."""
+        if self.observed >= needed(mark, lookahead):
+            if mark not in self.frozen:
+                self.frozen[mark] = freeze()
+        else:
+            self.marks.add(mark)
+
+    def observe(self, steps: int, *, lookahead: int, freeze: Callable[[], Tuple[Any, Any]]) -> None:
+        """The training loop has observed ``steps`` steps of this epoch: freeze the marks they reach."""
+        self.observed = max(self.observed, steps)
+        for m in sorted(m for m in self.marks if needed(m, lookahead) <= self.observed):
+            self.marks.discard(m)
+            self.frozen.setdefault(m, freeze())
+
+    def ready(self, mark: int) -> bool:
+        """Whether the entry of ``mark`` is frozen."""
+        return mark in self.frozen
+
+    def use(self, mark: int) -> Optional[Tuple[Any, Any]]:
+        """The entry frozen at ``mark`` (None: none), planned with now; a cursor may point at most one window
+        back, so the entries before the previous mark planned with are dropped."""
+        entry = self.frozen.get(mark)
+        if not self.used or self.used[-1] != mark:
+            self.used.append(mark)
+        if len(self.used) > 2:
+            keep = self.used[-2]
+            self.used = self.used[-2:]
+            self.frozen = {k: v for k, v in self.frozen.items() if k >= keep}
+        return entry
+
+    def model(self, mark: Optional[int]) -> Any:
+        """The AutoBudget copy frozen at ``mark`` for time balance (None: none frozen there)."""
+        entry = self.frozen.get(mark) if mark is not None else None
+        return None if entry is None else entry[1]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain data: the observation count, the frozen entries (plans encoded), the marks pending and used."""
+        frozen = [[int(k), [int(v) for v in plan.encode().tolist()], model.state_dict() if model is not None else None]
+                  for k, (plan, model) in sorted(self.frozen.items())]
+        return {"observed": self.observed, "frozen": frozen, "marks": sorted(self.marks), "used": list(self.used)}
+
+    def load_state_dict(self, state: Dict[str, Any], *, model: Callable[[Any], Any],
+                        freeze: Callable[[], Tuple[Any, Any]]) -> None:
+        """Continue from ``state_dict``'s output (in a loader state's "budget"): ``model(state)`` makes a frozen
+        AutoBudget copy; no entry (a re-partitioned epoch, ``merged_state``): its windows plan from now on."""
+        from odb.plan.auto_budget import BudgetPlan
+
+        self.observed = int(state["observed"])
+        self.marks = set(int(m) for m in state["marks"])
+        self.used = [int(m) for m in state["used"]]
+        self.frozen = {int(k): (BudgetPlan.decode(np.asarray(plan, dtype=np.int64)),
+                                model(saved) if saved is not None else None)
+                       for k, plan, saved in state["frozen"]}
+        if not self.frozen:
+            self.frozen = {0: freeze()}
+
+
+def needed(mark: int, lookahead: int) -> int:
+    """Steps observed before the proposal of ``mark`` freezes (``mark`` less the framework's lookahead)."""
+    return max(0, mark - lookahead)
 
 
 class AutoControl:
@@ -38,12 +159,10 @@ class AutoControl:
     AutoBudget's, the frozen proposals and the observation count). The batch thread waits for that
     point (it is normally a window behind it).
 
-    Example:
-        >>> import numpy as np
+    Its parts: ``settings`` (AutoSettings: made from the constructor's arguments) and ``plans`` (FrozenPlans:
+    the epoch's frozen proposals and its steps observed).
 
-from odb.config import ODBConfig
-from odb.epoch.budget import AutoWindows
-from odb.plan.plan_costs import PlanCosts
+    Example:
         >>> from odb.epoch.auto import AutoControl
         >>> auto = AutoControl(cap=10**9, meter=lambda: None, packed=False, margin=0.1)
         >>> auto.start(64); auto.begin_epoch(); auto.plan_at(0).token_budget
@@ -52,8 +171,7 @@ from odb.plan.plan_costs import PlanCosts
 
     def __init__(self, *, cap: float, meter: Callable[[], Optional[float]], packed: bool, margin: float,
                  time_balance: bool = False, options: Optional[ODBConfig] = None) -> None:
-        self.cap, self.meter, self.packed, self.margin = cap, meter, packed, margin
-        self.time_balance = time_balance
+        self.settings = AutoSettings(cap=cap, meter=meter, packed=packed, margin=margin, time_balance=time_balance)
         self.options = options  # the user's (None: a control made by hand, e.g. in a test: the defaults)
         self.resumed_state = False  # a mid-epoch state gave this control its place in the epoch
         self.budget: Any = None  # odb.plan.auto_budget.AutoBudget, made by start()
@@ -61,10 +179,7 @@ from odb.plan.plan_costs import PlanCosts
         self.lock = threading.Condition()
         self.clock: Callable[[], float] = time.perf_counter
         self.features: Dict[int, np.ndarray] = {}  # step -> features of a batch made, not yet observed
-        self.observed = 0  # steps of this epoch observed (ghosts counted)
-        self.frozen: Dict[int, Tuple[Any, Any]] = {}  # mark -> (BudgetPlan, AutoBudget copy for time balance)
-        self.marks: Set[int] = set()  # marks registered, not reached yet
-        self.used: List[int] = []  # marks planned with, the latest last
+        self.plans = FrozenPlans()  # this epoch's proposals frozen at step marks, its steps observed
         self.in_flight: Optional[List[Any]] = None  # [step, ghost, t0, oom] of the batch handed out last
         self.closed = False
         self.wait_limit_s = 1800.0  # plan_at's longest wait (the loader sets exchange_timeout_s)
@@ -80,23 +195,18 @@ from odb.plan.plan_costs import PlanCosts
     def started(self) -> bool:
         return self.budget is not None
 
-    def _new_budget(self, start: int) -> Any:
-        from odb.plan.auto_budget import AutoBudget
-
-        return AutoBudget(self.cap, int(start), packed=self.packed, margin=self.margin)
-
     def start(self, start_budget: int) -> None:
         """Make the AutoBudget with the first windows' budget."""
         with self.lock:
             self.start_budget = int(start_budget)
-            self.budget = self._new_budget(self.start_budget)
+            self.budget = self.settings.new_budget(self.start_budget)
 
     def begin_epoch(self) -> None:
         """A new epoch (not a resumed one): its windows 1 and 2 plan under the proposal of now."""
         with self.lock:
             self.features.clear()
-            self.observed, self.marks, self.used, self.in_flight, self.closed = 0, set(), [], None, False
-            self.frozen = {0: self._freeze()}
+            self.in_flight, self.closed = None, False
+            self.plans.restart(self._freeze())
 
     def close(self) -> None:
         """The epoch stops: a batch thread waiting in ``plan_at`` goes on."""
@@ -110,7 +220,7 @@ from odb.plan.plan_costs import PlanCosts
             self.closed = False
 
     def _freeze(self) -> Tuple[Any, Any]:
-        return self.budget.propose(), (copy.deepcopy(self.budget) if self.time_balance else None)
+        return self.settings.freeze(self.budget)
 
     # ---- the loader's budget (odb.epoch.budget.LoaderBudget) ------------------------
     def epoch(self) -> AutoWindows:
@@ -175,58 +285,39 @@ from odb.plan.plan_costs import PlanCosts
         from odb.plan.step_model import shape_features
 
         lengths = np.asarray(lengths)
-        features = shape_features(lengths.sum(axis=1) if lengths.ndim == 2 else lengths, self.packed, supervised,
-                                  patches)
+        features = shape_features(lengths.sum(axis=1) if lengths.ndim == 2 else lengths, self.settings.packed,
+                                  supervised, patches)
         with self.lock:
             self.features[int(step)] = features
-
-    def _needed(self, mark: int) -> int:
-        """Steps observed before the proposal of ``mark`` freezes (``mark`` less the framework's lookahead)."""
-        return max(0, mark - self.lookahead)
 
     def mark(self, mark: int) -> None:
         """Freeze the proposal once ``mark`` steps of this epoch are observed (now, if they are)."""
         with self.lock:
-            if self.observed >= self._needed(mark):
-                if mark not in self.frozen:
-                    self.frozen[mark] = self._freeze()
-            else:
-                self.marks.add(mark)
+            self.plans.mark(mark, lookahead=self.lookahead, freeze=self._freeze)
 
     def plan_at(self, mark: int) -> Any:
         """The proposal frozen at ``mark`` (waits for the training loop to get there)."""
         with self.lock:
             deadline = time.monotonic() + self.wait_limit_s
-            while mark not in self.frozen and not self.closed:
+            while not self.plans.ready(mark) and not self.closed:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"odb token_budget='auto': the batch thread waited {self.wait_limit_s:g}s for the training "
-                        f"loop to finish step {mark - 1} of this epoch (measured {self.observed} steps) to plan the "
-                        f"next window. Rule: the loop asks for each next batch after its step. Fix: keep iterating "
-                        f"the loader, or pass an int token_budget.")
+                        f"loop to finish step {mark - 1} of this epoch (measured {self.plans.observed} steps) to plan "
+                        f"the next window. Rule: the loop asks for each next batch after its step. Fix: keep "
+                        f"iterating the loader, or pass an int token_budget.")
                 self.lock.wait(0.1)
-            entry = self.frozen.get(mark)
+            entry = self.plans.use(mark)
             if entry is None:  # closed: the epoch stops, this plan is not used (the AutoBudget is left as it is)
-                entry = (self.budget.last_plan or self._new_budget(self.start_budget).propose(), None)
-            if not self.used or self.used[-1] != mark:
-                self.used.append(mark)
-            if len(self.used) > 2:  # a cursor may point at most one window back: keep its mark
-                keep = self.used[-2]
-                self.used = self.used[-2:]
-                self.frozen = {k: v for k, v in self.frozen.items() if k >= keep}
+                return self.budget.last_plan or self.settings.new_budget(self.start_budget).propose()
             return entry[0]
-
-    def _frozen_model(self, mark: Optional[int]) -> Any:
-        """The AutoBudget copy frozen at ``mark`` for time balance (None: none frozen there)."""
-        entry = self.frozen.get(mark) if mark is not None else None
-        return None if entry is None else entry[1]
 
     def time_cost(self, mark: Optional[int], lengths: np.ndarray, side: Optional[np.ndarray] = None
                   ) -> Optional[float]:
         """Predicted seconds of a batch of ``lengths`` (and side counts: (n, 2) image patches, supervised
         tokens) under the model frozen at ``mark`` (None: unfitted)."""
         with self.lock:
-            model = self._frozen_model(mark)
+            model = self.plans.model(mark)
             if model is None:
                 return None
             lengths = np.asarray(lengths)
@@ -264,21 +355,18 @@ from odb.plan.plan_costs import PlanCosts
             if flight is None:
                 return
             step, ghost, t0, oom = flight
-            peak = self.meter()
+            peak = self.settings.meter()
             seconds = self.clock() - t0
             features = self.features.pop(step, None)
             if not ghost and not oom and features is not None and self.budget is not None:
                 self.budget.observe(features, peak=None if peak is None else float(peak), seconds=seconds)
-            self.observed = max(self.observed, step + 1)
-            for m in sorted(m for m in self.marks if self._needed(m) <= self.observed):
-                self.marks.discard(m)
-                self.frozen.setdefault(m, self._freeze())
+            self.plans.observe(step + 1, lookahead=self.lookahead, freeze=self._freeze)
             self.lock.notify_all()
 
     def begin(self, step: int, ghost: bool) -> None:
         """Step ``step`` starts training: its measurement starts (the meter's peak so far is dropped)."""
         with self.lock:
-            self.meter()
+            self.settings.meter()
             self.in_flight = [int(step), bool(ghost), self.clock(), False]
 
     def on_oom(self) -> None:
@@ -298,38 +386,27 @@ from odb.plan.plan_costs import PlanCosts
         step in flight is observed now: a state is taken between steps)."""
         self.end()
         with self.lock:
-            frozen = [[int(k), [int(v) for v in plan.encode().tolist()],
-                       model.state_dict() if model is not None else None]
-                      for k, (plan, model) in sorted(self.frozen.items())]
             return {"start": self.start_budget, "budget": None if self.budget is None else self.budget.state_dict(),
-                    "observed": self.observed, "frozen": frozen, "marks": sorted(self.marks),
-                    "used": list(self.used)}
+                    **self.plans.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any], resumed: bool) -> None:
         """Continue from ``state_dict``'s output (``resumed``: mid-epoch, else at an epoch's start)."""
-        from odb.plan.auto_budget import BudgetPlan
-
         with self.lock:
             if state.get("start") is None:
                 return
             self.start_budget = int(state["start"])
-            self.budget = self._new_budget(self.start_budget)
+            self.budget = self.settings.new_budget(self.start_budget)
             self.budget.load_state_dict(state["budget"])
             self.features.clear()
             self.in_flight, self.closed = None, False
             if resumed:
-                self.observed = int(state["observed"])
-                self.marks = set(int(m) for m in state["marks"])
-                self.used = [int(m) for m in state["used"]]
-                self.frozen = {}
-                for k, plan, model in state["frozen"]:
-                    copy_ = None
-                    if model is not None:
-                        copy_ = self._new_budget(self.start_budget)
-                        copy_.load_state_dict(model)
-                    self.frozen[int(k)] = (BudgetPlan.decode(np.asarray(plan, dtype=np.int64)), copy_)
-                if not self.frozen:  # a re-partitioned epoch (``merged_state``): its windows plan from now on
-                    self.frozen = {0: self._freeze()}
+                self.plans.load_state_dict(state, model=self._saved_model, freeze=self._freeze)
+
+    def _saved_model(self, saved: Dict[str, Any]) -> Any:
+        """An AutoBudget from its ``state_dict`` (a frozen copy for time balance)."""
+        model = self.settings.new_budget(self.start_budget)
+        model.load_state_dict(saved)
+        return model
 
     def metrics(self) -> Dict[str, Any]:
         """``auto_*`` counters of the AutoBudget (empty before it starts)."""
@@ -349,7 +426,7 @@ from odb.plan.plan_costs import PlanCosts
                     out.update({f"auto_{key + '_' if key else ''}{k}": v for k, v in value.items()})
                 else:
                     out[f"auto_{key}"] = value
-            out["auto_observed_steps"] = self.observed
+            out["auto_observed_steps"] = self.plans.observed
             return out
 
     def check_length(self, length: int) -> None:
@@ -366,7 +443,7 @@ from odb.plan.plan_costs import PlanCosts
     def time_fitted(self, mark: Optional[int]) -> bool:
         """Whether the time model frozen at ``mark`` predicts (balance="time")."""
         with self.lock:
-            model = self._frozen_model(mark)
+            model = self.plans.model(mark)
             return model is not None and model.time.coefficients() is not None
 
 

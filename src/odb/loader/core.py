@@ -2,9 +2,10 @@
 
 ``ODBDataLoader`` and loaders converted by ``odb.apply`` keep one attribute, the core. It holds
 the loader's budget (odb.epoch.budget, made from the user's options by odb.loader.budgets), the
-epoch under way (its run, pipeline and mode, built by odb.loader.assembly from the sources of
-odb.loader.sources), the counters, the step count ``len()`` reports and the resume state
-(odb.resume.loader_state), and answers the loader's public methods.
+epoch under way (``under_way``: its run, cursor, pipeline and mode, built by odb.loader.assembly
+from the sources of odb.loader.sources), the epoch counts (``counts``: the next epoch or the
+state it resumes, the step count ``len()`` reports; both odb.loader.epoch_state), the OOM
+counters, and answers the loader's public methods (saved states: odb.resume.loader_state).
 
 An epoch runs in one of two modes, chosen by whether the loader knows every sample's
 length up front (``lengths=``): ``OnlineEpoch`` (a background thread reads samples through
@@ -38,14 +39,12 @@ from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler, ShardSampler
 from odb.epoch.drop_last import DropLast
 from odb.epoch.auto import AutoControl
-from odb.epoch.cursor import Cursor
-from odb.epoch.pipeline import BatchPipeline
 from odb.epoch.run import EpochRun
 from odb.epoch.stats import EpochStats
 from odb.loader.assembly import EpochAssembly
 from odb.loader.batch_checks import BatchChecks
 from odb.loader.budgets import make_budget
-from odb.loader.epoch_modes import KnownLengthsEpoch, OnlineEpoch
+from odb.loader.epoch_state import EpochCounts, EpochUnderWay
 from odb.loader.inner import InnerLoaders
 from odb.loader.length_probe import check_probed_fit, probe_lengths
 from odb.loader.sources import EpochSources
@@ -112,16 +111,8 @@ class LoaderCore:
                                       transform=sample_transform, exchanges=exchanges, shuffle=shuffle,
                                       notices=set(),  # warnings the loader's epochs give once
                                       drops=self.drops)
-        self.next_epoch = 0
-        self.last_steps: Optional[int] = None  # steps of the last epoch that ran to its end
-        self.last_steps_epoch: Optional[int] = None
-        self.estimate: Optional[int] = None
-        self.run: Optional[EpochRun] = None
-        self.cursor: Optional[Cursor] = None
-        self.pipeline: Optional[BatchPipeline] = None
-        self.pipeline_done = True
-        self.mode: Union[OnlineEpoch, KnownLengthsEpoch, None] = None  # the current (or last) epoch's
-        self.resume: Optional[Dict[str, Any]] = None
+        self.under_way = EpochUnderWay()  # the current (or last) epoch: its run, cursor, pipeline and mode
+        self.counts = EpochCounts()  # the next epoch's number (or the state it resumes), an epoch's steps
         self.oom: Optional[Any] = None
         self.checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
         self.plan_options = PlanOptions()
@@ -141,18 +132,18 @@ class LoaderCore:
     # ---- what the loader's public methods do ---------------------------------------------------
     def stats(self) -> Dict[str, Any]:
         """``odb_stats``: this epoch's counters up to the last batch handed out, plus OOM counters."""
-        cursor = self.cursor
+        cursor, mode, run = self.under_way.cursor, self.under_way.mode, self.under_way.run
         stats = dataclasses.replace(cursor.stats) if cursor is not None else EpochStats()
         stats.wait_s = self.wait_s(stats.wait_s)
-        if self.mode is not None:
-            stats.loss_tokens = self.mode.loss_tokens(stats.loss_tokens)
-        if self.run is not None:
-            stats.read_ahead_max = self.run.source.peak_samples
-            stats.read_ahead_tokens_max = self.run.source.peak_tokens
+        if mode is not None:
+            stats.loss_tokens = mode.loss_tokens(stats.loss_tokens)
+        if run is not None:
+            stats.read_ahead_max = run.source.peak_samples
+            stats.read_ahead_tokens_max = run.source.peak_tokens
         out = stats.as_dict()
         if self.oom is not None:
             out.update({k if k.startswith("oom") else f"oom_{k}": v for k, v in self.oom.as_dict().items()})
-        out.update(self.budget.stats(self.run.budget if self.run is not None else None))
+        out.update(self.budget.stats(run.budget if run is not None else None))
         return out
 
     def oom_counters(self) -> Any:
@@ -166,45 +157,40 @@ class LoaderCore:
 
     def wait_s(self, default: float = 0.0) -> float:
         """Seconds the training loop waited in next() this epoch (``default`` before any epoch)."""
-        return self.mode.wait_s() if self.mode is not None else default
+        mode = self.under_way.mode
+        return mode.wait_s() if mode is not None else default
 
     def abort(self, reason: "BaseException | str") -> None:
         """``odb_abort``: stop this epoch and tell the other ranks."""
         error = reason if isinstance(reason, BaseException) else RuntimeError(str(reason))
-        if self.pipeline is not None:
-            self.pipeline.abort(error)
+        if self.under_way.pipeline is not None:
+            self.under_way.pipeline.abort(error)
         self.stop()
 
     def set_token_budget(self, token_budget: Any) -> None:
         """``set_token_budget``: from the next planning window on."""
         self.budget.set_token_budget(token_budget)  # the next windows plan under it (token_budget="auto" refuses)
-        self.estimate = None
+        self.counts.estimate = None
 
     def set_epoch(self, epoch: int) -> None:
         """``set_epoch``: odb's epoch, and the sampler's (unless it is odb's own)."""
-        self.next_epoch = int(epoch)
+        self.counts.next_epoch = int(epoch)
         sampler = getattr(self.loader, "sampler", None)
         if hasattr(sampler, "set_epoch") and sampler is not self.own_sampler:
             sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        if self.last_steps is not None:
-            return self.last_steps
-        if self.estimate is None:
-            self.estimate = self._estimate_steps()
-        return self.estimate
+        return self.counts.steps(self._estimate_steps)
 
     def iterate(self) -> Iterator[Any]:
         """``iter(loader)``: start the next epoch (or the resumed one) in its mode (odb.loader.assembly)."""
         self.stop()
-        state, self.resume = self.resume, None
-        epoch = state["epoch"] if state is not None else self.next_epoch
-        self.next_epoch = epoch + 1
+        epoch, state = self.counts.start_next()
         if self.own_sampler is not None:
             self.own_sampler.set_epoch(epoch)
-        built = self.assembly.build(self, epoch=epoch, seed=self.seed, state=state, previous=self.mode,
-                                    settled=self.pipeline_done)
-        self.run, self.cursor, self.pipeline, self.mode = built.run, built.cursor, built.pipeline, built.mode
+        built = self.assembly.build(self, epoch=epoch, seed=self.seed, state=state, previous=self.under_way.mode,
+                                    settled=self.under_way.pipeline_done)
+        self.under_way.started(built)
         return built.batches
 
     def accumulation(self) -> Optional[int]:
@@ -230,9 +216,10 @@ class LoaderCore:
     def state_dict(self) -> Dict[str, Any]:
         """``state_dict``: where the loader is, as plain data (odb.resume.loader_state.saved_state)."""
         rank, world_size = self.world()
-        return saved_state(self.run, self.cursor, finished_epoch=self.last_steps_epoch, next_epoch=self.next_epoch,
-                           seed=self.seed, wait_s=self.wait_s(), accumulation=self.accumulation(),
-                           rank=rank, world_size=world_size, fields=self._fields(),
+        counts = self.counts
+        return saved_state(self.under_way.run, self.under_way.cursor, finished_epoch=counts.last_steps_epoch,
+                           next_epoch=counts.next_epoch, seed=self.seed, wait_s=self.wait_s(),
+                           accumulation=self.accumulation(), rank=rank, world_size=world_size, fields=self._fields(),
                            budget=self.budget.loader_state())
 
     def load_state_dict(self, state: Union[Dict[str, Any], Sequence[Dict[str, Any]]]) -> None:
@@ -244,14 +231,13 @@ class LoaderCore:
         self.seed = int(state["seed"])
         if self.own_sampler is not None:
             self.own_sampler.seed = self.seed
-        self.resume = state if state["run"] is not None else None
-        self.next_epoch = int(state["epoch"])
+        self.counts.resume = state if state["run"] is not None else None
+        self.counts.next_epoch = int(state["epoch"])
         self.budget.load_loader_state(state["budget"], resumed=state["run"] is not None)
         if self.own_sampler is None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(int(state["epoch"]))  # the saved epoch's order (DistributedSampler, ShardSampler)
         self.stop()
-        self.run = None
-        self.cursor = None
+        self.under_way.forget_position()
         if self.inner.stream is not None:
             self.inner.forget()  # persistent workers hold a copy of the stream: start fresh ones with its state
 
@@ -272,8 +258,9 @@ class LoaderCore:
 
     def stop(self) -> None:
         """End the previous iteration's background work, if any."""
-        self.pipeline_done = True
-        pipeline, run = self.pipeline, self.run
+        under_way = self.under_way
+        under_way.pipeline_done = True
+        pipeline, run = under_way.pipeline, under_way.run
         self.budget.close()  # (auto: a batch thread waiting for the training loop's measurements goes on)
         if pipeline is not None:
             late = None
@@ -286,7 +273,7 @@ class LoaderCore:
             pipeline.stop()
             if run is not None:
                 run.close()
-            self.pipeline_done = pipeline.close()
+            under_way.pipeline_done = pipeline.close()
             if late is not None:
                 raise late
 
@@ -301,9 +288,8 @@ class LoaderCore:
 
     def epoch_over(self, run: EpochRun) -> None:
         """An epoch ran to its end: its counters are final and its step count is the loader's len()."""
-        self.cursor = Cursor(run.snapshot, 0, dataclasses.replace(run.stats))
-        self.last_steps = run.step
-        self.last_steps_epoch = run.epoch
+        self.under_way.finished(run)
+        self.counts.finished(run)
 
     def _fields(self) -> Dict[str, Any]:
         loader = self.loader
@@ -328,7 +314,8 @@ class LoaderCore:
             lengths = self._first_window(n)
         if lengths is None:
             lengths = probe_lengths(dataset, self.transform, cfg, self.inner.workers())
-        cfg = self.budget.planning_config(self.run.budget if self.run is not None else None, lengths)
+        run = self.under_way.run
+        cfg = self.budget.planning_config(run.budget if run is not None else None, lengths)
         check_probed_fit(lengths, cfg, "len(loader) measured the dataset's samples",
                          total if self.sources.lengths is not None else None)  # known lengths: by index
         return max(1, estimate_steps(np.asarray(lengths), n, cfg, world_size=world_size))
@@ -337,6 +324,7 @@ class LoaderCore:
         """The next epoch's first window, read by its own source (odb.loader.sources.EpochSources.first_window);
         None where ranks would each see their own (under DDP len() must agree on every rank: the probe reads
         the same samples on each), or where an epoch is under way or a resume is pending."""
-        if self.world()[1] > 1 or self.resume is not None or (self.pipeline is not None and not self.pipeline.done):
+        pipeline = self.under_way.pipeline
+        if self.world()[1] > 1 or self.counts.resume is not None or (pipeline is not None and not pipeline.done):
             return None
-        return self.sources.first_window(n, self.next_epoch)
+        return self.sources.first_window(n, self.counts.next_epoch)

@@ -6,8 +6,9 @@
   collate whole batches, and loss scales are fixed per optimizer step (one exchange per
   step across ranks: odb.epoch.known).
 
-Both hand batches out with the loader's checks, record where the epoch stands (the
-loader core's ``cursor``) and tell the core when the epoch ends or stops.
+Both hand batches out with the loader's checks, record where the epoch stands (the cursor of
+the loader core's ``under_way``, odb.loader.epoch_state) and tell the core when the epoch ends
+or stops.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class OnlineEpoch:
         check.reset()
         try:
             for batch, cursor in pipeline:
-                core.cursor = cursor
+                core.under_way.cursor = cursor
                 info = batch[key] if isinstance(batch, Mapping) else getattr(batch, key)
                 info = dataclasses.replace(info, loader_wait_s=pipeline.last_wait_s)
                 batch = attach_step_info(batch, info, key)
@@ -65,7 +66,7 @@ class OnlineEpoch:
             pipeline.abort(err)  # (the batch thread's own errors were told already; a worker's death comes here
             raise  # from torch's SIGCHLD handler when the thread waits for a batch)
         finally:
-            if core.pipeline is pipeline:
+            if core.under_way.pipeline is pipeline:
                 core.stop()  # a `break` or an error: let go of the workers now
         core.epoch_over(run)  # the producer has finished: its counters are final
 
@@ -90,7 +91,7 @@ class KnownLengthsEpoch:
 
     def consumed(self, cursor: Cursor, waited_s: float, loss_tokens: int) -> None:
         """Told of every batch handed to the training loop (odb.epoch.known.known_epoch)."""
-        self.core.cursor = cursor
+        self.core.under_way.cursor = cursor
         self.waited_s += waited_s
         self.loss += loss_tokens
 
@@ -109,6 +110,6 @@ class KnownLengthsEpoch:
             close = getattr(batches, "close", None)
             if close is not None:  # as `yield from` did: a loop that stopped early ends the steps' generator first
                 close()
-            if core.pipeline is pipeline:
+            if core.under_way.pipeline is pipeline:
                 core.stop()
         core.epoch_over(run)
