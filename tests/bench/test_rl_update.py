@@ -103,7 +103,7 @@ def test_odb_rollout_rows_stay_and_global_may_move():
     step, moved, _ = odb_rollout(rows, 4 * 1280)
     assert moved == 0.0 and len({len(r) for r in step}) == 1
     for packed in (False, True):
-        gstep, gmoved, _ = odb_global(rows, 4 * 1280, 256.0, packed)
+        gstep, gmoved, _ = odb_global(rows, 4 * 1280, packed)
         assert 0.0 <= gmoved <= 1.0 and sum(m.real for r in gstep for m in r if m) == int(rows[0].sum() + rows[1].sum())
 
 
@@ -152,4 +152,5 @@ def test_the_quick_section_runs_and_yields_every_figure():
     names = [g.goal for g in goals({"rl_update": result})]
     assert len(names) == 6 and any("odb packed / TRL" in n for n in names)
     text = render({"rl_update": result}, markdown=True)
-    assert "GRPO policy update" in text and "verl-style" in text and "planned only" in text
+    assert "GRPO policy update" in text and "verl-style" in text and "odb global (padded)" in text
+    assert "planned only" not in text  # odb's global plan is what the trainer runs

@@ -3,14 +3,16 @@
 
 Each case trains TRL alone, then TRL with odb, in one process from one seed: the two arms
 sample the same rollouts (tests/support/trl_rl_workers.py), and each optimizer step's gradient
-is recorded before the optimizer uses it. Tolerance: TRL computes log-probabilities with its
-own fused LM head in float32 whatever the model's dtype, so trimming a micro-batch's padding
+is recorded before the optimizer uses it. On two processes rows may also move between the ranks
+(step_plan="global"): each rank's loss is then that of the rows it trained, and the sum over
+ranks is TRL's. Tolerance: TRL computes log-probabilities with its own fused LM head in float32 whatever the model's dtype, so trimming a micro-batch's padding
 changes their rounding at float32 level (about 1e-7 relative); a wrong normaliser or a lost
 token changes the gradient by orders of magnitude more.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import datasets  # noqa: F401  (pinned under `make test`, as trl is: a broken install fails, never skips)
@@ -37,17 +39,20 @@ def rel_gap(ref, got) -> float:
     return worst
 
 
-def check_pair(ref, odb, what) -> None:
+def check_pair(ref, odb, what, own_rows=True) -> None:
+    """odb's arm against TRL's: the same gradients and losses, micro-batches within the budget; ``own_rows``: this
+    rank trained its own rows (moved rows make a rank's loss and padded tokens the sum's business: the test of moved
+    rows sums them over ranks)."""
     assert len(odb["grads"]) == len(ref["grads"]) >= 2, what
     assert rel_gap(ref["grads"], odb["grads"]) < EXACT, what
-    for a, b in zip(ref["losses"], odb["losses"]):  # the loss the Trainer logs is TRL's too
+    for a, b in zip(ref["losses"], odb["losses"] if own_rows else ref["losses"]):  # the loss is TRL's too
         assert abs(a - b) <= EXACT * max(1.0, abs(a)), what
     assert odb["micro_steps"] > odb["slices"] > 0, f"odb cut nothing: {what}"
     for rows, prompt, completion, tokens in odb["micro_batches"]:
         # within the budget, and never more than TRL's layout of the same rows (its longest prompt + completion)
         assert tokens <= odb["budget"] and tokens <= rows * (prompt + completion), (rows, prompt, completion, what)
     assert odb["slice_tokens"] == ref["slice_tokens"]  # the same slices were handed to the loss...
-    assert odb["padded"] < ref["slice_tokens"], what   # ...and odb trained on fewer padded tokens
+    assert odb["padded"] < ref["slice_tokens"] or not own_rows, what   # ...and odb trained on fewer padded tokens
     if "packed" in what:  # packed rows: the model ran the rollouts' tokens and nothing else
         assert odb["padded"] == odb["real"], what
     else:
@@ -92,10 +97,20 @@ def test_the_gradient_is_trls_for_every_loss_type(tmp_path, case):
     assert [log["odb_micro_steps"] for log in got["odb"]["logs"] if "odb_micro_steps" in log][0] > 1
 
 
+def test_rows_may_move_on_one_process_too_and_the_gradient_is_trls(tmp_path):
+    # step_plan="global" on one process: the global planner and odb's micro-batch assembly, nothing to move
+    got = R.pair_ranks(0, 1, dict(CASES["dapo_iterations"], budget=BUDGET, out=str(tmp_path), step_plan="global"))
+    check_pair(got["ref"], got["odb"], "dapo_iterations, step_plan='global', 1 process")
+    assert got["odb"]["step_plan"] == "global" and got["odb"]["moved_rows"] == 0
+    assert [log["odb_moved_rows"] for log in got["odb"]["logs"] if "odb_moved_rows" in log] == [0.0]
+
+
 @pytest.mark.dist
 def test_two_ranks_run_the_same_micro_steps_and_get_trls_gradient(tmp_path):
-    runs = [dict(CASES["grpo_kl_entropy"], budget=BUDGET), dict(CASES["dapo_iterations"], budget=BUDGET),
-            dict(CASES["grpo_packed"], budget=BUDGET)]
+    # step_plan="rank": rows stay on their rank, the same rows per micro-step on both
+    runs = [dict(CASES["grpo_kl_entropy"], budget=BUDGET, step_plan="rank"),
+            dict(CASES["dapo_iterations"], budget=BUDGET, step_plan="rank"),
+            dict(CASES["grpo_packed"], budget=BUDGET, step_plan="rank")]
     ranks = run_ranks("trl_rl_workers:suite_ranks", 2, {"runs": runs, "out": str(tmp_path / "o")}, tmp_path / "h",
                       deadline_s=280)
     for k, run in enumerate(runs):
@@ -109,6 +124,68 @@ def test_two_ranks_run_the_same_micro_steps_and_get_trls_gradient(tmp_path):
         assert ranks[0][k]["odb"]["micro_batches"] != ranks[1][k]["odb"]["micro_batches"], "the ranks had one rollout"
         # DDP averaged the gradient: both ranks hold the same one
         assert rel_gap(ranks[0][k]["odb"]["grads"], ranks[1][k]["odb"]["grads"]) < 1e-12
+        assert {r[k]["odb"]["step_plan"] for r in ranks} == {"rank"} and not any(r[k]["odb"]["moves"] for r in ranks)
+
+
+GLOBAL_RUNS = {"grpo": CASES["grpo"], "dapo_iterations": CASES["dapo_iterations"], "rloo": CASES["rloo"],
+               "grpo_packed": CASES["grpo_packed"]}
+
+
+@pytest.mark.dist
+def test_two_ranks_move_rows_and_get_trls_gradient(tmp_path):
+    # step_plan="global": rows move between the ranks (the eos bias gives rollouts of varied lengths, so the ranks'
+    # slices cost differently), each rank's micro-batches hold its own number of rows, the gradient is TRL's.
+    runs = [dict(case, budget=BUDGET, step_plan="global") for case in GLOBAL_RUNS.values()]
+    ranks = run_ranks("trl_rl_workers:suite_ranks", 2, {"runs": runs, "out": str(tmp_path / "o")}, tmp_path / "h",
+                      deadline_s=280)
+    for k, name in enumerate(GLOBAL_RUNS):
+        odb = [r[k]["odb"] for r in ranks]
+        for rank, r in enumerate(ranks):
+            check_pair(r[k]["ref"], r[k]["odb"], f"rank {rank}, {name}, step_plan='global'", own_rows=False)
+        # A rank's loss is that of the rows it trained; the Trainer logs the mean over ranks, which is TRL's.
+        for step, want in enumerate(np.sum([r[k]["ref"]["losses"] for r in ranks], axis=0)):
+            got = sum(o["losses"][step] for o in odb)
+            assert abs(got - want) <= EXACT * max(1.0, abs(want)), (name, step)
+        assert sum(o["padded"] for o in odb) < sum(r[k]["ref"]["slice_tokens"] for r in ranks), name
+        assert [o["step_plan"] for o in odb] == ["global", "global"], name
+        assert odb[0]["plans"] == odb[1]["plans"], name  # one plan, computed by each rank from both ranks' lengths
+        # rows moved at some step (each rank counts the rows it received), and both ranks agree on how many
+        assert sum(o["moved_rows"] for o in odb) > 0, f"no row moved: {name}"
+        assert [m[0] for o in odb for m in o["moves"]] and all(len(o["moves"]) == o["slices"] for o in odb)
+        assert rel_gap(odb[0]["grads"], odb[1]["grads"]) < 1e-12, name  # DDP averaged the gradient
+
+
+def test_moved_rows_keep_their_values_dtypes_and_shapes():
+    import torch
+
+    from odb.integrations.trl_rl_move import micro_batch, pack_rows, unpack_rows
+
+    def slice_(prompt, completion, width_p, width_c):
+        n = len(prompt)
+        pm = torch.tensor([[0] * (width_p - p) + [1] * p for p in prompt])
+        cm = torch.tensor([[1] * c + [0] * (width_c - c) for c in completion])
+        return {"prompt_ids": pm * torch.randint(3, 40, pm.shape), "prompt_mask": pm,
+                "completion_ids": cm * torch.randint(3, 40, cm.shape), "completion_mask": cm,
+                "old_per_token_logps": torch.randn(n, width_c, dtype=torch.float64) * cm,
+                "advantages": torch.randn(n), "old_logps": torch.randn(n, dtype=torch.float32),
+                "num_items_in_batch": torch.tensor(17)}
+
+    torch.manual_seed(0)
+    a, b = slice_([2, 5, 3], [7, 1, 4], 6, 9), slice_([1, 1, 2], [2, 3, 1], 3, 4)
+    received = {0: (unpack_rows(pack_rows(a, np.array([0, 2])), b), np.array([0, 2]))}
+    piece = micro_batch(b, received, rank=1, n=3, rows=np.array([0, 2, 4]), prompt_width=3, completion_width=7)
+    assert piece["prompt_ids"].shape == (3, 3) and piece["completion_ids"].shape == (3, 7)
+    assert piece["num_items_in_batch"] is b["num_items_in_batch"]
+    for key in ("advantages", "old_logps", "old_per_token_logps"):
+        assert piece[key].dtype == a[key].dtype
+    want = [(a, 0), (a, 2), (b, 1)]  # flat rows 0 and 2 (rank 0's) then 4 (rank 1's row 1)
+    for i, (src, row) in enumerate(want):
+        for key in ("prompt_ids", "completion_ids", "old_per_token_logps"):
+            real = src[key][row][(src["prompt_mask"] if key == "prompt_ids" else src["completion_mask"])[row].bool()]
+            mask = piece["prompt_mask"] if key == "prompt_ids" else piece["completion_mask"]
+            assert torch.equal(piece[key][i][mask[i].bool()], real), (key, i)
+        assert piece["advantages"][i] == src["advantages"][row] and piece["old_logps"][i] == src["old_logps"][row]
+    assert piece["prompt_mask"][:, -1].all() and piece["completion_mask"][:, 0].all()  # left / right padded
 
 
 def test_a_rollout_alone_over_the_budget_stops_the_step_naming_it(tmp_path):
@@ -118,6 +195,19 @@ def test_a_rollout_alone_over_the_budget_stops_the_step_naming_it(tmp_path):
     odb_trl.enable_odb(trainer, token_budget=14)
     with pytest.raises(ValueError, match=r"rollout row \d+ alone costs \d+ padded tokens .* over token_budget=14"):
         trainer.train()
+
+
+@pytest.mark.parametrize("p,words", [(dict(loss_type="bnpo"), "loss_type='bnpo'"),
+                                     (dict(loss_type="grpo", args={"entropy_coef": 0.5}), "entropy_coef=0.5")],
+                         ids=["bnpo", "entropy_bonus"])
+def test_moving_rows_is_refused_where_the_normaliser_is_the_ranks_own(tmp_path, p, words):
+    trainer = R.build(p, str(tmp_path), R.GradRecorder())
+    with pytest.raises(ValueError) as refused:
+        odb_trl.enable_odb(trainer, token_budget=BUDGET, step_plan="global")
+    text = str(refused.value)
+    assert text.startswith(f"odb got step_plan='global' for GRPOTrainer with {words}") and "Rule: " in text
+    assert "Fix: step_plan='auto' or 'rank'" in text and not hasattr(trainer, "odb_rl")
+    assert odb_trl.enable_odb(trainer, token_budget=BUDGET).odb_rl.step_plan == "rank"  # auto: rows stay
 
 
 REFUSED = [
@@ -156,7 +246,9 @@ def test_a_subclass_with_its_own_loss_is_refused(tmp_path):
      "already enabled"),
     (lambda t: odb_hf.enable_odb(t, token_budget=BUDGET), "Fix: call odb.integrations.trl.enable_odb"),
     (lambda t: odb_trl.enable_odb(t, token_budget=BUDGET, layout="rows"), "layout='rows' for GRPOTrainer"),
-], ids=["budget_below_a_completion", "bool_budget", "loader_options", "twice", "hf_enable_odb", "layout"])
+    (lambda t: odb_trl.enable_odb(t, token_budget=BUDGET, step_plan="ranks"), "step_plan='ranks' for GRPOTrainer"),
+], ids=["budget_below_a_completion", "bool_budget", "loader_options", "twice", "hf_enable_odb", "layout",
+        "step_plan"])
 def test_wrong_calls_name_the_value_and_the_fix(tmp_path, call, words):
     trainer = R.build(dict(loss_type="grpo"), str(tmp_path), R.GradRecorder())
     with pytest.raises((TypeError, ValueError)) as refused:

@@ -102,7 +102,8 @@ def train_arm(p: Dict[str, Any], out: str, budget: Any) -> Dict[str, Any]:
     recorder = GradRecorder()
     trainer = build(p, out, recorder)
     if budget is not None:
-        odb_trl.enable_odb(trainer, token_budget=budget, layout=p.get("layout", "padded"))
+        odb_trl.enable_odb(trainer, token_budget=budget, layout=p.get("layout", "padded"),
+                           step_plan=p.get("step_plan", "auto"))
     losses: List[float] = []
     slices: List[int] = []  # padded tokens of every training slice TRL hands the loss (rows x its widths)
     step, loss_of = trainer.training_step, trainer.compute_loss
@@ -129,8 +130,19 @@ def train_arm(p: Dict[str, Any], out: str, budget: Any) -> Dict[str, Any]:
             "micro_steps": odb.micro_steps if odb is not None else 0, "slices": odb.slices if odb is not None else 0,
             "padded": odb.padded_tokens if odb is not None else 0, "budget": budget,
             "real": odb.real_tokens if odb is not None else 0,
-            "plans": [list(p.sizes) for p in odb.plans] if odb is not None else [],
+            "plans": [plan_record(p) for p in odb.plans] if odb is not None else [],
+            "step_plan": odb.step_plan if odb is not None else None,
+            "moves": list(odb.moves) if odb is not None else [],
+            "moved_rows": odb.moved_rows if odb is not None else 0,
             "logs": list(trainer.state.log_history)}
+
+
+def plan_record(plan: Any) -> Any:
+    """A plan as plain lists: a rank-local plan's rows per micro-step, a global plan's flat rows per rank and
+    micro-step."""
+    if hasattr(plan, "groups"):
+        return [[g.tolist() for g in rank] for rank in plan.groups]
+    return list(plan.sizes)
 
 
 def pair_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:

@@ -15,10 +15,10 @@ step on many simulated ranks.
    Padding share = 1 - real tokens / padded tokens processed.
 2. **Planning only** (``odb.bench.rl_update_plan``, no model): one generation batch per rank on 8, 32 and
    128 simulated ranks, planned by TRL's equal slices, verl-style Karmarkar-Karp balancing (moves rows between
-   ranks, packed), odb's rollout plan (what the trainer runs: rows stay on their rank, padded) and odb's
-   global plan (padded and packed; moves rows: planned only, not yet what the trainer runs), every arm under
-   the same budget and per-micro-batch overhead: DDP step efficiency as odb.bench.scale defines it, padding
-   share, micro-steps and planning milliseconds.
+   ranks, packed), odb's rollout plan (``step_plan="rank"``: rows stay on their rank) and odb's global plan
+   (``step_plan="global"``, what the trainer runs on several ranks for every loss_type but bnpo: rows move),
+   padded and packed, every arm under the same budget and per-micro-batch overhead: DDP step efficiency as
+   odb.bench.scale defines it, padding share, micro-steps, rows moved and planning milliseconds.
 
     python benchmarks/rl_update.py [--quick] [--out out/rl_update]   # this section alone
     python -m odb.bench --out out/bench                               # make demo runs it (--skip-rl: not)
@@ -188,6 +188,12 @@ def notes(result: Dict[str, Any]) -> List[str]:
         "odb_varlen (the model is shared by the arms: padded batches, TRL's and odb padded's, still run "
         "transformers' sdpa under that name).",
     ]
+    moved = [f"{ARM_LABELS[arm]}: step_plan '{a['step_plan']}', {a['moved_rows_per_step']:.1f} rows "
+             f"({a['moved_bytes_per_step'] / 1e3:.1f} kB) moved between ranks per optimizer step"
+             for arm, a in u["arms"].items() if "moved_rows_per_step" in a]
+    if moved:
+        out.append("Rows moved (enable_odb's default step_plan='auto'; a rank's loss holds rows of the other's slice "
+                   "where that evens the ranks' costs): " + "; ".join(moved) + ".")
     if u.get("fallback"):
         out.append(f"1 PROCESS ONLY: {u['fallback']}.")
     pl = result.get("planning")
@@ -206,12 +212,16 @@ def notes(result: Dict[str, Any]) -> List[str]:
                    "the largest any rank needs (ceil of its tokens / budget), raised until every micro-batch fits; a "
                    "micro-batch costs its real tokens (packed). Its plan ms: the balance plus the mean rank's own "
                    "split.")
-        out.append("odb global (padded and packed): plan_global_step over all ranks' rows, each row's prompt + "
-                   "completion as one length (odb's layouts run a row without the gap); it moves rows between ranks: "
-                   "planned only, not yet what the trainer runs. odb rollout plan (padded and packed): what "
-                   "enable_odb runs (plan_rollout_steps over every rank's lengths; rows stay on their rank; the same "
-                   "rows per micro-step on every rank). TRL: each rank's generation batch padded to its own widths "
-                   "(longest prompt + longest completion), shuffled, cut in equal slices. plan ms: one rank's.")
+        out.append("odb global (padded and packed): what enable_odb runs on several ranks (step_plan='auto' -> "
+                   "'global' for every loss_type but bnpo, without the entropy bonus): plan_rollout_global, i.e. "
+                   "plan_global_step over all ranks' rows, each row's prompt + completion as one length (odb's "
+                   "layouts run a row without the gap), then no empty micro-batch (a rank's costliest split), rows "
+                   "kept home where it costs nothing and the rank-local plan where it costs no more; rows move "
+                   "between ranks. odb rollout plan (padded and packed): step_plan='rank' (plan_rollout_steps over "
+                   "every rank's lengths; rows stay on their rank; the same rows per micro-step on every rank). Both "
+                   "plan with the trainer's micro_batch_cost (budget / 16). TRL: each rank's generation batch padded "
+                   "to its own widths (longest prompt + longest completion), shuffled, cut in equal slices. plan ms: "
+                   "one rank's.")
     return out
 
 

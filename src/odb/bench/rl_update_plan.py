@@ -20,11 +20,14 @@ Arms (``PLAN_ARMS``):
   M the largest number any rank needs (ceil of its tokens / budget), raised until every micro-batch of every
   rank fits the budget; packed (a micro-batch costs its real tokens).
 * ``odb_rollout`` / ``odb_rollout_packed``: what ``odb.integrations.trl.enable_odb`` runs (``layout="padded"``
-  / ``"packed"``): ``odb.plan.rollout_plan.plan_rollout_steps`` over every rank's rows (rows stay on their rank,
-  the same row count per micro-step on every rank).
-* ``odb_global`` / ``odb_global_packed``: ``odb.plan.global_plan.plan_global_step`` over all ranks' rows
-  (each row's prompt + completion as one length, as odb's layouts run them; padded / packed), which moves rows
-  between ranks: planned only, not yet what the trainer runs.
+  / ``"packed"``) with ``step_plan="rank"`` (the default's choice for bnpo and the entropy bonus):
+  ``odb.plan.rollout_plan.plan_rollout_steps`` over every rank's rows (rows stay on their rank, the same row
+  count per micro-step on every rank).
+* ``odb_global`` / ``odb_global_packed``: what ``enable_odb`` runs on several ranks with ``step_plan="auto"``
+  for the losses whose rows can move (every loss_type but bnpo, without the entropy bonus):
+  ``odb.plan.rollout_global.plan_rollout_global`` (``odb.plan.global_plan.plan_global_step`` over all ranks'
+  rows, each row's prompt + completion as one length, then no empty micro-batch, rows kept home where it costs
+  nothing, the rank-local plan where it costs no more), which moves rows between ranks.
 
 Example:
     >>> kk_partition([8, 7, 6, 5, 4], 2)        # sums 14 and 16: LDM's answer (15 / 15 exists)
@@ -52,7 +55,7 @@ PLAN_ARM_LABELS = {"trl": "TRL equal slices", "verl": "verl-style KK balance (pa
                    "odb_global": "odb global (padded)", "odb_global_packed": "odb global (packed)"}
 MOVES_ROWS = {"trl": False, "verl": True, "odb_rollout": False, "odb_rollout_packed": False, "odb_global": True,
               "odb_global_packed": True}
-PLANNED_ONLY = ("odb_global", "odb_global_packed")  # not yet what the trainer runs
+PLANNED_ONLY: Tuple[str, ...] = ()  # arms that are not what a trainer runs (none: odb's global plan is the trainer's)
 
 Rows = Tuple[np.ndarray, np.ndarray]  # (prompt lengths, completion lengths), each (world, rows)
 
@@ -206,24 +209,20 @@ def odb_rollout(rows: Rows, budget: int, packed: bool = False) -> Planned:
             for r in range(world)], 0.0, plan_s
 
 
-def odb_global(rows: Rows, budget: int, overhead: float, packed: bool) -> Planned:
-    """``plan_global_step`` over all ranks' rows, each row's prompt + completion as one length (odb's layouts run
-    a row without the gap between them); every rank computes it."""
-    from odb.plan.cost import CostModel
-    from odb.plan.global_plan import plan_global_step
+def odb_global(rows: Rows, budget: int, packed: bool, micro_batch_cost: Optional[float] = None) -> Planned:
+    """odb's global rollout plan (``plan_rollout_global``, what the trainer runs with ``step_plan="global"``, at its
+    default ``micro_batch_cost`` unless given): every rank computes it from every rank's lengths; rows move between
+    ranks."""
+    from odb.plan.rollout_global import plan_rollout_global
 
     prompt, completion = rows
-    world, n = prompt.shape
     p, c = prompt.ravel(), completion.ravel()
-    cost = CostModel((int(budget),), layout="packed" if packed else "padded")
-    t0 = time.perf_counter()
-    plan = plan_global_step(p + c, world, cost, overhead)
-    plan_s = time.perf_counter() - t0
-    if len(plan.oversize):
-        raise RuntimeError(f"rl_update: {len(plan.oversize)} rollout rows over the budget {budget}")
-    moved = sum(int(i) // n != r for r, groups in enumerate(plan.ranks) for g in groups for i in g) / max(len(p), 1)
     layout = "packed" if packed else "padded"
-    return [[_mb(p, c, g, layout) for g in groups] for groups in plan.ranks], moved, plan_s
+    t0 = time.perf_counter()
+    plan = plan_rollout_global(prompt, completion, budget, micro_batch_cost=micro_batch_cost, layout=layout)
+    plan_s = time.perf_counter() - t0
+    moved = plan.moved_rows / max(len(p), 1)
+    return [[_mb(p, c, g, layout) for g in groups] for groups in plan.groups], moved, plan_s
 
 
 def plan_step(rows: Rows, arm: str, budget: int, overhead: float, slice_rows: int, seed: int = 0
@@ -236,7 +235,7 @@ def plan_step(rows: Rows, arm: str, budget: int, overhead: float, slice_rows: in
     elif arm in ("odb_rollout", "odb_rollout_packed"):
         step, moved, plan_s = odb_rollout(rows, budget, packed=arm == "odb_rollout_packed")
     elif arm in ("odb_global", "odb_global_packed"):
-        step, moved, plan_s = odb_global(rows, budget, overhead, packed=arm == "odb_global_packed")
+        step, moved, plan_s = odb_global(rows, budget, packed=arm == "odb_global_packed")
     else:
         raise ValueError(f"rl_update: unknown planning arm {arm!r}; known: {PLAN_ARMS}")
     flat = [m for rank in step for m in rank]

@@ -18,7 +18,10 @@ them). Each rank (``run_worker``):
   the odb arms with the whole generation batch as one slice (``per_device_train_batch_size = N``, 1 step) and
   ``enable_odb(trainer, token_budget, layout=...)``, padded and packed (the packed arm switches the model's
   attention to odb's per-sample ``odb_varlen``, which runs padded batches, the TRL arm's and the padded
-  arm's, through transformers' ``sdpa`` as before). All train the same N rows per rank per optimizer step;
+  arm's, through transformers' ``sdpa`` as before), ``step_plan=params.get("step_plan", "auto")``: by
+  default on 2 processes rows move between ranks (``"global"``: dapo's rows can move), on 1 they stay. All
+  train the same N rows per rank per optimizer step (with moved rows, the same rows over all ranks: a rank
+  trains some of the other's);
 * times the policy update of each step: the TRL arm shuffles and cuts the generation batch as
   ``_prepare_inputs`` does (TRL's ``shuffle_sequence_dict`` and ``split_tensor_dict``) and runs, per slice, what
   ``Trainer.training_step`` runs after ``_prepare_inputs``: ``compute_loss`` then ``accelerator.backward``,
@@ -228,7 +231,7 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
     trainers = {"trl": build_trainer(p, model, p["trl_rows"], slices, f"{tmp}/trl")}
     for arm, layout in ODB_ARMS.items():
         trainers[arm] = enable_odb(build_trainer(p, model, p["rows"], 1, f"{tmp}/{arm}"), token_budget=p["budget"],
-                                   layout=layout)
+                                   layout=layout, step_plan=p.get("step_plan", "auto"))
     cuts = {arm: slices if arm == "trl" else 1 for arm in ARMS}
     wrapped = model
     if world > 1:
@@ -237,11 +240,12 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
         wrapped = DistributedDataParallel(model)
     wrapped.train()
     seen, gap = _warm_up(trainers, model, wrapped, batches, cuts)
-    warm = {}  # the warm-up's counts of each odb arm: micro-steps, tokens run, real tokens, micro-batches
+    warm = {}  # the warm-up's counts of each odb arm: micro-steps, tokens run, real tokens, micro-batches, moves
     for arm in ODB_ARMS:
         odb_rl = trainers[arm].odb_rl
         warm[arm] = (odb_rl.micro_steps, odb_rl.padded_tokens, odb_rl.real_tokens,
-                     list(odb_rl.recent)[-odb_rl.micro_steps:])  # (rows, prompt width, completion width, tokens)
+                     list(odb_rl.recent)[-odb_rl.micro_steps:],  # (rows, prompt width, completion width, tokens)
+                     odb_rl.step_plan, odb_rl.moved_rows, odb_rl.moved_bytes)
     seconds: Dict[str, List[float]] = {arm: [] for arm in ARMS}
     for r in range(p["rounds"]):
         for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:
@@ -257,12 +261,13 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
            "real_tokens": sum(int(b["prompt_mask"].sum() + b["completion_mask"].sum()) for b in batches),
            "trl": {"padded_tokens": p["rows"] * sum(widths), "prompt_padding": _prompt_padding(batches),
                    "micro_steps": slices * len(batches), "max_micro_batch_tokens": p["trl_rows"] * max(widths)},
-           "same_rows": all(sorted(seen["trl"]) == sorted(seen[arm]) for arm in ODB_ARMS)
-           and len(seen["trl"]) == p["rows"] * len(batches),
+           "seen": {arm: sorted(rows) for arm, rows in seen.items()},  # rows moved: the same over all ranks
+           "trl_saw_every_row": len(seen["trl"]) == p["rows"] * len(batches),
            "grad_rel_gap": gap, "threads": torch.get_num_threads()}
-    for arm, (micro, padded, real, shapes) in warm.items():
+    for arm, (micro, padded, real, shapes, plan, moved_rows, moved_bytes) in warm.items():
         out[arm] = {"padded_tokens": padded, "prompt_padding": 0, "real_tokens_counted": real, "micro_steps": micro,
-                    "max_micro_batch_tokens": max(s[3] for s in shapes), "micro_batches": [list(s) for s in shapes]}
+                    "max_micro_batch_tokens": max(s[3] for s in shapes), "micro_batches": [list(s) for s in shapes],
+                    "step_plan": plan, "moved_rows": moved_rows, "moved_bytes": moved_bytes}
     return out
 
 
@@ -336,7 +341,9 @@ def summarize(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     over rounds: a round's time is the slowest rank's, the barriers make them equal)."""
     steps = ranks[0]["steps"]
     real = sum(r["real_tokens"] for r in ranks)
-    out: Dict[str, Any] = {"arms": {}, "same_rows": all(r["same_rows"] for r in ranks),
+    seen = {arm: sorted(row for r in ranks for row in r["seen"][arm]) for arm in ARMS}  # every rank's rows together
+    same = all(seen[arm] == seen["trl"] for arm in ODB_ARMS) and all(r["trl_saw_every_row"] for r in ranks)
+    out: Dict[str, Any] = {"arms": {}, "same_rows": same,
                            "grad_rel_gap": max(r["grad_rel_gap"] for r in ranks), "real_tokens": real}
     for arm in ARMS:
         secs = [max(r["seconds"][arm][k] for r in ranks) / steps for k in range(len(ranks[0]["seconds"][arm]))]
@@ -347,8 +354,11 @@ def summarize(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
                             "max_micro_batch_tokens": max(r[arm]["max_micro_batch_tokens"] for r in ranks),
                             "update_s": {"median": float(np.median(secs)), "min": min(secs), "max": max(secs)},
                             "rounds_s": secs}
-    for arm in ODB_ARMS:
-        if any(r[arm]["real_tokens_counted"] != r["real_tokens"] for r in ranks):
+    for arm in ODB_ARMS:  # rows moved: a rank counts the rows it trained, so the sums over ranks must agree
+        out["arms"][arm].update(step_plan=ranks[0][arm]["step_plan"],
+                                moved_rows_per_step=sum(r[arm]["moved_rows"] for r in ranks) / steps,
+                                moved_bytes_per_step=sum(r[arm]["moved_bytes"] for r in ranks) / steps)
+        if sum(r[arm]["real_tokens_counted"] for r in ranks) != real:
             out["odb_real_tokens_mismatch"] = [(arm, r[arm]["real_tokens_counted"], r["real_tokens"]) for r in ranks]
     return out
 

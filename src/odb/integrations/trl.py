@@ -31,8 +31,9 @@ Refused, with the reason and the fix: ``packing=True`` (rows of ``max_length`` b
 before odb sees them) and odb options that contradict the collator.
 
 TRL's ``GRPOTrainer`` and ``RLOOTrainer`` keep their sampler and generation: odb cuts their
-policy update into token-budget micro-batches, padded or packed (``odb.integrations.trl_rl``:
-``token_budget``, ``layout`` and ``packed_attention`` only).
+policy update into token-budget micro-batches, padded or packed, rows moving between ranks
+where the loss allows it (``odb.integrations.trl_rl``: ``token_budget``, ``layout``, ``step_plan``
+and ``packed_attention`` only).
 
 TRL's ``DPOTrainer`` and ``RewardTrainer`` train exactly too: a preference pair is one
 sample budgeted as the two rows it collates to, and the loss is weighted per pair
@@ -68,7 +69,7 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
 
     The same as ``odb.integrations.hf.enable_odb`` (which applies TRL's rules too), but
     refuses a trainer that is not one of those. A ``GRPOTrainer`` or ``RLOOTrainer`` goes to
-    ``odb.integrations.trl_rl.enable_odb_rl`` (``token_budget``, ``layout``, ``packed_attention``): its
+    ``odb.integrations.trl_rl.enable_odb_rl`` (``token_budget``, ``layout``, ``step_plan``, ``packed_attention``): its
     policy update is cut by tokens.
 
     Example:
@@ -78,14 +79,14 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
         TypeError: odb.integrations.trl.enable_odb got object, not a trl.SFTTrainer, DPOTrainer or RewardTrainer. ...
     """
     if is_rl_trainer(trainer):  # GRPO, RLOO: odb cuts the policy update; TRL keeps its sampler (trl_rl)
-        extra = sorted(set(odb_options) - {"layout"})
+        extra = sorted(set(odb_options) - {"layout", "step_plan"})
         extra += [k for k, v in (("config", config), ("lengths", lengths)) if v is not None]
         if extra:
             raise TypeError(f"odb.integrations.trl.enable_odb got {extra} for {type(trainer).__name__}, which takes "
-                            f"token_budget, layout and packed_attention only: odb cuts its policy update, not its "
-                            f"loader. Fix: pass those alone (odb.integrations.trl_rl.enable_odb_rl).")
+                            f"token_budget, layout, step_plan and packed_attention only: odb cuts its policy "
+                            f"update, not its loader. Fix: pass those alone (odb.integrations.trl_rl.enable_odb_rl).")
         return enable_odb_rl(trainer, token_budget, layout=odb_options.get("layout", "padded"),
-                             packed_attention=packed_attention)
+                             step_plan=odb_options.get("step_plan", "auto"), packed_attention=packed_attention)
     check_trl_trainer(trainer)  # TRL's other trainers, each with its reason
     sft = sys.modules.get(_SFT_MODULE)
     if (sft is None or not isinstance(trainer, sft.SFTTrainer)) and pair_trainer(trainer) is None:

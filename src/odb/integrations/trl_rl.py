@@ -15,10 +15,21 @@ slice (``odb.integrations.trl_rl_loss``): the gradient and the reported loss are
 every ``loss_type``, with the KL term, the entropy bonus and the importance ratios.
 
 Across ranks every rank gathers every rank's row lengths (one small collective per step,
-through odb's exchange) and computes the same plan (``odb.plan.rollout_plan``): the same
-number of micro-steps, with the same number of rows in each, on every rank, so DDP's
-all-reduce and TRL's per-row metric gathers line up and no rank needs a ghost pass. Every
-micro-batch but the last runs under ``no_sync``: gradients are all-reduced once per step.
+through odb's exchange) and computes the same plan, by ``step_plan``:
+
+- ``"global"`` (``odb.plan.rollout_global``): rows move between ranks so that every rank's
+  update costs about the same; each rank sends the others the rows they train, once
+  (``odb.integrations.trl_rl_move``, one all-to-all of bytes through odb's exchange), and
+  TRL's per-row metric gathers take each rank's own row count (``ragged_gather``). Exact for
+  the losses whose normaliser does not depend on the rank a row came from (every loss_type
+  but ``bnpo``, without the entropy bonus: ``odb.integrations.trl_rl_loss``);
+- ``"rank"`` (``odb.plan.rollout_plan``): rows stay; the same number of rows in each
+  micro-step on every rank;
+- ``"auto"`` (default): ``"global"`` on several ranks where the loss allows it, else ``"rank"``.
+
+Either way every rank runs the same number of micro-steps, none empty (TRL's loss holds
+collectives and cannot run on zero rows), so no rank needs a ghost pass. Every micro-batch but
+the last runs under ``no_sync``: gradients are all-reduced once per step.
 
 Example:
     >>> from trl import GRPOConfig, GRPOTrainer                                  # doctest: +SKIP
@@ -32,24 +43,60 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple, Union
 
 import numpy as np
 
 from odb.comm.dist import GroupExchanges, world
 from odb.comm.protocol import RankExchange
+from odb.integrations.trl_pairs import ragged_gather
 from odb.integrations.trl_rl_forward import RolloutForward
-from odb.integrations.trl_rl_loss import RL_MODULES, SliceNormaliser, check_rl_settings, loss_mask
+from odb.integrations.trl_rl_loss import RL_MODULES, SliceNormaliser, check_rl_settings, loss_mask, rows_stay_home
+from odb.integrations.trl_rl_move import micro_batch, move_rows
 from odb.integrations.trl_rl_rows import check_rollout_keys, rollout_lengths, take_rows
+from odb.plan.rollout_global import GlobalRolloutPlan, plan_rollout_global
 from odb.plan.rollout_plan import ROLLOUT_LAYOUTS, RolloutPlan, plan_rollout_steps
 
-__all__ = ["RolloutMicroSteps", "enable_odb_rl", "is_rl_trainer"]
+__all__ = ["STEP_PLANS", "RolloutMicroSteps", "enable_odb_rl", "is_rl_trainer", "resolve_step_plan"]
+
+STEP_PLANS = ("auto", "global", "rank")
 
 _RECENT = 1024  # micro-batch shapes kept for inspection (tests, debugging)
 
 
-def enable_odb_rl(trainer: Any, token_budget: int, *, layout: str = "padded", packed_attention: str = "odb_varlen",
-                  exchange_timeout_s: float = 1800.0) -> Any:
+def resolve_step_plan(step_plan: str, trainer: Any, name: str, kind: str, world_size: int) -> str:
+    """The plan ``step_plan`` asks for on ``world_size`` ranks: ``"global"`` or ``"rank"``. ``"auto"`` is
+    ``"global"`` on several ranks when rows can move exactly (``rows_stay_home``), else ``"rank"``; an explicit
+    ``"global"`` whose rows cannot move is refused.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> t = SimpleNamespace()
+        >>> [resolve_step_plan("auto", t, "GRPOTrainer", k, w) for k, w in (("dapo", 2), ("dapo", 1), ("bnpo", 2))]
+        ['global', 'rank', 'rank']
+        >>> resolve_step_plan("global", t, "GRPOTrainer", "bnpo", 2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: odb got step_plan='global' for GRPOTrainer with loss_type='bnpo': ... Fix: step_plan='auto' ...
+    """
+    if step_plan not in STEP_PLANS:
+        raise ValueError(f"odb got step_plan={step_plan!r} for {name}. Rule: one of {STEP_PLANS}. Fix: pass "
+                         f"step_plan='auto' (default: rows move between ranks where the loss allows it), "
+                         f"'global' or 'rank'.")
+    why = rows_stay_home(trainer, kind)
+    if step_plan == "global" and why:
+        raise ValueError(f"odb got step_plan='global' for {name} with {why}. Rule: rows move between ranks only "
+                         f"for losses whose normaliser does not depend on the rank a row came from (loss_type grpo, "
+                         f"sapo, luspo, dr_grpo, dapo, cispo, vespo or RLOO, without the entropy bonus). Fix: "
+                         f"step_plan='auto' or 'rank' (rows stay on their rank), or a loss_type such as 'dapo' "
+                         f"and entropy_coef=0.0.")
+    if step_plan == "auto":
+        return "global" if world_size > 1 and not why else "rank"
+    return step_plan
+
+
+def enable_odb_rl(trainer: Any, token_budget: int, *, layout: str = "padded", step_plan: str = "auto",
+                  packed_attention: str = "odb_varlen", exchange_timeout_s: float = 1800.0) -> Any:
     """Cut a TRL ``GRPOTrainer``'s or ``RLOOTrainer``'s policy update into micro-batches of at most
     ``token_budget`` tokens, in place; returns the trainer (``trainer.odb_rl`` holds the
     ``RolloutMicroSteps``). Call it on every rank, before ``train()``.
@@ -58,6 +105,10 @@ def enable_odb_rl(trainer: Any, token_budget: int, *, layout: str = "padded", pa
     ``"packed"`` (one packed row per micro-batch: the model must keep packed samples apart;
     ``packed_attention`` as in ``odb.packed.models.prepare_packed_model``: ``"odb_varlen"``
     switches an ``sdpa``/``eager`` model to odb's per-sample attention, ``"model"`` keeps its own).
+
+    ``step_plan``: ``"auto"`` (default), ``"global"`` (rows move between ranks) or ``"rank"`` (rows stay),
+    as the module docstring says; the plan taken is ``trainer.odb_rl.step_plan``. ``"global"`` with
+    ``loss_type="bnpo"`` or the entropy bonus is refused.
 
     Settings whose loss odb cannot split exactly are refused (``ValueError`` naming the setting,
     the reason and the fix; ``odb.integrations.trl_rl_loss.check_rl_settings``).
@@ -84,12 +135,13 @@ def enable_odb_rl(trainer: Any, token_budget: int, *, layout: str = "padded", pa
     if layout not in ROLLOUT_LAYOUTS:
         raise ValueError(f"odb got layout={layout!r} for {name}. Rule: one of {ROLLOUT_LAYOUTS}. Fix: pass "
                          f"layout='padded' (default) or layout='packed'.")
+    plan = resolve_step_plan(step_plan, trainer, name, kind, world()[1])
     if layout == "packed":
         from odb.packed.models import prepare_packed_model
 
         policy = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
         prepare_packed_model(policy, attention=packed_attention)  # refuses a model that mixes packed samples
-    steps = RolloutMicroSteps(trainer, name, kind, int(token_budget), exchange_timeout_s, layout)
+    steps = RolloutMicroSteps(trainer, name, kind, int(token_budget), exchange_timeout_s, layout, plan)
     trainer.odb_rl = steps
     trainer.compute_loss = steps.compute_loss  # the Trainer's training_step calls it, then backward on its loss
     return trainer
@@ -99,17 +151,19 @@ class RolloutMicroSteps:
     """The training slice's loss as micro-batches under ``token_budget`` (installed by ``enable_odb_rl``).
 
     ``compute_loss`` (the trainer's, in training; evaluation runs TRL's own) plans the slice's
-    rows with every rank, runs TRL's loss and a backward pass on every micro-batch but the
-    last (under ``no_sync``), and returns the sum of their detached losses plus the last one's:
-    the Trainer's own backward on it completes the step. ``recent``: (rows, prompt width,
-    completion width, tokens run) of the last micro-batches, ``plans`` the last slices' plans;
-    ``micro_steps``, ``slices``, ``padded_tokens`` (the tokens the model ran, padding included)
-    and ``real_tokens`` count all of them.
+    rows with every rank (``step_plan``: ``"global"``, rows move, or ``"rank"``), runs TRL's loss
+    and a backward pass on every micro-batch but the last (under ``no_sync``), and returns the
+    sum of their detached losses plus the last one's: the Trainer's own backward on it
+    completes the step. ``recent``: (rows, prompt width, completion width, tokens run) of the
+    last micro-batches, ``plans`` the last slices' plans, ``moves`` the last slices' (rows,
+    bytes) this rank received from other ranks; ``micro_steps``, ``slices``, ``padded_tokens``
+    (the tokens the model ran, padding included), ``real_tokens``, ``moved_rows`` and
+    ``moved_bytes`` (rows and bytes this rank received) count all of them.
     """
 
     def __init__(self, trainer: Any, name: str, kind: str, token_budget: int, exchange_timeout_s: float,
-                 layout: str = "padded") -> None:
-        self.trainer, self.name, self.kind = trainer, name, kind
+                 layout: str = "padded", step_plan: str = "rank") -> None:
+        self.trainer, self.name, self.kind, self.step_plan = trainer, name, kind, step_plan
         self.token_budget, self.exchange_timeout_s = token_budget, float(exchange_timeout_s)
         self.pad_to_multiple_of = int(getattr(trainer, "pad_to_multiple_of", None) or 1)
         self.layout = layout
@@ -119,7 +173,9 @@ class RolloutMicroSteps:
         self.exchange: Optional[RankExchange] = None
         self.recent: Deque[Tuple[int, int, int, int]] = collections.deque(maxlen=_RECENT)
         self.micro_steps = self.slices = self.padded_tokens = self.real_tokens = 0
-        self.plans: Deque[RolloutPlan] = collections.deque(maxlen=_RECENT)
+        self.plans: Deque[Union[RolloutPlan, GlobalRolloutPlan]] = collections.deque(maxlen=_RECENT)
+        self.moves: Deque[Tuple[int, int]] = collections.deque(maxlen=_RECENT)
+        self.moved_rows = self.moved_bytes = 0
 
     def compute_loss(self, model: Any, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -129,30 +185,47 @@ class RolloutMicroSteps:
         check_rollout_keys(inputs, self.name)
         rank, _ = world()
         plan = self.plan(inputs)
+        pieces = self._pieces(inputs, plan, rank)
+        # Factors against the rank's own slice, moved rows included (exact: odb.integrations.trl_rl_loss).
         normaliser = SliceNormaliser(self.kind, inputs)
         # The Trainer divides what it backpropagates by the accumulation steps unless the loss is already scaled
         # for them (GRPO scales it, RLOO does not): the passes odb backpropagates itself get the same division.
         divide = 1.0 if trainer.loss_is_scaled_for_ga else float(trainer.current_gradient_accumulation_steps)
         done, loss = [], None
-        for step in range(plan.steps):
-            prompt_width, completion_width = (int(w) for w in plan.widths[rank, step])
-            piece = take_rows(inputs, plan.rows(rank, step), prompt_width, completion_width)
-            last = step == plan.steps - 1
-            ran = self.forward.tokens
-            with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model):
-                with self.forward.swapped_in(trainer):
-                    loss = self._piece_loss(model, piece, normaliser, num_items_in_batch)
-                self._count(piece, self.forward.tokens - ran)
-                if not last:
-                    trainer.accelerator.backward(loss / divide)
-                    done.append(loss.detach())
-                    loss = None
+        # Moved rows: each rank's micro-batch holds its own number of rows, which TRL's per-row gathers must take.
+        with ragged_gather(trainer.accelerator) if self.step_plan == "global" else contextlib.nullcontext():
+            for step in range(plan.steps):
+                piece = pieces(step)
+                last = step == plan.steps - 1
+                ran = self.forward.tokens
+                with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model):
+                    with self.forward.swapped_in(trainer):
+                        loss = self._piece_loss(model, piece, normaliser, num_items_in_batch)
+                    self._count(piece, self.forward.tokens - ran)
+                    if not last:
+                        trainer.accelerator.backward(loss / divide)
+                        done.append(loss.detach())
+                        loss = None
         self.slices += 1
         self._log(plan, rank)
         return loss + sum(done) if done else loss
 
-    def plan(self, inputs: Dict[str, Any]) -> RolloutPlan:
-        """Every rank's micro-steps for this slice (one exchange of row lengths when there are several ranks)."""
+    def _pieces(self, inputs: Dict[str, Any], plan: Union[RolloutPlan, GlobalRolloutPlan], rank: int
+                ) -> Callable[[int], Dict[str, Any]]:
+        """The micro-batch of each micro-step of this rank (a global plan's moved rows exchanged first)."""
+        if isinstance(plan, RolloutPlan):
+            return lambda step: take_rows(inputs, plan.rows(rank, step), *(int(w) for w in plan.widths[rank, step]))
+        where = f"{self.name} step {self.trainer.state.global_step} (odb's rollout rows)"
+        received, rows, size = move_rows(self.exchange, inputs, plan, rank, where)
+        self.moves.append((rows, size))
+        self.moved_rows += rows
+        self.moved_bytes += size
+        return lambda step: micro_batch(inputs, received, rank, plan.n, plan.rows(rank, step),
+                                        *(int(w) for w in plan.widths[rank, step]))
+
+    def plan(self, inputs: Dict[str, Any]) -> Union[RolloutPlan, GlobalRolloutPlan]:
+        """Every rank's micro-steps for this slice (one exchange of row lengths when there are several ranks):
+        a ``GlobalRolloutPlan`` (``step_plan="global"``) or a ``RolloutPlan``."""
         prompt, completion = rollout_lengths(inputs)
         rank, size = world()
         if size > 1:
@@ -169,8 +242,8 @@ class RolloutMicroSteps:
             prompt_all, completion_all = both[:, 0], both[:, 1]
         else:
             prompt_all, completion_all = prompt[None], completion[None]
-        plan = plan_rollout_steps(prompt_all, completion_all, self.token_budget, self.pad_to_multiple_of,
-                                  layout=self.layout)
+        planner = plan_rollout_global if self.step_plan == "global" else plan_rollout_steps
+        plan = planner(prompt_all, completion_all, self.token_budget, self.pad_to_multiple_of, layout=self.layout)
         self.plans.append(plan)
         return plan
 
@@ -203,11 +276,13 @@ class RolloutMicroSteps:
         self.padded_tokens += int(tokens)
         self.real_tokens += int(piece["prompt_mask"].sum().item()) + int(loss_mask(piece).sum().item())
 
-    def _log(self, plan: RolloutPlan, rank: int) -> None:
+    def _log(self, plan: Union[RolloutPlan, GlobalRolloutPlan], rank: int) -> None:
         metrics = getattr(self.trainer, "_metrics", None)
         if isinstance(metrics, dict) and "train" in metrics:
             metrics["train"]["odb_micro_steps"].append(float(plan.steps))
             metrics["train"]["odb_micro_batch_tokens"].append(float(plan.costs[rank].mean()))
+            if self.step_plan == "global":
+                metrics["train"]["odb_moved_rows"].append(float(self.moves[-1][0]))
 
 
 def is_rl_trainer(trainer: Any) -> bool:

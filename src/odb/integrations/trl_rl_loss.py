@@ -24,6 +24,22 @@ factor`` and multiplies the loss by the policy factor, so each term gets its own
 Settings whose loss is not such a sum, or that odb has not been shown to train exactly, are
 refused at enable time (``check_rl_settings``).
 
+Rows moved between ranks (``step_plan="global"``, ``odb.plan.rollout_global``): a rank's
+micro-batch may hold rows of other ranks' slices, each factor still taken against the rank's
+own slice. That is exact where the normaliser does not depend on the rank a row came from
+(``rows_stay_home`` says when it does): "rows" kinds divide by n, the rows of a slice, the
+same on every rank (odb checks it each step), and "global" ones by a constant of the whole
+generation batch. Under DDP the gradient is the mean over the W ranks of the gradient of each
+rank's loss. TRL's: (1/W) sum_r grad (1/N_r) sum_{i in slice r} l_i, with N_r = n (rows) or
+N / W (global: N the generation batch's loss tokens, W x TRL's ``num_items_in_batch /
+num_processes``). odb's: rank r trains micro-batches m, each TRL's loss (1/N_m) sum_{i in m} l_i
+times the factor N_m / N_r, so rank r's loss is (1/n) sum_{i in r's micro-batches} l_i (rows) or
+(W/N) sum_{i in them} l_i (global); every row is in one micro-batch of one rank, so the sum over
+ranks is (1/n) sum_i l_i (or (W/N) sum_i l_i) over all rows in both cases, and so is the mean
+over ranks of the gradients. "tokens" (bnpo) and the entropy bonus divide by the loss tokens of
+the row's own slice, which differ between ranks: moved rows would need per-row weights, so
+their rows stay on their rank.
+
 Example:
     >>> import torch
     >>> slice_ = {"completion_mask": torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])}
@@ -40,7 +56,7 @@ from typing import Any, Mapping, Tuple
 
 import torch
 
-__all__ = ["LOSS_FACTORS", "RL_MODULES", "SliceNormaliser", "check_rl_settings", "loss_mask"]
+__all__ = ["LOSS_FACTORS", "RL_MODULES", "SliceNormaliser", "check_rl_settings", "loss_mask", "rows_stay_home"]
 
 # What TRL divides each loss_type's policy term by: the slice's "rows", its "tokens", or a "global" constant.
 LOSS_FACTORS = {"grpo": "rows", "sapo": "rows", "luspo": "rows", "dr_grpo": "rows", "rloo": "rows",
@@ -76,6 +92,25 @@ class SliceNormaliser:
         if self.kind == "tokens":
             return entropy, entropy
         return 1.0, entropy
+
+
+def rows_stay_home(trainer: Any, kind: str) -> str:
+    """Why rows of this trainer's slices cannot move between ranks exactly ("" when they can): a loss_type whose
+    normaliser is the loss tokens of the row's own slice, or the entropy bonus (the same normaliser).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> rows_stay_home(SimpleNamespace(), "dapo"), rows_stay_home(SimpleNamespace(), "bnpo")[:16]
+        ('', "loss_type='bnpo'")
+        >>> rows_stay_home(SimpleNamespace(_entropy_bonus_enabled=True, entropy_coef=0.5), "grpo")[:16]
+        'entropy_coef=0.5'
+    """
+    if LOSS_FACTORS.get(kind) == "tokens":
+        return f"loss_type={kind!r}: it divides by the loss tokens of each rank's own slice"
+    coef = float(getattr(trainer, "entropy_coef", 0.0) or 0.0)
+    if getattr(trainer, "_entropy_bonus_enabled", False) and coef != 0.0:
+        return f"entropy_coef={coef}: the entropy bonus divides by the loss tokens of each rank's own slice"
+    return ""
 
 
 def trainer_kind(trainer: Any) -> Tuple[str, str]:

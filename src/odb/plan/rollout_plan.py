@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-__all__ = ["ROLLOUT_LAYOUTS", "RolloutPlan", "plan_rollout_steps", "padded_width"]
+__all__ = ["ROLLOUT_LAYOUTS", "RolloutPlan", "check_rollout_lengths", "plan_rollout_steps", "padded_width"]
 
 ROLLOUT_LAYOUTS = ("padded", "packed")
 
@@ -74,6 +74,21 @@ class RolloutPlan:
         return self.order[rank, start:start + self.sizes[step]]
 
 
+def check_rollout_lengths(prompt: np.ndarray, completion: np.ndarray, layout: str, who: str) -> None:
+    """Refuse lengths that are not (world, rows) arrays of one shape, or an unknown layout, naming ``who``.
+
+    Example:
+        >>> check_rollout_lengths(np.zeros((2, 3)), np.zeros((2, 3)), "packed", "plan")
+    """
+    if prompt.ndim != 2 or prompt.shape != completion.shape:
+        raise ValueError(f"{who} got prompt lengths of shape {prompt.shape} and completion lengths of shape "
+                         f"{completion.shape}. Rule: both are (world, rows), the same shape. Fix: pass every "
+                         f"rank's lengths, one row of the array per rank.")
+    if layout not in ROLLOUT_LAYOUTS:
+        raise ValueError(f"{who} got layout={layout!r}. Rule: one of {ROLLOUT_LAYOUTS}. Fix: pass "
+                         f"layout='padded' or layout='packed'.")
+
+
 def plan_rollout_steps(prompt_lengths: np.ndarray, completion_lengths: np.ndarray, token_budget: int,
                        pad_to_multiple_of: int = 1, micro_batch_cost: Optional[float] = None,
                        layout: str = "padded") -> RolloutPlan:
@@ -100,13 +115,7 @@ def plan_rollout_steps(prompt_lengths: np.ndarray, completion_lengths: np.ndarra
     """
     prompt = np.asarray(prompt_lengths, dtype=np.int64)
     completion = np.asarray(completion_lengths, dtype=np.int64)
-    if prompt.ndim != 2 or prompt.shape != completion.shape:
-        raise ValueError(f"plan_rollout_steps got prompt lengths of shape {prompt.shape} and completion lengths of "
-                         f"shape {completion.shape}. Rule: both are (world, rows), the same shape. Fix: pass every "
-                         f"rank's lengths, one row of the array per rank.")
-    if layout not in ROLLOUT_LAYOUTS:
-        raise ValueError(f"plan_rollout_steps got layout={layout!r}. Rule: one of {ROLLOUT_LAYOUTS}. Fix: pass "
-                         f"layout='padded' or layout='packed'.")
+    check_rollout_lengths(prompt, completion, layout, "plan_rollout_steps")
     budget, multiple = int(token_budget), int(pad_to_multiple_of or 1)
     overhead = budget / 16 if micro_batch_cost is None else float(micro_batch_cost)
     # a row's tokens as its layout runs them: its real ones (packed) or its width, rounded (padded)

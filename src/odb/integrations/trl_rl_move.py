@@ -1,0 +1,151 @@
+"""Rollout rows moved between ranks for a global rollout plan (``odb.plan.rollout_global``).
+
+Under ``step_plan="global"`` a rank trains rows of other ranks' slices. Each rank sends
+every other rank the rows that rank trains, once (``pack_rows``: the rows' per-row tensors,
+trimmed to their own longest prompt and completion, ``torch.save``-d from the CPU into
+bytes), through odb's exchange (``RankExchange.move``: one gather of sizes and one gloo
+all-to-all of bytes, ``odb.comm.dist``). Each micro-batch is then built from the rank's own
+rows and the rows it received (``micro_batch``): prompt-aligned values re-padded on the left
+and completion-aligned ones on the right to the micro-batch's widths, per-row values
+(``(rows,)`` or ``(rows, 1)``) kept as they are, 0-d values (``num_items_in_batch``, the same
+on every rank) the rank's own; dtypes kept, received tensors put on the device of the rank's
+own. Padding is 0: it lies outside ``prompt_mask`` / ``completion_mask``, which every loss term
+and odb's forward mask out.
+
+Example (two ranks' slices in one process: rank 1 trains rank 0's row 1 with its own row 0):
+    >>> import torch
+    >>> def slice_(p, c):
+    ...     return {"prompt_ids": torch.tensor(p), "prompt_mask": (torch.tensor(p) > 0).long(),
+    ...             "completion_ids": torch.tensor(c), "completion_mask": (torch.tensor(c) > 0).long(),
+    ...             "advantages": torch.tensor([1.0, -1.0]), "num_items_in_batch": torch.tensor(9)}
+    >>> rank0 = slice_([[0, 5], [6, 7]], [[3, 3, 3], [4, 0, 0]])
+    >>> rank1 = slice_([[0, 0, 8], [0, 9, 9]], [[5, 0], [6, 6]])
+    >>> data = pack_rows(rank0, np.array([1]))      # what rank 0 sends rank 1
+    >>> got = {0: (unpack_rows(data, rank1), np.array([1]))}
+    >>> piece = micro_batch(rank1, got, rank=1, n=2, rows=np.array([1, 2]), prompt_width=2, completion_width=1)
+    >>> piece["prompt_ids"].tolist(), piece["completion_ids"].tolist(), piece["advantages"].tolist()
+    ([[6, 7], [0, 8]], [[4], [5]], [-1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Dict, Mapping, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from odb.integrations.trl_rl_rows import COMPLETION_KEYS, PROMPT_KEYS, rollout_lengths, take_rows
+
+__all__ = ["Received", "micro_batch", "move_rows", "pack_rows", "unpack_rows"]
+
+Received = Dict[int, Tuple[Mapping[str, Any], np.ndarray]]  # origin rank -> (its rows' values, their rows)
+_MAYBE_PER_ROW = ("advantages", "importance_sampling_ratio")  # (rows, 1) is a value per row, not a column
+
+
+def column_kind(key: str, value: Any, completion_width: int) -> str:
+    """How a value of a slice whose completions are ``completion_width`` wide is re-padded: ``"prompt"`` (left),
+    ``"completion"`` (right), ``"row"`` (one value per row: kept) or ``"shared"`` (0-d or None: the rank's own).
+
+    Example:
+        >>> column_kind("advantages", torch.zeros(3, 1), 1), column_kind("completion_mask", torch.zeros(3, 1), 1)
+        ('row', 'completion')
+    """
+    if not isinstance(value, torch.Tensor) or value.ndim == 0:
+        return "shared"
+    if key in PROMPT_KEYS:
+        return "prompt"
+    if key in COMPLETION_KEYS and value.ndim == 2 and value.shape[1] == completion_width:
+        if not (key in _MAYBE_PER_ROW and value.shape[1] == 1):
+            return "completion"
+    return "row"
+
+
+def pack_rows(inputs: Mapping[str, Any], rows: np.ndarray) -> bytes:
+    """The bytes of ``rows`` (indices into the slice ``inputs``): every per-row value, trimmed to the rows' own
+    longest prompt and completion, copied to the CPU (a copy of their elements only)."""
+    prompt, completion = rollout_lengths(inputs)
+    rows = np.asarray(rows, dtype=np.int64)
+    wide_p, wide_c = int(max(prompt[rows].max(), 1)), int(max(completion[rows].max(), 1))
+    piece = take_rows(inputs, rows, wide_p, wide_c)
+    out = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in piece.items()
+           if isinstance(v, torch.Tensor) and v.ndim > 0}
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    return buffer.getvalue()
+
+
+def unpack_rows(data: bytes, like: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
+    """The values ``pack_rows`` wrote, each on the device of the same value of ``like`` (the rank's own slice)."""
+    values = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return {k: v.to(like[k].device) if isinstance(like.get(k), torch.Tensor) else v for k, v in values.items()}
+
+
+def _pad(value: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+    """``value`` (rows, w <= width) padded with zeros to ``width`` columns, on the left or the right."""
+    more = width - value.shape[1]
+    if more <= 0:
+        return value
+    zeros = value.new_zeros((value.shape[0], more) + tuple(value.shape[2:]))
+    return torch.cat([zeros, value] if left else [value, zeros], dim=1)
+
+
+def micro_batch(local: Mapping[str, Any], received: Received, rank: int, n: int, rows: np.ndarray,
+                prompt_width: int, completion_width: int) -> Dict[str, Any]:
+    """The micro-batch of flat ``rows`` (``origin * n + row``) on rank ``rank``: its own rows from ``local``, the
+    others from ``received`` (origin -> (values, the origin's rows they hold, ascending)), prompt values
+    ``prompt_width`` wide (left-padded), completion values ``completion_width`` wide (right-padded)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    width_c = int(local["completion_ids"].shape[1])
+    kinds = {k: column_kind(k, v, width_c) for k, v in local.items()}
+    parts = []
+    for origin in np.unique(rows // n).tolist():
+        mine = rows[rows // n == origin] - origin * n
+        if origin == rank:
+            parts.append(take_rows(local, mine, prompt_width, completion_width))
+            continue
+        values, held = received[origin]
+        parts.append(take_rows(values, np.searchsorted(held, mine), prompt_width, completion_width))
+    out: Dict[str, Any] = {}
+    for key, value in local.items():
+        kind = kinds[key]
+        if kind == "shared":
+            out[key] = value
+            continue
+        pieces = [p[key] for p in parts]
+        if kind != "row":
+            width = prompt_width if kind == "prompt" else completion_width
+            pieces = [_pad(p, width, left=kind == "prompt") for p in pieces]
+        if len({tuple(p.shape[1:]) for p in pieces}) > 1:
+            raise ValueError(f"odb rank {rank}: rollout rows moved between ranks hold {key!r} of shapes "
+                             f"{[tuple(p.shape) for p in pieces]}. Rule: a value is per row, per prompt column or "
+                             f"per completion column alike on every rank. Fix: step_plan='rank' (rows stay on "
+                             f"their rank).")
+        out[key] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return out
+
+
+def move_rows(exchange: Any, inputs: Mapping[str, Any], plan: Any, rank: int, where: str
+              ) -> Tuple[Received, int, int]:
+    """Send every other rank d the rows of this rank's slice that it trains (``plan.sent(rank, d)``) and receive
+    the rows this rank trains from theirs: (received, rows received, bytes received). A collective when the
+    plan moves rows (every rank computes the same plan, so all call it or none needs to); nothing crosses
+    when it moves none."""
+    world = plan.world
+    if plan.moved_rows == 0:
+        return {}, 0, 0
+    outgoing = []
+    for d in range(world):
+        rows = plan.sent(rank, d)
+        outgoing.append(pack_rows(inputs, rows) if d != rank and len(rows) else b"")
+    incoming = exchange.move(outgoing, where)
+    received: Received = {}
+    rows_in = bytes_in = 0
+    for origin in range(world):
+        held = plan.sent(origin, rank)
+        if origin == rank or not len(held):
+            continue
+        received[origin] = (unpack_rows(incoming[origin], inputs), held)
+        rows_in += len(held)
+        bytes_in += len(incoming[origin])
+    return received, rows_in, bytes_in
