@@ -226,6 +226,15 @@ def test_settings_odb_cannot_cut_exactly_are_refused_before_anything_changes(tmp
     assert "compute_loss" not in vars(trainer) and not hasattr(trainer, "odb_rl")
 
 
+def test_a_vision_language_trainer_is_refused_at_the_call(tmp_path):
+    trainer = R.build(dict(loss_type="grpo"), str(tmp_path), R.GradRecorder())
+    trainer._is_vlm = True  # what GRPOTrainer sets for a ProcessorMixin processing_class (no VLM hub download here)
+    with pytest.raises(ValueError, match="with a vision-language model .* Fix: train this vision-language model "
+                                         "without odb's micro-batches"):
+        odb_trl.enable_odb(trainer, token_budget=BUDGET)
+    assert not hasattr(trainer, "odb_rl")
+
+
 def test_a_subclass_with_its_own_loss_is_refused(tmp_path):
     trainer = R.build(dict(loss_type="grpo"), str(tmp_path), R.GradRecorder())
 

@@ -149,6 +149,10 @@ def check_rl_settings(trainer: Any) -> Tuple[str, str]:
             _refuse(name, f"{method} overridden by {owner.__qualname__}",
                     f"odb's factors follow TRL's own {method}, and a loss of yours may not be a sum over rows",
                     f"keep TRL's {method} (override the rewards or the data instead), or train without odb")
+    if getattr(trainer, "_is_vlm", False):
+        _refuse(name, f"a vision-language model (processing_class {type(trainer.processing_class).__name__})",
+                "its rollouts hold images that are not one per row, which odb does not cut into micro-batches",
+                "train this vision-language model without odb's micro-batches")
     if getattr(trainer, "use_vllm", False):
         _refuse(name, "use_vllm=True", "vLLM's importance-sampling correction has not been shown exact under odb's "
                 "micro-batches (no test covers it)", "use_vllm=False, or train without odb")
