@@ -205,7 +205,8 @@ def _spread(t: Optional[Dict[str, float]], spec: str = "{:.1f}") -> str:
 
 CONV_LABELS = {"fixed": "fixed batch", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
                "trl_packing": "TRL packing", "odb_padded": "**odb padded**", "odb_packed": "**odb packed**",
-               "odb_budget_filled": "odb budget-filled (not the same updates)"}
+               "odb_budget_filled": "odb budget-filled (not the same updates)",
+               "odb_padded_rank": "odb padded, per-rank plan (`step_plan=\"rank\"`)"}
 
 
 def convergence_section(conv: Dict[str, Any]) -> List[str]:
@@ -241,14 +242,14 @@ def convergence_section(conv: Dict[str, Any]) -> List[str]:
     if goals:
         from_goal = []
         for g in goals:
-            what = g["goal"].split("): ", 1)[-1]
+            what = f"A = {g.get('accumulation', 8)}, " + g["goal"].split("): ", 1)[-1]
             fig = (f"{g['measured']:.2f} (target <= {g['target']})" if g.get("gap") is None and g["measured"] is not None
                    else f"largest gap {g['gap']['max_gap']:.3f}" if g.get("gap") else "-")
             spread = g.get("spread")
             fig += "" if spread is None else f", rounds {spread[0]:.2f}-{spread[1]:.2f}"
             from_goal.append(f"{what}: {fig}, {_met(g['met'])}" + (" (the spread straddles the target)"
                                                                   if g.get("straddles") else ""))
-        out += ["", "Goals (A = 8): " + "; ".join(from_goal) + ". Each missed goal's measured breakdown (padding "
+        out += ["", "Goals: " + "; ".join(from_goal) + ". Each missed goal's measured breakdown (padding "
                 "share, micro-steps per step, loader waits): docs/benchmarks.md."]
     return out
 
