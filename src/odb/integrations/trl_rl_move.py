@@ -2,10 +2,10 @@
 
 Under ``step_plan="global"`` a rank trains rows of other ranks' slices. Each rank sends
 every other rank the rows that rank trains, once (``pack_rows``: the rows' per-row tensors,
-trimmed to their own longest prompt and completion, ``torch.save``-d from the CPU into
-bytes), through odb's exchange (``RankExchange.move``: one gather of sizes and one gloo
-all-to-all of bytes, ``odb.comm.dist``). Each micro-batch is then built from the rank's own
-rows and the rows it received (``micro_batch``): prompt-aligned values re-padded on the left
+trimmed to their own longest prompt and completion, pickled from the CPU by
+``odb.data.sample_bytes`` as the loader's moved samples are), through odb's exchange
+(``RankExchange.move``: one gather of sizes and one gloo all-to-all of bytes, ``odb.comm.dist``).
+Each micro-batch is then built from the rank's own rows and the rows it received (``micro_batch``): prompt-aligned values re-padded on the left
 and completion-aligned ones on the right to the micro-batch's widths, per-row values
 (``(rows,)`` or ``(rows, 1)``) kept as they are, 0-d values (``num_items_in_batch``, the same
 on every rank) the rank's own; dtypes kept, received tensors put on the device of the rank's
@@ -29,12 +29,13 @@ Example (two ranks' slices in one process: rank 1 trains rank 0's row 1 with its
 
 from __future__ import annotations
 
-import io
+import pickle
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from odb.data import sample_bytes
 from odb.integrations.trl_rl_rows import COMPLETION_KEYS, PROMPT_KEYS, rollout_lengths, take_rows
 
 __all__ = ["Received", "micro_batch", "move_rows", "pack_rows", "unpack_rows"]
@@ -63,21 +64,18 @@ def column_kind(key: str, value: Any, completion_width: int) -> str:
 
 def pack_rows(inputs: Mapping[str, Any], rows: np.ndarray) -> bytes:
     """The bytes of ``rows`` (indices into the slice ``inputs``): every per-row value, trimmed to the rows' own
-    longest prompt and completion, copied to the CPU (a copy of their elements only)."""
+    longest prompt and completion, on the CPU (``odb.data.sample_bytes``: a view's own elements only)."""
     prompt, completion = rollout_lengths(inputs)
     rows = np.asarray(rows, dtype=np.int64)
     wide_p, wide_c = int(max(prompt[rows].max(), 1)), int(max(completion[rows].max(), 1))
     piece = take_rows(inputs, rows, wide_p, wide_c)
-    out = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in piece.items()
-           if isinstance(v, torch.Tensor) and v.ndim > 0}
-    buffer = io.BytesIO()
-    torch.save(out, buffer)
-    return buffer.getvalue()
+    out = {k: v.detach().to("cpu") for k, v in piece.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
+    return sample_bytes.dumps(out)  # a trimmed column is a view: its own elements only
 
 
 def unpack_rows(data: bytes, like: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     """The values ``pack_rows`` wrote, each on the device of the same value of ``like`` (the rank's own slice)."""
-    values = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    values = pickle.loads(data)
     return {k: v.to(like[k].device) if isinstance(like.get(k), torch.Tensor) else v for k, v in values.items()}
 
 
