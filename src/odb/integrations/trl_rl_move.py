@@ -6,8 +6,8 @@ trimmed to their own longest prompt and completion, pickled from the CPU by
 ``odb.data.sample_bytes`` as the loader's moved samples are), through odb's exchange
 (``RankExchange.move``: one gather of sizes and one gloo all-to-all of bytes, ``odb.comm.dist``).
 Each micro-batch is then built from the rank's own rows and the rows it received
-(``micro_batch``): prompt-aligned values re-padded on the left and completion-aligned ones on the right to the micro-batch's widths, per-row values
-(``(rows,)`` or ``(rows, 1)``) kept as they are, 0-d values (``num_items_in_batch``, the same
+(``micro_batch``): prompt-aligned values re-padded on the left and completion-aligned ones
+on the right to the micro-batch's widths, per-row values (``(rows,)`` or ``(rows, 1)``) kept as they are, 0-d values (``num_items_in_batch``, the same
 on every rank) the rank's own; dtypes kept, received tensors put on the device of the rank's
 own. Padding is 0: it lies outside ``prompt_mask`` / ``completion_mask``, which every loss term
 and odb's forward mask out.
