@@ -1,16 +1,15 @@
 """Rollout rows moved between ranks for a global rollout plan (``odb.plan.rollout_global``).
 
-Under ``step_plan="global"`` a rank trains rows of other ranks' slices. Each rank sends
-every other rank the rows that rank trains, once (``pack_rows``: the rows' per-row tensors,
-trimmed to their own longest prompt and completion, pickled from the CPU by
-``odb.data.sample_bytes`` as the loader's moved samples are), through odb's exchange
-(``RankExchange.move``: one gather of sizes and one gloo all-to-all of bytes, ``odb.comm.dist``).
-Each micro-batch is then built from the rank's own rows and the rows it received
-(``micro_batch``): prompt-aligned values re-padded on the left and completion-aligned ones
-on the right to the micro-batch's widths, per-row values (``(rows,)`` or ``(rows, 1)``) kept as they are, 0-d values (``num_items_in_batch``, the same
-on every rank) the rank's own; dtypes kept, received tensors put on the device of the rank's
-own. Padding is 0: it lies outside ``prompt_mask`` / ``completion_mask``, which every loss term
-and odb's forward mask out.
+Under ``step_plan="global"`` a rank trains rows of other ranks' slices. Each rank sends every other
+rank the rows that rank trains, once (``pack_rows``: the rows' per-row tensors, trimmed to their own
+longest prompt and completion, pickled from the CPU by ``odb.data.sample_bytes`` as the loader's
+moved samples are), through odb's exchange (``RankExchange.move``: one gather of sizes and one gloo
+all-to-all of bytes, ``odb.comm.dist``). Each micro-batch is then built from the rank's own rows and
+the rows it received (``micro_batch``): prompt-aligned values re-padded on the left and completion-
+aligned ones on the right to the micro-batch's widths, per-row values (``(rows,)`` or ``(rows, 1)``)
+kept as they are, 0-d values (``num_items_in_batch``, the same on every rank) the rank's own; dtypes
+kept, received tensors put on the device of the rank's own. Padding is 0: it lies outside
+``prompt_mask`` / ``completion_mask``, which every loss term and odb's forward mask out.
 
 Example (two ranks' slices in one process: rank 1 trains rank 0's row 1 with its own row 0):
     >>> import torch
