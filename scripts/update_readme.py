@@ -221,7 +221,9 @@ def convergence_section(conv: Dict[str, Any]) -> List[str]:
            f"same learning rate ({conv['base_lr']:g}, AdamW, constant) from the same weights. Time to the target = "
            f"seconds until the held-out loss reaches the fixed arm's final loss ({conv['epochs']} epochs); median "
            f"(min-max) of {conv['rounds']} interleaved rounds; loss at equal time = at the shortest arm's training "
-           "time. odb: `ODBDataLoader(token_budget=cap, global_batch_size=G)`; budget-filled odb (no "
+           "time. An arm whose every step holds fixed's samples (checked in the run) makes fixed's updates, so its "
+           "curve differs from fixed's only by rounding that training amplifies: its ratio to fixed's time is read at "
+           "the step where fixed reached the target. odb: `ODBDataLoader(token_budget=cap, global_batch_size=G)`; budget-filled odb (no "
            "`global_batch_size`, today's default) puts more samples in each update and is not the same run."]
     for acc in sorted(conv["accumulations"], key=lambda a: -int(a)):
         part = conv["accumulations"][acc]

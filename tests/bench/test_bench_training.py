@@ -205,9 +205,20 @@ def test_convergence_arms_take_the_users_samples_per_step():
                 curve = a["curve"]
                 assert [p["s"] for p in curve] == sorted(p["s"] for p in curve) and curve[-1]["loss"] < curve[0]["loss"]
         assert m["odb_budget_filled"]["samples_per_step"] >= m["odb_padded"]["samples_per_step"]
+        # the in-run check of what each step holds: odb's steps are fixed's, packed or padded; the others' are not
+        for arm in ("fixed", "odb_padded", "odb_packed"):
+            assert m[arm]["same_samples_as_fixed"] and m[arm]["steps_as_fixed"] == 2 * steps, (acc, arm)
+        for arm in ("group_by_length", "trl_packing", "odb_budget_filled"):
+            assert not m[arm]["same_samples_as_fixed"], (acc, arm)
+            assert m[arm]["time_read_s"] == m[arm]["time_to_target_s"]
+        for r in part["rounds"]:  # fixed reaches its own target at its target step: both readings agree for it
+            f = r["arms"]["fixed"]
+            assert f["time_at_target_step_s"] == pytest.approx(f["time_to_target_s"])
     goals_ = convergence_goals({**conv, "accumulations": {"8": conv["accumulations"]["4"]}})
     assert len(goals_) == 5 and all(isinstance(g["met"], bool) for g in goals_)  # no per-rank arm here: 5 goals
-    assert len(convergence_goals(conv, "1", plans_only=True)) == 1  # against group_by_length
+    plans = convergence_goals(conv, "1", plans_only=True)
+    assert len(plans) == 2  # odb padded and packed against group_by_length (no per-rank arm here)
+    assert plans[0]["read_at_fixed_step"] == ["odb_padded"] and plans[0]["context"] == ["odb_packed"]
     for g in goals_:  # time-to-target ratios carry their rounds' spread, paired round by round
         if "gap" not in g and g["measured"] is not None:
             assert g["spread"][0] <= g["measured"] * (1 + 1e-9) and g["spread"][1] >= g["measured"] * (1 - 1e-9)

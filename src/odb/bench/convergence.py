@@ -67,6 +67,32 @@ LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalan
 
 FLOAT_TOLERANCE = 1e-4  # of the loss-per-step comparison, beside the rounds' spread: float32 sums in another order
 Micro = Dict[str, Any]  # {"batch", "scale" (None: from the step's token count), "samples", "ghost"}
+_DIGEST_WEIGHTS = np.random.default_rng(20261128).integers(1, 1 << 20, size=1 << 14)  # one per position in a sample
+
+
+def batch_digest(batch: Dict[str, Any]) -> int:
+    """The sum over a batch's real tokens of (token + 1) x a fixed random weight of its position in its sample.
+
+    Sums over the micro-batches of a step (and its ranks) are equal when two steps hold the same samples, in
+    whatever order, rows or layout (padded rows, or packed rows with restarting ``position_ids``); steps with
+    different samples differ but with negligible chance. Exact in float64 (below 2**53) for steps of up to
+    2**16 tokens of ids below 2**8 (this section's bytes).
+
+    Example:
+        >>> ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+        >>> padded = {"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+        >>> packed = {"input_ids": torch.tensor([[8, 9, 5, 6, 7]]), "position_ids": torch.tensor([[0, 1, 0, 1, 2]])}
+        >>> batch_digest(padded) == batch_digest(packed)
+        True
+    """
+    ids = batch["input_ids"]
+    if "position_ids" in batch:
+        real, pos = torch.ones_like(ids, dtype=torch.bool), batch["position_ids"]
+    else:
+        mask = batch.get("attention_mask", torch.ones_like(ids)).bool()
+        real, pos = mask, mask.long().cumsum(-1) - 1
+    weights = torch.as_tensor(_DIGEST_WEIGHTS)[pos[real].clamp(min=0)]
+    return int(((ids[real].long() + 1) * weights).sum())
 
 
 def lr_for(base_lr: float, tokens_per_step: float, base_tokens_per_step: float, rule: str = "sqrt") -> float:
@@ -310,6 +336,7 @@ class _Run:
         self.micro = self.samples = self.real = self.padded = 0
         self.wait_s = 0.0
         self.at_epochs: Dict[str, Any] = {}
+        self.digests: List[int] = []  # per optimizer step: batch_digest summed over its micro-batches and ranks
 
     def _evaluate(self) -> float:
         module = getattr(self.model, "module", self.model)
@@ -341,8 +368,11 @@ class _Run:
     def epoch(self, epoch: int) -> None:
         if self.world > 1:
             torch.distributed.barrier()
-        start, paused = time.perf_counter(), 0.0
+        start, paused, first = time.perf_counter(), 0.0, len(self.digests)
         for micro in self.loaders.steps(epoch):
+            t = time.perf_counter()  # what the step holds, for the check against fixed's steps: off the clock
+            self.digests.append(sum(batch_digest(m["batch"]) for m in micro if not m["ghost"]))
+            paused += time.perf_counter() - t
             self._step(micro)
             self.steps += 1
             if self.steps % self.every == 0:
@@ -352,6 +382,7 @@ class _Run:
         if self.world > 1:
             torch.distributed.barrier()
         wall = _reduce([time.perf_counter() - start - paused], "MAX", self.world)[0]  # the slowest rank's
+        self.digests[first:] = [int(d) for d in _reduce([float(d) for d in self.digests[first:]], "SUM", self.world)]
         self.train_s, self.epochs = self.train_s + wall, self.epochs + 1
         self.wait_s += self.loaders.wait
         if self.curve[-1][1] != self.steps:
@@ -392,13 +423,23 @@ def _round(arms: Sequence[str], dataset: TextSamples, rows: Any, params: Dict[st
     equal_s = min(r.at_epochs["train_s"] for r in runs.values())
     out: Dict[str, Any] = {"seed": seed, "target_loss": target, "equal_time_s": equal_s, "eval_every_steps": every,
                            "arms": {}}
+    fixed = runs.get("fixed")
+    fixed_step = None if fixed is None else time_to_loss([(k, v) for _, k, v in fixed.curve], target)
     for a, run in runs.items():
         curve = [(s, v) for s, _, v in run.curve]
         out["arms"][a] = {**run.at_epochs, "settings": run.loaders.settings,
                           "time_to_target_s": time_to_loss(curve, target), "loss_at_equal_time": loss_at(curve,
                                                                                                        equal_s),
                           "epochs_trained": run.epochs,
+                          "target_step": time_to_loss([(k, v) for _, k, v in run.curve], target),
                           "curve": [{"s": s, "step": k, "loss": v} for s, k, v in run.curve]}
+        if fixed is not None:
+            same = sum(x == y for x, y in zip(run.digests, fixed.digests))
+            as_fixed = same == len(fixed.digests) <= len(run.digests)
+            out["arms"][a].update({
+                "steps_as_fixed": same, "steps_compared": len(fixed.digests), "same_samples_as_fixed": as_fixed,
+                "time_at_target_step_s": (loss_at([(k, s) for s, k, _ in run.curve], fixed_step)
+                                          if as_fixed and fixed_step is not None else None)})
         if rank == 0:
             m = out["arms"][a]
             t = m["time_to_target_s"]
@@ -406,6 +447,25 @@ def _round(arms: Sequence[str], dataset: TextSamples, rows: Any, params: Dict[st
                 f"{m['train_s']:.1f} s, loss {m['curve'][0]['loss']:.3f} -> {m['final_loss']:.3f}, to "
                 f"{target:.3f}: {'not reached' if t is None else f'{t:.1f} s'}")
     return out
+
+
+def read_time(arm_round: Dict[str, Any]) -> Optional[float]:
+    """The time to the target that the ratios and goals read for one arm in one round.
+
+    For an arm whose every optimizer step held fixed's samples (checked in the run by ``batch_digest``),
+    its time at the optimizer step where fixed reached the target: its updates are fixed's, so its loss curve
+    differs from fixed's only by rounding (float32 sums in another order, which the training then amplifies), and
+    that noise should not decide a comparison of speeds. Any other arm: the time its own curve reaches the target.
+
+    Example:
+        >>> read_time({"time_to_target_s": 9.0, "same_samples_as_fixed": True, "time_at_target_step_s": 8.0})
+        8.0
+        >>> read_time({"time_to_target_s": 9.0, "same_samples_as_fixed": False, "time_at_target_step_s": None})
+        9.0
+    """
+    if arm_round.get("same_samples_as_fixed"):
+        return arm_round.get("time_at_target_step_s")
+    return arm_round.get("time_to_target_s")
 
 
 def summarize(rounds: List[Dict[str, Any]], world: int) -> Dict[str, Any]:
@@ -425,6 +485,11 @@ def summarize(rounds: List[Dict[str, Any]], world: int) -> Dict[str, Any]:
             "settings": first["settings"],
             "time_to_target_s": spread([p["time_to_target_s"] for p in per]),
             "reached": sum(p["time_to_target_s"] is not None for p in per),
+            "same_samples_as_fixed": all(p.get("same_samples_as_fixed") for p in per),
+            "steps_as_fixed": sum(p.get("steps_as_fixed", 0) for p in per),
+            "steps_compared": sum(p.get("steps_compared", 0) for p in per),
+            "time_read_s": spread([read_time(p) for p in per]),
+            "target_step": spread([p.get("target_step") for p in per]),
             "loss_at_equal_time": spread([p["loss_at_equal_time"] for p in per]),
             "final_loss": spread([p["final_loss"] for p in per]), "train_s": spread([p["train_s"] for p in per]),
             "tokens_per_s": spread([p["tokens_per_s"] for p in per]),
@@ -437,10 +502,10 @@ def summarize(rounds: List[Dict[str, Any]], world: int) -> Dict[str, Any]:
             "loss_by_step": [{"step": k, **(spread(v) or {})} for k, v in sorted(loss_by_step.items())
                              if len(v) == len(per)],
         }
-    fixed = out["arms"].get("fixed", {}).get("time_to_target_s")
-    gbl = out["arms"].get("group_by_length", {}).get("time_to_target_s")
+    fixed = out["arms"].get("fixed", {}).get("time_read_s")
+    gbl = out["arms"].get("group_by_length", {}).get("time_read_s")
     for a, m in out["arms"].items():
-        t = m["time_to_target_s"]
+        t = m["time_read_s"]
         m["time_vs_fixed"] = t["median"] / fixed["median"] if t and fixed and fixed["median"] > 0 else None
         m["time_vs_group_by_length"] = t["median"] / gbl["median"] if t and gbl and gbl["median"] > 0 else None
     return out
@@ -503,24 +568,29 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = F
     arms = part["arms"]
     out: List[Dict[str, Any]] = []
 
-    def ttt(a: str) -> Optional[float]:
-        t = arms.get(a, {}).get("time_to_target_s")
+    def ttt(a: str, key: str = "time_read_s") -> Optional[float]:
+        t = arms.get(a, {}).get(key)
         return None if t is None else t["median"]
 
-    def ratio_goal(name: str, arm: str, base: str, target: float) -> None:
+    def ratio_goal(name: str, arm: str, base: str, target: float, context: Sequence[str] = ()) -> None:
         if arm not in arms or base not in arms:
             return
         a, b = ttt(arm), ttt(base)
         ratio = None if a is None or b is None or b <= 0 else a / b
-        spread = paired_spread((r["arms"][arm]["time_to_target_s"], r["arms"][base]["time_to_target_s"])
+        a_raw, b_raw = ttt(arm, "time_to_target_s"), ttt(base, "time_to_target_s")
+        spread = paired_spread((read_time(r["arms"][arm]), read_time(r["arms"][base]))
                                for r in part.get("rounds") or [] if arm in r["arms"] and base in r["arms"])
         out.append({"goal": f"convergence (2 ranks, A = {acc}): time to target, {name}", "measured": ratio,
                     "target": target, "met": ratio is not None and ratio <= target, "lower_is_better": True,
                     "arms": [arm, base], "spread": spread, "straddles": straddles(spread, target),
-                    "accumulation": int(acc)})
+                    "accumulation": int(acc),
+                    "read_at_fixed_step": [x for x in (arm, base) if arms[x].get("same_samples_as_fixed")],
+                    "own_curves": None if a_raw is None or b_raw is None or b_raw <= 0 else a_raw / b_raw,
+                    "context": [c for c in context if c in arms]})
 
     if plans_only:
-        ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0)
+        ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0, context=("odb_packed",))
+        ratio_goal("odb packed / group_by_length", "odb_packed", "group_by_length", 1.0)
         ratio_goal("odb padded (global plan) / odb padded, per-rank plan", "odb_padded", "odb_padded_rank", 1.0)
         return out
     ratio_goal("odb padded / fixed", "odb_padded", "fixed", 0.5)
@@ -556,8 +626,13 @@ def breakdown(conv: Dict[str, Any], acc: Optional[str] = None) -> Dict[str, Dict
     if not accs or (acc is not None and acc not in accs):
         return {}
     acc = acc if acc is not None else ("8" if "8" in accs else max(accs, key=int))
+    arms = accs[acc]["arms"]
     return {a: {"accumulation": int(acc), "padding_share": m["padding_share"],
                 "micro_steps_per_step": m["micro_steps_per_step"], "ms_per_micro_step": m["ms_per_micro_step"],
                 "loader_wait_s": (m["loader_wait_s"] or {}).get("median"), "train_s": (m["train_s"] or {}).get("median"),
-                "steps": m["steps"], "tokens_per_s": (m["tokens_per_s"] or {}).get("median")}
-            for a, m in accs[acc]["arms"].items()}
+                "steps": m["steps"], "tokens_per_s": (m["tokens_per_s"] or {}).get("median"),
+                "same_samples_as_fixed": m.get("same_samples_as_fixed", False),
+                "target_step": ((arms["fixed"] if m.get("same_samples_as_fixed") and "fixed" in arms
+                                 else m).get("target_step") or {}).get("median"),
+                "time_read_s": (m.get("time_read_s") or {}).get("median")}
+            for a, m in arms.items()}

@@ -283,14 +283,18 @@ def convergence_intro(conv: Dict[str, Any]) -> str:
             f"same constant learning rate {conv['base_lr']:g}, the same initial weights, the loss of a step its token "
             f"mean over all micro-batches and ranks. {conv['epochs']} epochs each (+{conv['extra_epochs']} for an arm "
             f"not yet at the target); target = the fixed arm's final held-out loss in the same round; "
-            f"{conv['rounds']} interleaved rounds (seeds 0-{conv['rounds'] - 1}): median (min-max). Held-out: "
+            f"{conv['rounds']} interleaved rounds (seeds 0-{conv['rounds'] - 1}): median (min-max). An arm whose "
+            "every optimizer step holds fixed's samples (checked in the run: a digest of each step's tokens over "
+            "all ranks) makes fixed's updates, and its curve differs from fixed's only by rounding that the training "
+            "amplifies; its ratios (x fixed, x group_by_length, the goals) read its time at the step where fixed "
+            "reached the target ('s at fixed's target step'); every other arm's read its own curve. Held-out: "
             f"{conv['held_out']['samples']} x {conv['held_out']['length']} tokens of unseen text; seconds exclude "
             "evaluation.")
 
 
 def convergence_rows(part: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
     header = ["arm", "samples / step", "optimizer steps", "micro-steps / step", "padding share", "real tokens/s",
-              f"s to target", "x fixed", "x group_by_length", f"loss at {part['equal_time_s']['median']:.1f} s",
+              "s to target", "s at fixed's target step", "x fixed", "x group_by_length", f"loss at {part['equal_time_s']['median']:.1f} s",
               "loader wait s"]
     rows = []
     for arm, m in part["arms"].items():
@@ -299,7 +303,8 @@ def convergence_rows(part: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
             f"not reached ({reached} of {len(part['rounds'])})" if "rounds" in part else "not reached")
         rows.append([CONVERGENCE_LABELS.get(arm, arm), f"{m['samples_per_step']:.1f}", str(m["steps"]),
                      f"{m['micro_steps_per_step']:.2f}", f"{m['padding_share']:.3f}", _ms(m["tokens_per_s"], "{:,.0f}"),
-                     ttt, _fmt(m.get("time_vs_fixed"), "x{:.2f}"), _fmt(m.get("time_vs_group_by_length"), "x{:.2f}"),
+                     ttt, _ms(m.get("time_read_s")) if m.get("same_samples_as_fixed") else "-",
+                     _fmt(m.get("time_vs_fixed"), "x{:.2f}"), _fmt(m.get("time_vs_group_by_length"), "x{:.2f}"),
                      _ms(m["loss_at_equal_time"], "{:.3f}"), _ms(m["loader_wait_s"], "{:.2f}")])
     return header, rows
 
@@ -325,15 +330,28 @@ def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
                                                         for a, m in part["arms"].items()), ""]
     for g in conv.get("goals", []):
         line = f"goal: {g['goal']}: {_goal_measured(g)} (target {_goal_target(g)}): {_met(g['met'])}"
+        if g.get("read_at_fixed_step"):
+            line += (f" [read at fixed's target step for {', '.join(CONVERGENCE_LABELS.get(a, a) for a in g['read_at_fixed_step'])}"
+                     f" (same samples as fixed in every step); each arm's own curve: {_fmt(g.get('own_curves'), '{:.2f}')}]")
         if not g["met"] and "gap" not in g:
             costs = conv.get("breakdowns", {}).get(str(g.get("accumulation")), conv.get("breakdown", {}))
             line += f"; breakdown (A = {g.get('accumulation', 8)}): " + "; ".join(
-                f"{CONVERGENCE_LABELS.get(a, a)}: padding share {b['padding_share']:.3f}, "
-                f"{b['micro_steps_per_step']:.2f} micro-steps per step at {b['ms_per_micro_step']:.0f} ms each, "
-                f"loader wait {_fmt(b['loader_wait_s'], '{:.2f}')} s of {_fmt(b['train_s'], '{:.1f}')} s"
-                for a, b in ((a, costs.get(a)) for a in g.get("arms", [])) if b)
+                _arm_cost(a, b) for a, b in ((a, costs.get(a)) for a in [*g.get("arms", []), *g.get("context", [])])
+                if b)
         parts.append(line)
     return "\n".join(parts)
+
+
+def _arm_cost(arm: str, b: Dict[str, Any]) -> str:
+    """One arm's part of a missed convergence goal's breakdown: what its steps cost, when it reaches the target."""
+    where = ""
+    if b.get("target_step") is not None:
+        whose = "its steps hold fixed's samples, which reach" if b.get("same_samples_as_fixed") else "its own steps reach"
+        where = (f", {whose} the target at step {b['target_step']:.1f} of {b['steps']}, "
+                 f"read {_fmt(b.get('time_read_s'), '{:.1f}')} s")
+    return (f"{CONVERGENCE_LABELS.get(arm, arm)}: padding share {b['padding_share']:.3f}, "
+            f"{b['micro_steps_per_step']:.2f} micro-steps per step at {b['ms_per_micro_step']:.0f} ms each, "
+            f"loader wait {_fmt(b['loader_wait_s'], '{:.2f}')} s of {_fmt(b['train_s'], '{:.1f}')} s{where}")
 
 
 def _goal_measured(g: Dict[str, Any]) -> str:
