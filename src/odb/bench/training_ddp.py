@@ -22,7 +22,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 
 def free_port() -> int:
@@ -35,8 +35,13 @@ def _tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(no output)"
 
 
-def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0) -> Dict[str, Any]:
-    """Run ``run_worker`` on ``world`` processes; rank 0's result (a JSON-able dict)."""
+def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0,
+           worker: Sequence[str] = ("-m", "odb.bench.training_ddp")) -> Dict[str, Any]:
+    """Run ``run_worker`` on ``world`` processes; rank 0's result (a JSON-able dict).
+
+    ``worker``: what each process runs after ``python`` (it receives rank, world, port, folder and timeout and
+    calls ``child_main``): this module by default; a script that sets something up first (e.g.
+    ``benchmarks/convergence_float64.py``) otherwise."""
     if world < 1:
         raise ValueError(f"launch: world={world} must be at least 1 process.")
     with tempfile.TemporaryDirectory(prefix="odb-train-") as tmp_dir:
@@ -48,8 +53,7 @@ def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0) -> Dict
         for rank in range(world):
             log = open(tmp / f"rank{rank}.log", "wb")
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "odb.bench.training_ddp", str(rank), str(world), str(port), str(tmp),
-                 str(timeout_s)],
+                [sys.executable, *worker, str(rank), str(world), str(port), str(tmp), str(timeout_s)],
                 stdout=log, stderr=None if rank == 0 else subprocess.STDOUT, env=env))
             log.close()
         deadline = time.monotonic() + timeout_s
@@ -85,7 +89,8 @@ def launch(params: Dict[str, Any], world: int, timeout_s: float = 900.0) -> Dict
         return result
 
 
-def _child(argv: List[str]) -> None:
+def child_main(argv: List[str]) -> None:
+    """One process of ``launch``: ``argv`` = rank, world, port, the shared folder, the timeout in seconds."""
     rank, world, port, tmp, timeout_s = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3]), float(argv[4])
     stacks = open(tmp / f"rank{rank}.stacks", "w")
     if hasattr(signal, "SIGUSR1"):
@@ -129,4 +134,4 @@ def run_worker(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1:])
+    child_main(sys.argv[1:])
