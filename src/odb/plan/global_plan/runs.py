@@ -1,10 +1,9 @@
 """The padded layout's runs: consecutive samples of a SortedPool, what each costs and the greedy cuts
-under a cap (``_Runs``)."""
+under a cap (``_Runs``), over the precomputed tables of ``run_tables``."""
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import math
 from typing import List, Optional, Sequence, Tuple
@@ -12,70 +11,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from odb.plan.cost import CostModel
+from odb.plan.global_plan.run_tables import Blocks, RangeMax, block_ends, fit_is_count
 from odb.plan.planner import SortedPool, _max_counts_sorted
-
-
-@dataclasses.dataclass(frozen=True)
-class _Blocks:
-    """The sorted samples as blocks of one padded length (one dimension, no side costs), for the block estimate
-    of a greedy cut (``_Runs.estimate``)."""
-
-    start: np.ndarray  # (blocks,) each block's first sample
-    end: np.ndarray  # one past its last
-    g: np.ndarray  # its samples' padded length
-    fit: np.ndarray  # copies of one of its samples that fit a batch (not cut short by the samples left)
-
-    @classmethod
-    def of(cls, g: np.ndarray, pad: np.ndarray, cost: CostModel) -> _Blocks:
-        change = np.flatnonzero(np.diff(g)) + 1
-        start = np.concatenate(([0], change)).astype(np.int64)
-        return cls(start, np.concatenate((change, [len(g)])).astype(np.int64), g[start],
-                   cost.copies_that_fit_unrounded(pad[start]))
-
-
-@dataclasses.dataclass(frozen=True)
-class _RangeMax:
-    """What run costs need with several dimensions or side costs (``_Runs.cost``, ``_Runs.cost_of``): a sparse
-    table of the padded lengths' range maxima per dimension and the prefix sums of the side costs."""
-
-    table: List[np.ndarray]  # per dimension: at l * n + i the max of pad[i : i + 2**l] (cut at n)
-    table_lists: List[List[float]]  # the same as Python lists
-    cum_extra: Optional[np.ndarray]  # (n + 1,) prefix sums of the side costs; None: no side costs
-    cum_extra_list: Optional[List[float]]
-
-    @classmethod
-    def of(cls, pad: np.ndarray, extra: Optional[np.ndarray], longest: int) -> _RangeMax:
-        """``longest``: the longest run (two overlapping levels cover a run up to it)."""
-        n, dims = pad.shape
-        levels = [pad.astype(np.float64)]
-        while (1 << len(levels)) <= max(longest, 1):
-            half = 1 << (len(levels) - 1)
-            nxt = levels[-1].copy()
-            nxt[:n - half] = np.maximum(nxt[:n - half], nxt[half:])
-            levels.append(nxt)
-        table = [np.ascontiguousarray(np.stack(levels)[:, :, d]).ravel() for d in range(dims)]
-        cum_extra = None if extra is None else np.concatenate(([0.0], np.cumsum(extra)))
-        return cls(table, [t.tolist() for t in table], cum_extra, None if cum_extra is None else cum_extra.tolist())
-
-
-def _block_ends(g: np.ndarray, cnt: np.ndarray) -> np.ndarray:
-    """For each sample, the end of the block of consecutive samples with its length and its ``cnt``.
-
-    Example:
-        >>> _block_ends(np.array([9, 9, 9, 5, 5]), np.array([2, 2, 1, 3, 3])).tolist()
-        [2, 2, 3, 5, 5]
-    """
-    n = len(g)
-    change = np.flatnonzero((g[1:] != g[:-1]) | (cnt[1:] != cnt[:-1])) + 1
-    ends = np.append(change, n)
-    return np.repeat(ends, np.diff(np.concatenate(([0], ends)))).astype(np.int64)
-
-
-def _fit_is_count(blocks: _Blocks, cnt: np.ndarray) -> bool:
-    """Whether every sample's ``cnt`` is its block's ``fit`` cut by the samples left (no other cap applies)."""
-    n = len(cnt)
-    fit = np.repeat(blocks.fit, blocks.end - blocks.start)
-    return bool(np.array_equal(cnt, np.minimum(fit, np.arange(n, 0, -1))))
 
 
 _NO_CAP = 1 << 62  # an integer cap no run reaches
@@ -101,18 +38,18 @@ class _Runs:
         self.fast = dims == 1 and extra is None
         self.single = pad.sum(axis=1).astype(np.float64) + (0.0 if extra is None else extra)
         self.longest_run = int(self.cnt.max(initial=1))  # no valid run is longer
-        self.blocks: Optional[_Blocks] = None  # one dimension, no side costs
+        self.blocks: Optional[Blocks] = None  # one dimension, no side costs
         # one dimension, no side costs, no batch_size_multiple, cnt the blocks' fit cut by the samples left: the
         # greedy cuts walk segments of blocks of one step (``_walk``, ``_take_segments``)
         self.by_segments = False
-        self.ranges: Optional[_RangeMax] = None  # otherwise
+        self.ranges: Optional[RangeMax] = None  # otherwise
         if self.fast:
             self.g = pad[:, 0].astype(np.int64)
             self.g_list = self.g.tolist()
-            self.blocks = _Blocks.of(self.g, pad, cost)
-            self.by_segments = self.mult == 1 and _fit_is_count(self.blocks, self.cnt)
+            self.blocks = Blocks.of(self.g, pad, cost)
+            self.by_segments = self.mult == 1 and fit_is_count(self.blocks, self.cnt)
         else:
-            self.ranges = _RangeMax.of(pad, extra, self.longest_run)
+            self.ranges = RangeMax.of(pad, extra, self.longest_run)
         self.suffix = np.concatenate((np.cumsum(self.single[::-1])[::-1], [0.0]))
         self.c_max = float(self.cost(np.arange(self.n), np.arange(self.n) + self.cnt).max(initial=0.0))
         self._steps_cache: dict = {}
@@ -126,7 +63,7 @@ class _Runs:
     @functools.cached_property
     def same_end(self) -> List[int]:
         """One dimension, no side costs: where the block of equal (length, cnt) of each sample ends."""
-        return _block_ends(self.g, self.cnt).tolist()
+        return block_ends(self.g, self.cnt).tolist()
 
     def cost(self, s: np.ndarray, e: np.ndarray) -> np.ndarray:
         """Group costs of the runs [s, e) (arrays, e > s), in planning precision (side costs unrounded)."""
