@@ -72,8 +72,10 @@ def main() -> None:
     if trainer.is_world_process_zero():
         odb = trainer.odb_rl
         print(f"{result.global_step} optimizer steps, train loss {result.training_loss:.4f}")
-        print(f"{odb.slices} training slices cut into {odb.micro_steps} micro-batches on rank 0; padded tokens "
-              f"{odb.padded_tokens} (real {odb.real_tokens}), budget {odb.token_budget}, layout {odb.layout!r}")
+        counts = odb.counts
+        print(f"{counts.slices} training slices cut into {counts.micro_steps} micro-batches on rank 0; padded "
+              f"tokens {counts.padded_tokens} (real {counts.real_tokens}), budget {odb.token_budget}, layout "
+              f"{odb.layout!r}")
 
 
 if __name__ == "__main__":

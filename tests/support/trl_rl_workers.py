@@ -17,6 +17,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from odb.integrations.trl_rl import RolloutCounts
+
 import trl_workers as W
 
 EOS = 1  # "</s>" of trl_workers.tokenizer()
@@ -125,16 +127,15 @@ def train_arm(p: Dict[str, Any], out: str, budget: Any) -> Dict[str, Any]:
         warnings.simplefilter("ignore")
         trainer.train()
     odb = getattr(trainer, "odb_rl", None)
+    counts = odb.counts if odb is not None else RolloutCounts()
     return {"grads": recorder.grads, "losses": losses, "slice_tokens": sum(slices),
             "micro_batches": list(odb.recent) if odb is not None else [],
-            "micro_steps": odb.micro_steps if odb is not None else 0, "slices": odb.slices if odb is not None else 0,
-            "padded": odb.padded_tokens if odb is not None else 0, "budget": budget,
-            "real": odb.real_tokens if odb is not None else 0,
+            "micro_steps": counts.micro_steps, "slices": counts.slices, "padded": counts.padded_tokens,
+            "budget": budget, "real": counts.real_tokens,
             "plans": [plan_record(p) for p in odb.plans] if odb is not None else [],
             "step_plan": odb.step_plan if odb is not None else None,
             "moves": list(odb.moves) if odb is not None else [],
-            "moved_rows": odb.moved_rows if odb is not None else 0,
-            "logs": list(trainer.state.log_history)}
+            "moved_rows": counts.moved_rows, "logs": list(trainer.state.log_history)}
 
 
 def plan_record(plan: Any) -> Any:

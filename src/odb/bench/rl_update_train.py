@@ -243,9 +243,10 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
     warm = {}  # the warm-up's counts of each odb arm: micro-steps, tokens run, real tokens, micro-batches, moves
     for arm in ODB_ARMS:
         odb_rl = trainers[arm].odb_rl
-        warm[arm] = (odb_rl.micro_steps, odb_rl.padded_tokens, odb_rl.real_tokens,
-                     list(odb_rl.recent)[-odb_rl.micro_steps:],  # (rows, prompt width, completion width, tokens)
-                     odb_rl.step_plan, odb_rl.moved_rows, odb_rl.moved_bytes)
+        counts = odb_rl.counts
+        warm[arm] = (counts.micro_steps, counts.padded_tokens, counts.real_tokens,
+                     list(odb_rl.recent)[-counts.micro_steps:],  # (rows, prompt width, completion width, tokens)
+                     odb_rl.step_plan, counts.moved_rows, counts.moved_bytes)
     seconds: Dict[str, List[float]] = {arm: [] for arm in ARMS}
     for r in range(p["rounds"]):
         for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:

@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import contextlib
 from typing import Any, Callable, Deque, Dict, Optional, Tuple, Union
 
@@ -147,6 +148,24 @@ def enable_odb_rl(trainer: Any, token_budget: int, *, layout: str = "padded", st
     return trainer
 
 
+@dataclasses.dataclass
+class RolloutCounts:
+    """What ``RolloutMicroSteps`` ran on this rank, since it was installed.
+
+    Example:
+        >>> counts = RolloutCounts()
+        >>> counts.micro_steps, counts.moved_rows
+        (0, 0)
+    """
+
+    slices: int = 0  # training slices (loss calls of the Trainer in training)
+    micro_steps: int = 0
+    padded_tokens: int = 0  # the tokens the model ran, padding included
+    real_tokens: int = 0
+    moved_rows: int = 0  # rows this rank received from other ranks (``step_plan="global"``)
+    moved_bytes: int = 0  # their bytes
+
+
 class RolloutMicroSteps:
     """The training slice's loss as micro-batches under ``token_budget`` (installed by ``enable_odb_rl``).
 
@@ -156,9 +175,7 @@ class RolloutMicroSteps:
     sum of their detached losses plus the last one's: the Trainer's own backward on it
     completes the step. ``recent``: (rows, prompt width, completion width, tokens run) of the
     last micro-batches, ``plans`` the last slices' plans, ``moves`` the last slices' (rows,
-    bytes) this rank received from other ranks; ``micro_steps``, ``slices``, ``padded_tokens``
-    (the tokens the model ran, padding included), ``real_tokens``, ``moved_rows`` and
-    ``moved_bytes`` (rows and bytes this rank received) count all of them.
+    bytes) this rank received from other ranks; ``counts`` (``RolloutCounts``) counts all of them.
     """
 
     def __init__(self, trainer: Any, name: str, kind: str, token_budget: int, exchange_timeout_s: float,
@@ -172,10 +189,9 @@ class RolloutMicroSteps:
         self.original = trainer.compute_loss
         self.exchange: Optional[RankExchange] = None
         self.recent: Deque[Tuple[int, int, int, int]] = collections.deque(maxlen=_RECENT)
-        self.micro_steps = self.slices = self.padded_tokens = self.real_tokens = 0
+        self.counts = RolloutCounts()
         self.plans: Deque[Union[RolloutPlan, GlobalRolloutPlan]] = collections.deque(maxlen=_RECENT)
         self.moves: Deque[Tuple[int, int]] = collections.deque(maxlen=_RECENT)
-        self.moved_rows = self.moved_bytes = 0
 
     def compute_loss(self, model: Any, inputs: Dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -206,7 +222,7 @@ class RolloutMicroSteps:
                         trainer.accelerator.backward(loss / divide)
                         done.append(loss.detach())
                         loss = None
-        self.slices += 1
+        self.counts.slices += 1
         self._log(plan, rank)
         return loss + sum(done) if done else loss
 
@@ -218,8 +234,8 @@ class RolloutMicroSteps:
         where = f"{self.name} step {self.trainer.state.global_step} (odb's rollout rows)"
         received, rows, size = move_rows(self.exchange, inputs, plan, rank, where)
         self.moves.append((rows, size))
-        self.moved_rows += rows
-        self.moved_bytes += size
+        self.counts.moved_rows += rows
+        self.counts.moved_bytes += size
         return lambda step: micro_batch(inputs, received, rank, plan.n, plan.rows(rank, step),
                                         *(int(w) for w in plan.widths[rank, step]))
 
@@ -272,9 +288,9 @@ class RolloutMicroSteps:
         rows, width_p, width_c = (int(piece["prompt_ids"].shape[0]), int(piece["prompt_ids"].shape[1]),
                                   int(piece["completion_ids"].shape[1]))
         self.recent.append((rows, width_p, width_c, int(tokens)))
-        self.micro_steps += 1
-        self.padded_tokens += int(tokens)
-        self.real_tokens += int(piece["prompt_mask"].sum().item()) + int(loss_mask(piece).sum().item())
+        self.counts.micro_steps += 1
+        self.counts.padded_tokens += int(tokens)
+        self.counts.real_tokens += int(piece["prompt_mask"].sum().item()) + int(loss_mask(piece).sum().item())
 
     def _log(self, plan: Union[RolloutPlan, GlobalRolloutPlan], rank: int) -> None:
         metrics = getattr(self.trainer, "_metrics", None)
