@@ -223,8 +223,9 @@ def convergence_section(conv: Dict[str, Any]) -> List[str]:
            f"(min-max) of {conv['rounds']} interleaved rounds; loss at equal time = at the shortest arm's training "
            "time. An arm whose every step holds fixed's samples (checked in the run) makes fixed's updates, so its "
            "curve differs from fixed's only by rounding that training amplifies: its ratio to fixed's time is read at "
-           "the step where fixed reached the target. odb: `ODBDataLoader(token_budget=cap, global_batch_size=G)`; budget-filled odb (no "
-           "`global_batch_size`, today's default) puts more samples in each update and is not the same run."]
+           "the step where fixed reached the target. odb: `ODBDataLoader(token_budget=cap, global_batch_size=G)`; "
+           "budget-filled odb (no `global_batch_size`, today's default) puts more samples in each update and is not "
+           "the same run."]
     for acc in sorted(conv["accumulations"], key=lambda a: -int(a)):
         part = conv["accumulations"][acc]
         header = ["arm", "samples / step", "optimizer steps", "micro-steps / step", "real tokens/s",

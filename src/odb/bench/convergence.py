@@ -67,7 +67,7 @@ LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalan
 
 FLOAT_TOLERANCE = 1e-4  # of the loss-per-step comparison, beside the rounds' spread: float32 sums in another order
 Micro = Dict[str, Any]  # {"batch", "scale" (None: from the step's token count), "samples", "ghost"}
-_DIGEST_WEIGHTS = np.random.default_rng(20261128).integers(1, 1 << 20, size=1 << 14)  # one per position in a sample
+_DIGEST_WEIGHTS = torch.as_tensor(np.random.default_rng(20261128).integers(1, 1 << 20, size=1 << 14))  # per position
 
 
 def batch_digest(batch: Dict[str, Any]) -> int:
@@ -91,7 +91,7 @@ def batch_digest(batch: Dict[str, Any]) -> int:
     else:
         mask = batch.get("attention_mask", torch.ones_like(ids)).bool()
         real, pos = mask, mask.long().cumsum(-1) - 1
-    weights = torch.as_tensor(_DIGEST_WEIGHTS)[pos[real].clamp(min=0)]
+    weights = _DIGEST_WEIGHTS[pos[real].clamp(min=0)]
     return int(((ids[real].long() + 1) * weights).sum())
 
 

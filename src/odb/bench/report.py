@@ -294,7 +294,8 @@ def convergence_intro(conv: Dict[str, Any]) -> str:
 
 def convergence_rows(part: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
     header = ["arm", "samples / step", "optimizer steps", "micro-steps / step", "padding share", "real tokens/s",
-              "s to target", "s at fixed's target step", "x fixed", "x group_by_length", f"loss at {part['equal_time_s']['median']:.1f} s",
+              "s to target", "s at fixed's target step", "x fixed", "x group_by_length",
+              f"loss at {part['equal_time_s']['median']:.1f} s",
               "loader wait s"]
     rows = []
     for arm, m in part["arms"].items():
@@ -331,8 +332,9 @@ def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
     for g in conv.get("goals", []):
         line = f"goal: {g['goal']}: {_goal_measured(g)} (target {_goal_target(g)}): {_met(g['met'])}"
         if g.get("read_at_fixed_step"):
-            line += (f" [read at fixed's target step for {', '.join(CONVERGENCE_LABELS.get(a, a) for a in g['read_at_fixed_step'])}"
-                     f" (same samples as fixed in every step); each arm's own curve: {_fmt(g.get('own_curves'), '{:.2f}')}]")
+            read = ", ".join(CONVERGENCE_LABELS.get(a, a) for a in g["read_at_fixed_step"])
+            line += (f" [read at fixed's target step for {read} (same samples as fixed in every step); each arm's own "
+                     f"curve: {_fmt(g.get('own_curves'), '{:.2f}')}]")
         if not g["met"] and "gap" not in g:
             costs = conv.get("breakdowns", {}).get(str(g.get("accumulation")), conv.get("breakdown", {}))
             line += f"; breakdown (A = {g.get('accumulation', 8)}): " + "; ".join(
