@@ -116,7 +116,7 @@ def test_worker_init_fn_runs_in_workers():
 
 def test_spawn_context():
     batches = epoch(make(num_workers=1, multiprocessing_context="spawn", worker_init_fn=tag_worker,
-                         collate_fn=PadCollate(4), shuffle=True, seed=1))
+                         collate_fn=PadCollate(4), pad_to_multiple_of=4, shuffle=True, seed=1))
     assert flat_ids(batches) == list(range(N))
     assert {t for b in batches for t in b["tag"]} == {1000}
     assert os.getpid() not in {p for b in batches for p in b["pid"]}

@@ -12,12 +12,18 @@ A collate that returns a batch without the images its samples carry (no
 fields only) trains the image placeholder tokens as text and the vision tower not at
 all, and the model raises nothing. ``PaddingHint`` refuses such a batch with
 ``DroppedImagesError``.
+
+A batch of empty samples only (a blank line in a corpus, an answer truncated away: legal samples
+of 0 tokens) collates to a width of 0, on which most models fail; ``PaddingHint`` widens such a
+dict batch to one unsupervised position (``widen_empty``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Callable, List, Optional
+
+import torch
 
 from odb.data.lengths import SampleLengthError, default_length
 from odb.data.vision_fields import dropped_image_fields
@@ -50,8 +56,8 @@ class PaddingHint:
         odb.data.collate_check.RaggedBatchError: odb's batch holds samples of 3 to 5 tokens, ...
     """
 
-    def __init__(self, collate_fn: Callable[[List[Any]], Any]) -> None:
-        self.collate_fn = collate_fn
+    def __init__(self, collate_fn: Callable[[List[Any]], Any], ignore_index: int = -100) -> None:
+        self.collate_fn, self.ignore_index = collate_fn, ignore_index
 
     @property
     def name(self) -> str:
@@ -75,6 +81,8 @@ class PaddingHint:
                 f"collate_fn=transformers.DataCollatorForSeq2Seq(tokenizer) (pads input_ids and labels; also for "
                 f"causal LMs), DataCollatorWithPadding(tokenizer) (no labels), or a function using "
                 f"torch.nn.utils.rnn.pad_sequence.") from err
+        if isinstance(batch, Mapping):
+            batch = widen_empty(batch, len(samples), self.ignore_index)
         dropped = dropped_image_fields(samples, batch)
         if dropped:
             raise DroppedImagesError(
@@ -86,6 +94,29 @@ class PaddingHint:
                 f"image fields too (torch.cat of the samples' {dropped[0]}), use odb.PackedCollate.for_model(model) "
                 f"for packed rows, or remove the images from the samples if the model is text only.")
         return batch
+
+
+def widen_empty(batch: Any, rows: int, ignore_index: int = -100) -> Any:
+    """A dict batch of empty samples only (its ``input_ids`` of width 0) with every (B, 0, ...) tensor widened
+    to one position: ``labels`` ``ignore_index``, ``attention_mask`` 1 (a row that attends to nothing gives NaN
+    in attention), everything else 0. Most models fail on a zero-length input; this one runs, supervises
+    nothing, and odb scales its loss to an exact zero. Any other batch is returned as it is.
+
+    Example:
+        >>> import torch
+        >>> batch = widen_empty({"input_ids": torch.zeros(2, 0, dtype=torch.long), "labels": torch.zeros(2, 0)}, 2)
+        >>> batch["input_ids"].tolist(), batch["labels"].tolist()
+        ([[0], [0]], [[-100.0], [-100.0]])
+    """
+    ids = batch.get("input_ids")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[1] == 0):
+        return batch
+    fills = {"labels": ignore_index, "attention_mask": 1, "decoder_attention_mask": 1}
+    for key, value in list(batch.items()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == rows and value.shape[1] == 0:
+            shape = (value.shape[0], 1) + tuple(value.shape[2:])
+            batch[key] = torch.full(shape, fills.get(key, 0), dtype=value.dtype, device=value.device)
+    return batch
 
 
 def _has(sample: Any, key: str) -> bool:

@@ -21,7 +21,8 @@ import torch
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
 from odb.config import ODBConfig
-from odb.data.lengths import as_length_tuple, count_loss_tokens, default_length, image_patches
+from odb.data.declared import check_length_fn, which
+from odb.data.lengths import SampleLengthError, as_length_tuple, count_loss_tokens, default_length, image_patches
 from odb.data.sampling import pack_chunk, unpack_chunk
 from odb.data.worker_deaths import WorkerWatch
 
@@ -81,6 +82,8 @@ class SampleMeter:
 
     def __init__(self, cfg: ODBConfig) -> None:
         self.length_fn = cfg.length_fn or default_length
+        # A length_fn of the user's may read a stored length column: each sample's input_ids are checked against it
+        self.declared = cfg.length_fn is not None
         self.loss_tokens_fn = cfg.loss_tokens_fn
         self.label_key, self.ignore_index, self.shift_labels = cfg.label_key, cfg.ignore_index, cfg.shift_labels
         self.patches_key = cfg.image_patches_key
@@ -88,7 +91,12 @@ class SampleMeter:
         self.packed = cfg.layout == "packed"
 
     def __call__(self, sid: Optional[int], sample: Any) -> Meta:
-        lengths = as_length_tuple(self.length_fn(sample), -1 if sid is None else sid)
+        try:
+            lengths = as_length_tuple(self.length_fn(sample), -1 if sid is None else sid)
+        except SampleLengthError as err:
+            raise SampleLengthError(f"{which(sid)}: {err}") from None
+        if self.declared:
+            check_length_fn(sid, lengths, sample)
         if self.loss_tokens_fn is not None:
             loss = int(self.loss_tokens_fn(sample))
         else:

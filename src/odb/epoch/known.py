@@ -23,6 +23,7 @@ from torch.utils.data import Sampler
 from odb.config import ODBConfig
 from odb.comm.protocol import announce_in_background
 from odb.epoch.cursor import Cursor
+from odb.data.declared import Checked, DeclaredLengthCheck
 from odb.data.lengths import batch_loss_tokens
 from odb.data.source import Record
 from odb.data.worker_deaths import WorkerWatch
@@ -52,14 +53,16 @@ def known_records(order: Iterable[int], lengths: np.ndarray, skip: int = 0) -> I
         yield chunk
 
 
-class PlannedBatchSampler(Sampler[List[int]]):
-    """The inner loader's batch sampler: the index lists of the current epoch's plan.
+class PlannedBatchSampler(Sampler[List[Any]]):
+    """The inner loader's batch sampler: the keys of the current epoch's planned batches, ``keys(indices)``
+    of each batch's dataset indices (odb.data.declared.DeclaredLengths.keys: with their declared lengths).
 
     The step info and resume cursor of every list it hands out wait in ``infos``, in
     order (the inner loader returns batches in the order of its batch sampler).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keys: Callable[[List[int]], List[Any]]) -> None:
+        self.keys = keys
         self.plan: Optional[Iterator[Tuple[Any, Cursor]]] = None
         self.infos: Deque[Tuple[ODBStepInfo, Cursor]] = collections.deque()
 
@@ -68,7 +71,7 @@ class PlannedBatchSampler(Sampler[List[int]]):
         self.plan = plan
         self.infos.clear()
 
-    def __iter__(self) -> Iterator[List[int]]:
+    def __iter__(self) -> Iterator[List[Any]]:
         plan, self.plan = self.plan, None
         if plan is None:
             raise RuntimeError("odb's planned batch sampler was iterated outside the odb loader. "
@@ -76,19 +79,35 @@ class PlannedBatchSampler(Sampler[List[int]]):
         for ids, cursor in plan:
             info = pop_step_info(ids)
             self.infos.append((info, cursor))
-            yield [int(i) for i in ids]
+            yield self.keys([int(i) for i in ids])
 
 
 class GroupCollate:
-    """Collate of the inner loader in workers: an optional per-sample transform, then the user's collate."""
+    """Collate of the inner loader in workers over ``(index, declared, sample)`` items
+    (odb.data.declared.DeclaredDataset): an optional per-sample transform, each sample checked against its
+    declared lengths (``check``: odb.data.declared.DeclaredLengthCheck), then the user's collate. Returns the
+    batch with the samples that loaded shorter than declared (``Checked``).
 
-    def __init__(self, collate_fn: Callable[[List[Any]], Any], transform: Optional[Callable[[Any], Any]]) -> None:
-        self.collate_fn, self.transform = collate_fn, transform
+    Example:
+        >>> from odb.data.declared import DeclaredLengthCheck
+        >>> GroupCollate(len, None, DeclaredLengthCheck(None))([(0, (2,), [7, 8]), (1, (3,), [9])])
+        Checked(batch=2, shorter=((1, (3,), (1,)),))
+    """
 
-    def __call__(self, samples: List[Any]) -> Any:
-        if self.transform is not None:
-            samples = [self.transform(s) for s in samples]
-        return self.collate_fn(samples)
+    def __init__(self, collate_fn: Callable[[List[Any]], Any], transform: Optional[Callable[[Any], Any]],
+                 check: DeclaredLengthCheck) -> None:
+        self.collate_fn, self.transform, self.check = collate_fn, transform, check
+
+    def __call__(self, items: List[Tuple[int, Tuple[int, ...], Any]]) -> Checked:
+        samples, shorter = [], []
+        for index, declared, sample in items:
+            if self.transform is not None:
+                sample = self.transform(sample)
+            found = self.check(index, declared, sample)
+            if found is not None:
+                shorter.append(found)
+            samples.append(sample)
+        return Checked(self.collate_fn(samples), tuple(shorter))
 
 
 def _loss_tokens(batch: Any, cfg: ODBConfig, fallback: int) -> int:

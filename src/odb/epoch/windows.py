@@ -162,11 +162,13 @@ class WindowGroups:
         cfg, budget = self.cfg, self.planner.costs.token_budget
         policy = self.budget.oversize(cfg.oversize, int(sum(lengths)))
         if policy == "error":
+            index = self.pool.indices([sid])[0]
+            which = f"sample {index}" if index == sid else f"sample {index} (position {sid} of this rank's order)"
             if cfg.shape_buckets is not None:  # the rule is the buckets', not the budget alone
-                raise ValueError(oversize_message(f"sample {sid}", lengths if len(lengths) > 1 else lengths[0],
+                raise ValueError(oversize_message(which, lengths if len(lengths) > 1 else lengths[0],
                                                   max(lengths), cfg.shape_buckets, budget))
             raise ValueError(
-                f"sample {sid} has length {lengths if len(lengths) > 1 else lengths[0]}"
+                f"{which} has length {lengths if len(lengths) > 1 else lengths[0]}"
                 f"{f' and {patches} image patches' if cfg.image_patches_key else ''}, so alone it "
                 f"exceeds token_budget={budget}"
                 f"{f' / max_image_patches={cfg.max_image_patches}' if cfg.image_patches_key else ''}. "

@@ -114,7 +114,8 @@ class EpochAssembly:
             if exchange is not None:
                 watch.on_death(stop_at_death(run, pipeline))
             return Epoch(run, cursor, pipeline, online, online.batches())
-        inner = self.inner.known(self.group_collate)
+        declared = self.sources.declared
+        inner = self.inner.known(self.group_collate, cfg, declared)
         sampler = inner.batch_sampler
         sampler.next_epoch(pipeline)
         if isinstance(previous, KnownLengthsEpoch) and previous.steps is not None and settled:
@@ -122,7 +123,8 @@ class EpochAssembly:
         steps = self.exchanges(cfg.exchange_timeout_s) if exchange is not None else None
         mode = KnownLengthsEpoch(owner, run, pipeline, steps)
         resume_totals = run_state["position"]["step_tokens"] if run_state is not None else None  # a step split by it
-        batches = watch.follow(iter(inner))  # workers start here (a persistent inner loader's, the first time)
+        # workers start here (a persistent inner loader's, the first time)
+        batches = declared.unwrap(watch.follow(iter(inner)))
         if exchange is not None:
             watch.on_death(stop_at_death(run, pipeline, steps))
         return Epoch(run, cursor, pipeline, mode,

@@ -8,11 +8,12 @@ Two, each reported once per loader as a warning with the fix:
   position) while odb counts every label (``ShiftCheck``): HF causal LMs shift labels inside
   their loss, so each row's first label is not in the mean odb scales to.
 
-One error, on any batch (``PackedRowCheck``): with ``layout="packed"`` odb plans each
-batch as one padding-free row of up to ``token_budget`` tokens; a collate that pads the
-planned samples into a batch of several rows (the user's padding collator) makes a batch
-odb did not plan, up to samples x longest tokens, over the budget, while the step infos
-still count a packed row.
+Two errors, on any batch: with ``layout="packed"`` odb plans each batch as one padding-free
+row of up to ``token_budget`` tokens; a collate that pads the planned samples into a batch of
+several rows (the user's padding collator) makes a batch odb did not plan, up to samples x
+longest tokens, over the budget, while the step infos still count a packed row
+(``PackedRowCheck``). And no batch leaves odb over its budget (``BudgetCheck``): a sample longer
+than the length odb planned it with, or a collate that pads past the longest sample, is refused.
 
 All cost a dictionary lookup per batch; the label comparison runs on one batch only.
 """
@@ -21,14 +22,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from odb.config import ODBConfig
 from odb.step_info import ODBStepInfo, UnpoppedCheck
 
-__all__ = ["BatchChecks", "PackedBatchError", "PackedRowCheck", "ShiftCheck", "ShiftLabelsWarning"]
+__all__ = ["BatchChecks", "BudgetCheck", "BudgetExceededError", "PackedBatchError", "PackedRowCheck", "ShiftCheck",
+           "ShiftLabelsWarning"]
 
 
 class ShiftLabelsWarning(UserWarning):
@@ -146,6 +148,62 @@ class PackedRowCheck:
             f"DataCollatorWithFlattening; or keep your collator and use layout='padded'.")
 
 
+class BudgetExceededError(ValueError):
+    """A collated batch holds more tokens than any budget odb plans under."""
+
+
+class BudgetCheck:
+    """No batch leaves odb over its token budget without an error: a non-ghost dict batch whose ``input_ids``
+    (rows x width, padding included; a packed row's tokens) hold more tokens than odb planned for it and than
+    the largest budget the loader has planned under (``options()``: the loader's current options) is refused,
+    naming its samples. odb plans every batch within
+    the budget from its samples' lengths, so such a batch means that a sample is longer than the length odb
+    planned it with, or that the collate pads past the longest sample. One sample alone over the budget under
+    ``oversize="alone"`` is planned so; ``token_budget="auto"`` is checked by its own meters.
+
+    Example:
+        >>> import torch
+        >>> check = BudgetCheck(lambda: ODBConfig(token_budget=8))
+        >>> check.check({"input_ids": torch.ones(2, 4)}, ODBStepInfo(0, 0, 2, 2, 5, 5, 8, 8, 1.0, False))
+        >>> check.check({"input_ids": torch.ones(2, 6)}, ODBStepInfo(0, 0, 2, 2, 5, 5, 8, 8, 1.0, False))
+        Traceback (most recent call last):
+        ...
+        odb.loader.batch_checks.BudgetExceededError: odb planned a batch of 2 samples (ids (), 8 tokens with ...
+    """
+
+    def __init__(self, options: Callable[[], ODBConfig]) -> None:
+        self.options = options
+        self.limit = 0  # the largest budget seen so far
+
+    def check(self, batch: Any, info: ODBStepInfo) -> None:
+        """Raise ``BudgetExceededError`` if ``batch`` holds more tokens than the budget allows."""
+        if info.is_ghost or not isinstance(batch, Mapping):
+            return
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return
+        rows, width = ids.shape
+        tokens = rows * width
+        if tokens <= info.padded_tokens:  # what odb planned, within the budget it planned under
+            return
+        cfg = self.options()
+        if cfg.auto:
+            return
+        # set_token_budget applies from the next window: batches planned before it may still come
+        self.limit = limit = max([self.limit, cfg.token_budgets[0]] + [b for _, b in cfg.budget_schedule or ()])
+        if tokens <= limit or (info.local_samples == 1 and cfg.oversize == "alone"):
+            return
+        raise BudgetExceededError(
+            f"odb planned a batch of {info.local_samples} samples (ids {tuple(info.sample_ids)}, {info.padded_tokens} "
+            f"tokens with padding) within token_budget={limit}, but the collated input_ids have shape "
+            f"{tuple(ids.shape)}: {tokens} tokens, {tokens / limit:.2f} x the budget. Rule: no batch leaves odb over "
+            f"its budget. Cause: a sample longer than the length odb planned it with (stale lengths= or a length_fn "
+            f"reading a stored length column: odb checks those per sample in the workers), or a collate_fn that pads "
+            f"past the longest sample (padding='max_length', or a pad_to_multiple_of odb was not given). Fix: let "
+            f"odb measure the samples (drop lengths= / length_fn) or recompute them, and pad to the longest sample "
+            f"(pass the collator's pad_to_multiple_of to odb as pad_to_multiple_of).")
+
+
 class BatchChecks:
     """The checks an odb loader runs as it hands out each batch (``handed_out``), and at an epoch's end.
 
@@ -154,21 +212,24 @@ class BatchChecks:
         >>> checks.reset()   # a new epoch
     """
 
-    __slots__ = ("popped", "shift", "packed")
+    __slots__ = ("popped", "shift", "packed", "budget")
 
-    def __init__(self, cfg: ODBConfig) -> None:
+    def __init__(self, cfg: ODBConfig, options: Optional[Callable[[], ODBConfig]] = None) -> None:
         self.popped = UnpoppedCheck(cfg.step_info_key)
         self.shift = ShiftCheck.applies(cfg)
         self.packed = PackedRowCheck(cfg) if cfg.layout == "packed" else None
+        self.budget = BudgetCheck(options or (lambda: cfg))
 
     def handed_out(self, batch: Any, info: ODBStepInfo, stacklevel: int = 3) -> None:
         """``batch`` (carrying ``info``) goes to the training loop now; warnings point ``stacklevel`` up.
 
         Raises:
             PackedBatchError: ``layout="packed"`` and the batch is several padded rows.
+            BudgetExceededError: the batch holds more tokens than the budget (``BudgetCheck``).
         """
         if self.packed is not None:
             self.packed.check(batch, info)
+        self.budget.check(batch, info)
         self.popped.handed_out(batch, info, stacklevel + 1)
         if self.shift is not None and self.shift.check(batch, info, stacklevel + 1):
             self.shift = None

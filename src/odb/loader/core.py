@@ -107,14 +107,17 @@ class LoaderCore:
         self.inner = InnerLoaders(loader, sample_transform)
         self.sources = EpochSources(loader, self.inner, self.budget, own_sampler, lengths)
         self.assembly = EpochAssembly(loader, sources=self.sources, inner=self.inner, budget=self.budget,
-                                      group_collate=PaddingHint(group_collate),  # a collate that cannot pad says so
+                                      # a collate that cannot pad says so; a batch of empty samples is widened
+                                      group_collate=PaddingHint(group_collate, cfg.ignore_index),
                                       transform=sample_transform, exchanges=exchanges, shuffle=shuffle,
                                       notices=set(),  # warnings the loader's epochs give once
                                       drops=self.drops)
         self.under_way = EpochUnderWay()  # the current (or last) epoch: its run, cursor, pipeline and mode
         self.counts = EpochCounts()  # the next epoch's number (or the state it resumes), an epoch's steps
         self.oom: Optional[Any] = None
-        self.checks = BatchChecks(cfg)  # warns once: a forgotten pop_step_info, labels that need shift_labels
+        # warns once: a forgotten pop_step_info, labels that need shift_labels; refuses a batch over the budget
+        budget = self.budget
+        self.checks = BatchChecks(cfg, lambda: budget.options)
         self.plan_options = PlanOptions()
         cfg.step_samples(self.world()[1])  # refuses a global_batch_size that the ranks cannot share, now
         weakref.finalize(owner, self.release)
@@ -131,7 +134,8 @@ class LoaderCore:
 
     # ---- what the loader's public methods do ---------------------------------------------------
     def stats(self) -> Dict[str, Any]:
-        """``odb_stats``: this epoch's counters up to the last batch handed out, plus OOM counters."""
+        """``odb_stats``: this epoch's counters up to the last batch handed out, plus OOM counters and the samples
+        that loaded shorter than their declared ``lengths=`` (since the loader was built)."""
         cursor, mode, run = self.under_way.cursor, self.under_way.mode, self.under_way.run
         stats = dataclasses.replace(cursor.stats) if cursor is not None else EpochStats()
         stats.wait_s = self.wait_s(stats.wait_s)
@@ -144,6 +148,8 @@ class LoaderCore:
         if self.oom is not None:
             out.update({k if k.startswith("oom") else f"oom_{k}": v for k, v in self.oom.as_dict().items()})
         out.update(self.budget.stats(run.budget if run is not None else None))
+        declared = self.sources.declared
+        out["shorter_than_declared"] = declared.shorter.count if declared is not None else 0
         return out
 
     def oom_counters(self) -> Any:

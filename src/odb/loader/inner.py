@@ -9,10 +9,10 @@ load and collate whole batches. Both take the outer loader's worker settings
 ``persistent_workers`` the inner loader, and so its workers, lives across epochs.
 
 Example:
-    >>> import torch
+    >>> import numpy as np, torch
     >>> from torch.utils.data import DataLoader
     >>> outer = DataLoader([{"input_ids": torch.ones(3)}] * 4, batch_size=1)
-    >>> inner = InnerLoaders(outer, None).known(list)
+    >>> inner = InnerLoaders(outer, None).known(list, ODBConfig(token_budget=8), DeclaredLengths(np.ones((4, 1))))
     >>> inner.num_workers, inner.persistent_workers
     (0, False)
 """
@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional
 from torch.utils.data import DataLoader, IterableDataset
 
 from odb.config import ODBConfig
+from odb.data.declared import DeclaredDataset, DeclaredLengthCheck, DeclaredLengths
 from odb.data.sampling import ChunkSampler, IndexedDataset, TransformedIterable
 from odb.data.source import ChunkCollate, SampleMeter
 from odb.data.stream_state import StatefulStream, has_own_state
@@ -77,12 +78,14 @@ class InnerLoaders:
         return self._build(IndexedDataset(outer.dataset, self.transform), ChunkCollate(meter, indexed=True, pack=packed),
                            pin=False, batch_sampler=self.chunk_sampler)
 
-    def known(self, group_collate: Callable[[Any], Any]) -> DataLoader:
-        """The inner loader of known lengths: whole planned batches, collated (and pinned) in the workers."""
+    def known(self, group_collate: Callable[[Any], Any], cfg: ODBConfig, declared: DeclaredLengths) -> DataLoader:
+        """The inner loader of known lengths: whole planned batches, collated (and pinned) in the workers, each
+        sample checked against its ``declared`` lengths as ``cfg``'s length_fn measures it."""
         if self.persistent is not None:
             return self.persistent
-        return self._build(self.loader.dataset, GroupCollate(group_collate, self.transform), pin=True,
-                           batch_sampler=PlannedBatchSampler())
+        collate = GroupCollate(group_collate, self.transform, DeclaredLengthCheck(cfg.length_fn))
+        return self._build(DeclaredDataset(self.loader.dataset), collate, pin=True,
+                           batch_sampler=PlannedBatchSampler(declared.keys))
 
     def forget(self) -> None:
         """Drop the kept inner loader (its workers hold a stale copy of a stream's state)."""

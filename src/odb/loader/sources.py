@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from odb.data.declared import DeclaredLengths
 from odb.data.lengths import LabelBudgetCheck
 from odb.data.sampling import EpochShuffleSampler
 from odb.data.source import SampleMeter, SampleSource, stream_records, unpack_records
@@ -48,7 +49,9 @@ class EpochSources:
         # The next epoch's source, started by len() to read its first window (SampleSource.peek):
         # (epoch, the sampler's epoch, source, stream marks).
         self.prepared: Optional[Tuple[int, Any, SampleSource, Optional[StreamMarks]]] = None
-        self.known_lengths()  # refuses lengths that do not match the dataset, now
+        known = self.known_lengths()  # refuses lengths that do not match the dataset, now
+        # The declared lengths the workers check each loaded sample against, and the tally of shorter ones
+        self.declared = DeclaredLengths(known) if known is not None else None
 
     @property
     def iterable(self) -> bool:

@@ -114,11 +114,14 @@ class PackedCollate:
         if not features:
             raise ValueError("PackedCollate got no samples: a packed row needs at least one. Fix: collate a "
                              "non-empty group (odb never emits an empty one).")
-        if self._flatten is not None and (all("labels" in f for f in features)
-                                          or not any("labels" in f for f in features)):
-            batch = dict(self._flatten(features))
+        # Empty samples (0 tokens) add nothing to the row; a row of empty samples only holds one unsupervised
+        # token, so that the model runs it (a zero-length input fails in most models) and learns nothing.
+        row = [f for f in features if len(f["input_ids"])] or [
+            {"input_ids": torch.zeros(1, dtype=torch.int64), "labels": torch.full((1,), self.ignore_index)}]
+        if self._flatten is not None and (all("labels" in f for f in row) or not any("labels" in f for f in row)):
+            batch = dict(self._flatten(row))
         else:
-            batch = self._torch(features)
+            batch = self._torch(row)
         if self.rope_index is not None or any(isinstance(s, Mapping) and any(
                 s.get(k) is not None for k in _VISION_KEYS) for s in samples):
             from odb.packed.vision import carry_images
@@ -177,10 +180,9 @@ def _feature(k: int, sample: Any) -> Dict[str, torch.Tensor]:
     out = {key: torch.as_tensor(sample[key], dtype=torch.int64) for key in ("input_ids", "labels")
            if key in sample and sample[key] is not None}
     ids = out["input_ids"]
-    if ids.dim() != 1 or len(ids) == 0:
+    if ids.dim() != 1:
         raise ValueError(f"PackedCollate: sample {k} has input_ids of shape {tuple(ids.shape)}; a packed row joins "
-                         f"non-empty 1-D samples. Fix: tokenize without return_tensors (or squeeze(0)) and drop "
-                         f"empty samples.")
+                         f"1-D samples. Fix: tokenize without return_tensors (or squeeze(0)).")
     if "labels" in out and out["labels"].shape != ids.shape:
         raise ValueError(f"PackedCollate: sample {k} has labels of shape {tuple(out['labels'].shape)} but input_ids "
                          f"of shape {tuple(ids.shape)}; in a packed row each label sits under its token. Fix: give "

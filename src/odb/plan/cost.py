@@ -180,8 +180,15 @@ class CostModel:
         return self.buckets is not None
 
     def pad(self, lengths: np.ndarray) -> np.ndarray:
-        """Lengths (n, D) rounded up to pad_to_multiple_of, then to the smallest bucket that holds them."""
-        lengths = np.asarray(lengths, dtype=np.int64)
+        """Lengths (n, D) rounded up to pad_to_multiple_of, then to the smallest bucket that holds them. An
+        empty sample (0 tokens) is priced as one token: it takes a place in its batch like any sample, and no
+        batch's length, no count of samples that fit, is zero.
+
+        Example:
+            >>> CostModel((100,), pad_to_multiple_of=8).pad(np.array([[0], [1], [9]])).ravel().tolist()
+            [8, 8, 16]
+        """
+        lengths = np.maximum(np.asarray(lengths, dtype=np.int64), 1)
         if self.pad_to != 1:
             lengths = -(-lengths // self.pad_to) * self.pad_to
         if self.buckets is not None:
