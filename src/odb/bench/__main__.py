@@ -207,9 +207,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         from odb.bench.loader_speed import run_loader_speed
 
         t0 = time.perf_counter()
-        results["loader"] = run_loader_speed(lognormal_lengths(600.0, 0.48, size["loader_samples"]), num_workers=2,
+        loader_lengths = lognormal_lengths(600.0, 0.48, size["loader_samples"])
+        results["loader"] = run_loader_speed(loader_lengths, num_workers=2,
                                              budget=16384, repeats=size["loader_repeats"],
                                              warm_up_samples=min(512, size["loader_samples"]), progress=progress)
+        from odb.bench.declared_check import run_declared_check
+
+        results["loader"]["declared_check"] = run_declared_check(loader_lengths, num_workers=2, budget=16384,
+                                                                 repeats=max(size["loader_repeats"], 3))
         results["wall_s"]["loader"] = time.perf_counter() - t0
 
     if not args.skip_train:

@@ -219,6 +219,17 @@ def loader_table(loader: Dict[str, Any], markdown: bool = False) -> str:
                  f"(goal <= +{g['first_batch_extra_s_max']}: {_met(met['first_batch_extra_s'])}); "
                  f"training-thread CPU per sample x{r.get('thread_cpu_ratio', float('nan')):.2f}", ""]
         parts.append("\n".join(lines))
+    check = loader.get("declared_check")
+    if check:
+        sps = check["samples_per_s"]
+        parts.append(
+            f"{'### ' if markdown else '-- '}checking declared lengths= (known-lengths odb, {check['samples']} samples, "
+            f"{check['num_workers']} workers, {check['repeats']} alternating epochs per arm): samples/s "
+            f"{sps['checked']:.0f} checked, {sps['unchecked']:.0f} unchecked; cost {100 * check['cost']:.1f}% "
+            f"(rounds {100 * check['cost_rounds'][0]:.1f} to {100 * check['cost_rounds'][1]:.1f}%; goal <= "
+            f"{100 * check['goal_cost_max']:.0f}%: {_met(check['goal_met'])}); the check's CPU "
+            f"{check['check_cpu_us_per_sample']:.2f} us per sample, {100 * check['check_cpu_share']:.2f}% of the "
+            f"loader's CPU per sample\n")
     return "\n".join(parts)
 
 
@@ -741,6 +752,10 @@ def goals(results: Dict[str, Any]) -> List[Goal]:
                         f"<= {g['cpu_s_ratio_max']}", met["cpu_s_ratio"]))
             out.append((f"loader ({name}): time to first batch, odb - plain", f"{r['first_batch_extra_s']:+.3f} s",
                         f"<= +{g['first_batch_extra_s_max']} s", met["first_batch_extra_s"]))
+        check = loader.get("declared_check")
+        if check:
+            out.append(("loader: checking declared lengths=, share of samples/s lost", f"{100 * check['cost']:.1f}%",
+                        f"<= {100 * check['goal_cost_max']:.0f}%", check["goal_met"]))
     if results.get("packing"):
         out += packing_goals(results["packing"])
     for g in (results.get("training") or {}).get("goals", []):
