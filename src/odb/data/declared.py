@@ -58,7 +58,9 @@ def _shown(lengths: Sequence[int]) -> str:
 class DeclaredLengthCheck:
     """Measures a loaded sample as odb would online (``length_fn``, default ``default_length``) and compares it
     with its declared lengths; picklable, so it runs in the workers. The default measures ``input_ids`` alone:
-    with several declared dimensions it is compared with the first.
+    with several declared dimensions it is compared with the first. A sample the default cannot read (raw text
+    or a record that the collate tokenizes: what ``lengths=`` allows) is not compared; the batch the collate
+    makes of it still is (odb.loader.batch_checks.BudgetCheck). A ``None`` sample is refused.
 
     ``__call__`` raises ``DeclaredLengthError`` for a sample longer than declared in any dimension and returns
     ``(index, declared, measured)`` for one shorter (None when equal).
@@ -73,9 +75,15 @@ class DeclaredLengthCheck:
         if isinstance(ids, torch.Tensor) and ids.dim() == 1:  # the common sample, read without the general path
             measured: Tuple[int, ...] = (ids.shape[0],)
         else:
+            if sample is None:
+                raise SampleLengthError(f"sample {index} is None: the dataset returned no sample for index {index}. "
+                                        f"Fix: make dataset[{index}] return the processed sample, or filter that "
+                                        f"index out of the dataset before training.")
             try:
                 measured = as_length_tuple(self.length_fn(sample), index)
             except SampleLengthError as err:
+                if self.default:  # a sample odb cannot read (raw text, ids of the collate's own): the collate's to
+                    return None  # read, and the batch it makes is checked against the budget (BudgetCheck)
                 raise SampleLengthError(f"sample {index}: {err}") from None
         if self.default and len(declared) > 1:  # the default measures input_ids: the first of several dimensions
             declared = declared[:1]
