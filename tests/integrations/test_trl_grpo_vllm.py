@@ -123,3 +123,12 @@ def test_two_ranks_move_vllm_rollouts_and_get_trls_gradient_and_metrics(tmp_path
             assert correction_bit(r[k]["ref"]["logs"], runs[k]["vllm"]), name
     assert mixed_micro_batches(ranks[0][list(VLLM_GLOBAL).index("bnpo_token_mask_entropy")]["odb"]["plans"], 4) > 0
     assert np.isfinite([r[0]["odb"]["losses"] for r in ranks]).all()
+
+
+def test_rloo_with_vllm_is_accepted_and_cut_as_without(tmp_path):
+    # RLOO takes vLLM's completions only (no sampling log-probabilities, no correction): its rollouts hold the same
+    # keys as with TRL's own generation, which the every-loss-type runs train against TRL.
+    trainer = R.build(dict(trainer="rloo"), str(tmp_path), R.GradRecorder())
+    trainer.use_vllm = True
+    keys = odb_trl.enable_odb(trainer, token_budget=BUDGET).odb_rl.keys
+    assert "importance_sampling_ratio" not in keys.layouts and keys.kind("old_logps") == ROW

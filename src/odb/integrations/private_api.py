@@ -129,7 +129,7 @@ def version_of(framework: str) -> str:
 
 def drift(framework: str, what: str, found: str) -> FrameworkDrift:
     """The error for a changed name: the installed version, the piece, what was found, the fix."""
-    return FrameworkDrift(f"odb relies on {what} of {framework} ({TESTED[framework]} tested); the installed "
+    return FrameworkDrift(f"odb relies on {framework}'s {what}, tested with {TESTED[framework]}; the installed "
                           f"{framework} {version_of(framework)} {found}. odb would train wrong or fail later without "
                           f"it. Fix: pin the tested range (pip install '{TESTED[framework]}'), or train without odb.")
 

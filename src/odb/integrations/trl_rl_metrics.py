@@ -95,10 +95,10 @@ def combine_slice(logged: Dict[str, List[float]], before: Mapping[str, int], rul
             continue
         rule = rules.get(key)
         if rule is None:
-            raise drift("trl", "the metrics TRL's _compute_loss logs (odb recombines each of a slice's micro-batches "
-                        f"to TRL's value: {sorted(rules)})", f"logs {key!r}, which odb has no rule for")
+            raise drift("trl", "metrics of _compute_loss (odb recombines each from a slice's micro-batches to TRL's "
+                        f"value: {sorted(rules)})", f"logs {key!r}, which odb has no rule for")
         if len(added) != steps:
-            raise drift("trl", f"TRL's metric {key!r}, appended once per _compute_loss call",
+            raise drift("trl", f"metric {key!r}, appended once per _compute_loss call",
                         f"appended it {len(added)} times in {steps} calls")
         if rule in WEIGHTED:
             value = _weighted(added, counts[rule])
@@ -108,7 +108,7 @@ def combine_slice(logged: Dict[str, List[float]], before: Mapping[str, int], rul
             value = _extreme(added, max)
         elif rule == POLICY:
             if policy is None:
-                raise drift("trl", "TRL's policy_loss metric, logged with the entropy bonus", "logs it without")
+                raise drift("trl", "policy_loss metric, logged with the entropy bonus", "logs it without")
             value = float(policy)
         else:
             value = float(added[-1])
