@@ -169,3 +169,12 @@ def test_a_metric_odb_cannot_recombine_stops_the_first_step(monkeypatch, tmp_pat
         warnings.simplefilter("ignore")
         trainer.train()
     check_refusal(refused, "trl", "'clip_ratio/new'")
+
+
+def test_the_trl_extra_declares_the_tested_range_only():
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    trl_pins = [r for r in extras["project"]["optional-dependencies"]["trl"] if r.startswith("trl")]
+    assert trl_pins == [TESTED["trl"]]
