@@ -149,8 +149,16 @@ def test_the_quick_section_runs_and_yields_every_figure():
     assert set(cell["arms"]) == set(PLAN_ARMS)
     for fig in cell["arms"].values():
         assert {"ddp", "fsdp", "padding_share", "micro_steps", "plan_ms", "moved"} <= set(fig)
+    for name, v in result["updates"].items():  # the vLLM-style and bnpo variants: the same rows, the same gradient
+        assert v["world"] == 2 and v["same_rows"] and v["grad_rel_gap"] < 1e-5, name
+        assert v["arms"]["odb_packed"]["padding_share"] == 0.0 and v["arms"]["odb"]["step_plan"] == "global", name
+    assert sum(v["arms"]["odb"]["moved_rows_per_step"] for v in result["updates"].values()) > 0
+    losses = result["planning"]["loss_types"]["8"]
+    assert losses["bnpo"] == losses["entropy bonus"] == losses["dapo"] and losses["bnpo"]["step_plan"] == "global"
     names = [g.goal for g in goals({"rl_update": result})]
-    assert len(names) == 6 and any("odb packed / TRL" in n for n in names)
+    assert len(names) == 6 + 5 + 3 + 4 and any("odb packed / TRL" in n for n in names)
+    assert sum("vLLM-style rollouts, correction on" in n for n in names) == 5
     text = render({"rl_update": result}, markdown=True)
     assert "GRPO policy update" in text and "verl-style" in text and "odb global (padded)" in text
+    assert "importance-sampling correction on" in text and "per loss type" in text
     assert "planned only" not in text  # odb's global plan is what the trainer runs

@@ -12,13 +12,18 @@ step on many simulated ranks.
    odb's trainer takes the whole generation batch as its one slice (odb bounds the micro-batches by the
    budget). All train the same rows per optimizer step. Only the policy update is timed (forward and
    backward over the step's slices), on 2 gloo DDP processes, interleaved rounds: median (min-max).
-   Padding share = 1 - real tokens / padded tokens processed.
+   Padding share = 1 - real tokens / padded tokens processed. Then the same three arms on two variants
+   (``VARIANTS``): rollouts as vLLM returns them with TRL's importance-sampling correction on (its default
+   ``sequence_mask`` mode and bounds; ``odb.bench.rl_update_train.with_sampling``), and ``loss_type="bnpo"``,
+   whose rows now move between the ranks too.
 2. **Planning only** (``odb.bench.rl_update_plan``, no model): one generation batch per rank on 8, 32 and
    128 simulated ranks, planned by TRL's equal slices, verl-style Karmarkar-Karp balancing (moves rows between
    ranks, packed), odb's rollout plan (``step_plan="rank"``: rows stay on their rank) and odb's global plan
-   (``step_plan="global"``, what the trainer runs on several ranks for every loss_type but bnpo: rows move),
-   padded and packed, every arm under the same budget and per-micro-batch overhead: DDP step efficiency as
-   odb.bench.scale defines it, padding share, micro-steps, rows moved and planning milliseconds.
+   (``step_plan="global"``, what the trainer runs on several ranks for every loss_type: rows move), padded and
+   packed, every arm under the same budget and per-micro-batch overhead: DDP step efficiency as
+   odb.bench.scale defines it, padding share, micro-steps, rows moved and planning milliseconds; and per
+   loss type (and the entropy bonus) the plan ``enable_odb`` takes for it on W ranks and its efficiency
+   (``loss_type_plans``: rows move for every loss, each row weighted by its own slice's normaliser).
 
     python benchmarks/rl_update.py [--quick] [--out out/rl_update]   # this section alone
     python -m odb.bench --out out/bench                               # make demo runs it (--skip-rl: not)
@@ -53,6 +58,15 @@ UPDATE_QUICK = dict(UPDATE, rows=8, prompt=(24, 0.5, 4, 48), completion=(32, 1.0
 WORLD = 2
 PADDING_MAX, TIME_RATIO_MAX, GRAD_GAP_MAX = 0.15, 0.6, 1e-5
 PACKED_PADDING_MAX = 0.02  # the issue's goal for packed rows
+STEP_EFFICIENCY_MIN = 0.95  # rows moving at 8-128 ranks, every loss type (bnpo and the entropy bonus included)
+# The update's variants: vLLM-style rollouts with TRL's correction at its defaults (mode and bounds; "noise": the
+# sampler's per-token log-probability offset), and bnpo (rows move on several processes).
+VARIANTS = {"vllm": dict(vllm=dict(mode="sequence_mask", clip_min=None, clip_max=3.0, noise=0.1)),
+            "bnpo": dict(loss_type="bnpo", same_slices=True)}
+VARIANT_LABELS = {"vllm": "vLLM-style rollouts, TRL's importance-sampling correction on (sequence_mask, clip_max 3)",
+                  "bnpo": "loss_type='bnpo', rows moving"}
+# Every loss TRL 1.16's GRPOTrainer and RLOOTrainer have, and the entropy bonus (its own per-token normaliser).
+LOSS_PLANS = ("grpo", "sapo", "luspo", "dr_grpo", "bnpo", "dapo", "cispo", "vespo", "rloo", "entropy bonus")
 
 # ---- 2. planning only -------------------------------------------------------------------------------------
 PLAN = dict(rows=64, generations=8, prompt=(256, 0.7, 16, 1024), completion=(700, 1.0, 4096), trl_rows=4)
@@ -99,8 +113,9 @@ def run_update(p: Dict[str, Any], world: int = WORLD, timeout_s: float = 600.0) 
 
 
 def run_rl_update(quick: bool = False, progress: Callable[..., Any] = lambda it, **kw: it, world: int = WORLD,
-                  planning: bool = True) -> Dict[str, Any]:
-    """The section: the update timing, then the planning comparison; plain JSON-able results."""
+                  planning: bool = True, variants: bool = True) -> Dict[str, Any]:
+    """The section: the update timing (and its ``VARIANTS``), then the planning comparison; plain JSON-able
+    results."""
     from odb.bench.rl_update_plan import MOVES_ROWS, PLAN_ARM_LABELS, PLANNED_ONLY, run_planning
 
     t_all = time.perf_counter()
@@ -109,6 +124,11 @@ def run_rl_update(quick: bool = False, progress: Callable[..., Any] = lambda it,
     t0 = time.perf_counter()
     result["update"] = run_update(p, world)
     result["wall_s"]["update"] = time.perf_counter() - t0
+    if variants:
+        t0 = time.perf_counter()
+        result["variant_labels"] = VARIANT_LABELS
+        result["updates"] = {name: run_update(dict(p, **v), world) for name, v in VARIANTS.items()}
+        result["wall_s"]["variants"] = time.perf_counter() - t0
     if planning:
         t0 = time.perf_counter()
         q = dict(PLAN, budget=budget_of(PLAN), overhead=OVERHEAD)
@@ -119,11 +139,36 @@ def run_rl_update(quick: bool = False, progress: Callable[..., Any] = lambda it,
                               "worlds": run_planning(worlds, steps, q["rows"], q["generations"], q["prompt"],
                                                      q["completion"], q["budget"], OVERHEAD, q["trl_rows"],
                                                      progress=progress)}
+        result["planning"]["loss_types"] = loss_type_plans(result["planning"]["worlds"])
         result["wall_s"]["planning"] = time.perf_counter() - t0
     result["goals"] = goals(result)
     result["notes"] = notes(result)
     result["wall_s"]["total"] = time.perf_counter() - t_all
     return result
+
+
+def loss_type_plans(worlds: Dict[str, Any]) -> Dict[str, Any]:
+    """Per simulated world size, the plan ``enable_odb`` takes (``step_plan="auto"``) for every loss of
+    ``LOSS_PLANS`` and its DDP step efficiency, padded and packed, from the planning arms it runs.
+
+    Example:
+        >>> cell = {"arms": {a: {"ddp": {"median": 0.9}} for a in ("odb_global", "odb_global_packed")}}
+        >>> loss_type_plans({"8": cell})["8"]["bnpo"]["step_plan"]
+        'global'
+    """
+    from odb.integrations.trl_rl import resolve_step_plan
+
+    out: Dict[str, Any] = {}
+    for w, cell in worlds.items():
+        row = {}
+        for loss in LOSS_PLANS:
+            name = "RLOOTrainer" if loss == "rloo" else "GRPOTrainer"
+            plan = resolve_step_plan("auto", name, int(w))  # the same for every loss: its rows carry their weights
+            arms = ("odb_global", "odb_global_packed") if plan == "global" else ("odb_rollout", "odb_rollout_packed")
+            row[loss] = {"step_plan": plan, "padded": cell["arms"][arms[0]]["ddp"],
+                         "packed": cell["arms"][arms[1]]["ddp"]}
+        out[w] = row
+    return out
 
 
 # ---- goals and notes --------------------------------------------------------------------------------------
@@ -133,29 +178,52 @@ def _goal(goal: str, measured: str, target: str, met: Optional[bool], spread: Op
             "spread": None if spread is None else list(spread), "straddles": straddles(spread, target_value)}
 
 
-def goals(result: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The section's goals (issue 32): odb's padding share (padded and packed), its update time against TRL's at
-    equal rollouts, every arm training the same rows to the same gradient, and TRL's padding share today (a
-    reference)."""
-    u = result["update"]
+def _update_goals(u: Dict[str, Any], where: str, timing: bool = True) -> List[Dict[str, Any]]:
+    """The goals of one update run: odb's padding share (padded and packed), its update time against TRL's
+    (``timing``), and every arm training the same rows to the same gradient."""
     trl = u["arms"]["trl"]
-    where = f"GRPO policy update, {u['world']} process(es)"
     out = []
     for arm, layout, most in (("odb", "padded", PADDING_MAX), ("odb_packed", "packed", PACKED_PADDING_MAX)):
         pad = u["arms"][arm]["padding_share"]
         out.append(_goal(f"rl_update ({where}): odb {layout}, padding share",
                          f"{pad:.3f} (TRL as is {trl['padding_share']:.3f})", f"<= {most}", pad <= most))
-    for arm, layout in (("odb", "padded"), ("odb_packed", "packed")):
+    for arm, layout in (("odb", "padded"), ("odb_packed", "packed")) if timing else ():
         ratio, spread = u["ratios"][arm], u["ratio_spreads"][arm]
         out.append(_goal(f"rl_update ({where}): update seconds, odb {layout} / TRL at equal rollouts",
                          f"{ratio:.2f}" + spread_text(spread), f"<= {TIME_RATIO_MAX}", ratio <= TIME_RATIO_MAX,
                          spread, TIME_RATIO_MAX))
-    return out + [
-        _goal("rl_update: every arm trains the same rows to the same gradient",
-              f"{'same' if u['same_rows'] else 'OTHER'} rows; largest relative gradient gap {u['grad_rel_gap']:.1e}",
-              f"same rows, gap <= {GRAD_GAP_MAX:g}", bool(u["same_rows"]) and u["grad_rel_gap"] <= GRAD_GAP_MAX),
-        _goal(f"rl_update ({where}): TRL's padding share today (reference)", f"{trl['padding_share']:.3f}", "-", None),
-    ]
+    out.append(_goal(f"rl_update ({where}): every arm trains the same rows to the same gradient",
+                     f"{'same' if u['same_rows'] else 'OTHER'} rows; largest relative gradient gap "
+                     f"{u['grad_rel_gap']:.1e}", f"same rows, gap <= {GRAD_GAP_MAX:g}",
+                     bool(u["same_rows"]) and u["grad_rel_gap"] <= GRAD_GAP_MAX))
+    return out
+
+
+def goals(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The section's goals (issues 32 and 43): for the update and its vLLM-style variant, odb's padding share
+    (padded and packed), its update time against TRL's at equal rollouts, every arm training the same rows to the
+    same gradient; for the bnpo variant the same rows and gradient with rows moving; TRL's padding share today (a
+    reference); and, planning only, the step efficiency of bnpo and the entropy bonus at 8-128 ranks."""
+    u = result["update"]
+    where = f"GRPO policy update, {u['world']} process(es)"
+    out = _update_goals(u, where)
+    out[-1]["goal"] = "rl_update: every arm trains the same rows to the same gradient"
+    out.append(_goal(f"rl_update ({where}): TRL's padding share today (reference)",
+                     f"{u['arms']['trl']['padding_share']:.3f}", "-", None))
+    for name, v in (result.get("updates") or {}).items():
+        label = {"vllm": "vLLM-style rollouts, correction on", "bnpo": "loss_type bnpo, rows moving"}[name]
+        out += _update_goals(v, f"GRPO policy update, {label}, {v['world']} process(es)", timing=name == "vllm")
+    plans = (result.get("planning") or {}).get("loss_types")
+    if plans:
+        for loss in ("bnpo", "entropy bonus"):
+            for layout in ("padded", "packed"):
+                worst = min(row[loss][layout]["min"] for row in plans.values())
+                each = ", ".join(f"{w}: {row[loss][layout]['median']:.3f}" for w, row in plans.items())
+                out.append(_goal(f"rl_update planning: {loss}, DDP step efficiency with rows moving ({layout}), "
+                                 f"{min(map(int, plans))}-{max(map(int, plans))} simulated ranks",
+                                 f"medians {each}; lowest step {worst:.3f}", f">= {STEP_EFFICIENCY_MIN}",
+                                 worst >= STEP_EFFICIENCY_MIN))
+    return out
 
 
 def notes(result: Dict[str, Any]) -> List[str]:
@@ -196,6 +264,24 @@ def notes(result: Dict[str, Any]) -> List[str]:
                    "where that evens the ranks' costs): " + "; ".join(moved) + ".")
     if u.get("fallback"):
         out.append(f"1 PROCESS ONLY: {u['fallback']}.")
+    for name, v in (result.get("updates") or {}).items():
+        if name == "vllm":
+            c = v["settings"]["vllm"]
+            out.append(f"Variant {VARIANT_LABELS[name]}: the same rollouts, each with what TRL's generation adds "
+                       f"when vLLM sampled it and the correction is on: old_per_token_logps (the policy's, before the "
+                       f"update), sampling_per_token_logps (the policy's plus a normal offset of sd {c['noise']} per "
+                       f"token: a sampler unlike the trainer) and importance_sampling_ratio (TRL's formula, mode "
+                       f"{c['mode']}, clip_min {c['clip_min']}, clip_max {c['clip_max']}); every trainer runs TRL's "
+                       f"loss with use_vllm=True and the correction. No vLLM runs (no generation runs at all).")
+        else:
+            out.append(f"Variant {VARIANT_LABELS[name]}: the same rollouts and arms, GRPOConfig(loss_type='bnpo'). "
+                       f"bnpo is a token mean per slice, so TRL's per_device_train_batch_size is part of its "
+                       f"objective: odb's arms keep TRL's slices ({s['trl_rows']} rows, {s['rows'] // s['trl_rows']} "
+                       f"accumulation steps) and cut each, rows moving between the ranks (step_plan "
+                       f"'{v['arms']['odb']['step_plan']}', each row weighted by its own slice's loss tokens); its "
+                       f"gain is the padding each slice sheds.")
+        if v.get("fallback"):
+            out.append(f"1 PROCESS ONLY ({name}): {v['fallback']}.")
     pl = result.get("planning")
     if pl:
         q = pl["settings"]
@@ -213,7 +299,7 @@ def notes(result: Dict[str, Any]) -> List[str]:
                    "micro-batch costs its real tokens (packed). Its plan ms: the balance plus the mean rank's own "
                    "split.")
         out.append("odb global (padded and packed): what enable_odb runs on several ranks (step_plan='auto' -> "
-                   "'global' for every loss_type but bnpo, without the entropy bonus): plan_rollout_global, i.e. "
+                   "'global' for every loss_type, the entropy bonus too): plan_rollout_global, i.e. "
                    "plan_global_step over all ranks' rows, each row's prompt + completion as one length (odb's "
                    "layouts run a row without the gap), then no empty micro-batch (a rank's costliest split), rows "
                    "kept home where it costs nothing and the rank-local plan where it costs no more; rows move "
@@ -222,6 +308,12 @@ def notes(result: Dict[str, Any]) -> List[str]:
                    "plan with the trainer's micro_batch_cost (budget / 16). TRL: each rank's generation batch padded "
                    "to its own widths (longest prompt + longest completion), shuffled, cut in equal slices. plan ms: "
                    "one rank's.")
+        if pl.get("loss_types"):
+            out.append("Per loss type (" + ", ".join(LOSS_PLANS) + "): the plan enable_odb takes with its default "
+                       "step_plan='auto' on W ranks is the same for every one ('global': a row's weight carries its "
+                       "own slice's normaliser, so the plan does not depend on the loss), and so is its step "
+                       "efficiency, the odb global arms'. Before, bnpo and the entropy bonus kept their rows on their "
+                       "rank (odb rollout plan).")
     return out
 
 

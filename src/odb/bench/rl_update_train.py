@@ -5,7 +5,8 @@ with ``odb.integrations.trl.enable_odb``, on the same rollouts, on 1 or 2 gloo D
 torch thread each, a gloo group on a free local port) and returns every rank's result (``summarize`` joins
 them). Each rank (``run_worker``):
 
-* builds the rollouts: every rank draws every rank's row lengths from one seed
+* builds the rollouts (``params["vllm"]``: as vLLM's with TRL's correction on, ``with_sampling``; the trainers
+  then run TRL's loss with ``use_vllm`` and that correction): every rank draws every rank's row lengths from one seed
   (``odb.bench.rl_update_plan.draw_rollouts``) and takes its own, then the dict TRL's ``_prepare_inputs``
   hands the loss for a generation batch: ``prompt_ids``/``prompt_mask`` left-padded and
   ``completion_ids``/``completion_mask`` right-padded to the rank's longest prompt and completion, per-row
@@ -39,6 +40,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -98,6 +100,47 @@ def row_signatures(inputs: Dict[str, torch.Tensor]) -> List[str]:
     return out
 
 
+def with_sampling(batch: Dict[str, torch.Tensor], model: torch.nn.Module, vllm: Dict[str, Any], seed: int
+                  ) -> Dict[str, torch.Tensor]:
+    """``batch`` with what TRL's ``_generate_and_score_completions`` adds to vLLM's rollouts with
+    ``vllm_importance_sampling_correction`` on: ``old_per_token_logps`` (the policy's log-probabilities of the
+    completion tokens, as TRL computes them before the update), ``sampling_per_token_logps`` (the sampler's: here
+    the policy's plus a normal offset of ``vllm["noise"]`` per token, a sampler that differs from the trainer) and
+    ``importance_sampling_ratio``, TRL's formula for ``vllm["mode"]`` with its clip bounds (per token, or one per
+    row in the sequence modes).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> m = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        ...                                  num_attention_heads=2, num_key_value_heads=2))
+        >>> b = rollout_batch(np.array([2, 2]), np.array([1, 3]), 2, 16, 4, seed=0)
+        >>> v = with_sampling(b, m, dict(mode="sequence_mask", clip_min=None, clip_max=3.0, noise=0.1), seed=0)
+        >>> v["old_per_token_logps"].shape, v["importance_sampling_ratio"].shape, bool(v["old_per_token_logps"][0, 1])
+        (torch.Size([2, 3]), torch.Size([2, 1]), False)
+    """
+    width_p = batch["prompt_ids"].shape[1]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = batch["completion_mask"].bool()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+                       ).logits[:, width_p - 1:-1].float()
+    old = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+    old = torch.where(mask, old, torch.zeros_like(old))
+    gen = torch.Generator().manual_seed(seed)
+    sampling = torch.where(mask, old + vllm["noise"] * torch.randn(old.shape, generator=gen), torch.zeros_like(old))
+    diff = (old - sampling) * mask  # TRL's, then per sequence in the sequence modes
+    if vllm["mode"].startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low, high = vllm["clip_min"], vllm["clip_max"]
+    if vllm["mode"].endswith("truncate"):
+        ratio = torch.clamp(ratio, min=low, max=high)
+    else:
+        out = (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high))
+        ratio = ratio.masked_fill(out, 0.0)
+    return dict(batch, old_per_token_logps=old, sampling_per_token_logps=sampling, importance_sampling_ratio=ratio)
+
+
 def step_batches(p: Dict[str, Any], rank: int, world: int) -> List[Dict[str, torch.Tensor]]:
     """This rank's generation batch of every timed step (the same on every call: seeded)."""
     out = []
@@ -134,16 +177,22 @@ def build_trainer(p: Dict[str, Any], model: torch.nn.Module, per_device: int, ac
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    vllm = p.get("vllm")
+    correction = {} if vllm is None else {f"vllm_importance_sampling_{k}": vllm[k] for k in ("mode", "clip_min",
+                                                                                            "clip_max")}
     args = GRPOConfig(output_dir=out, use_cpu=True, report_to="none", disable_tqdm=True, bf16=False,
                       save_strategy="no", logging_strategy="no", seed=0, per_device_train_batch_size=per_device,
                       gradient_accumulation_steps=accumulation, steps_per_generation=accumulation,
                       num_generations=p["generations"], max_completion_length=p["completion"][2],
-                      loss_type=p["loss_type"])
+                      loss_type=p["loss_type"], **correction)
     prompts = Dataset.from_dict({"prompt": ["w3 w4"] * 4 * p["rows"]})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-                           train_dataset=prompts, processing_class=tokenizer(p["model"]["vocab_size"]))
+        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                              train_dataset=prompts, processing_class=tokenizer(p["model"]["vocab_size"]))
+    if vllm is not None:  # TRL's loss as it runs after vLLM generated the rollouts (no generation runs here)
+        trainer.use_vllm = True
+    return trainer
 
 
 def update(trainer: Any, model: torch.nn.Module, batch: Dict[str, torch.Tensor], slices: int, seed: int) -> None:
@@ -227,12 +276,17 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
 
     batches = step_batches(p, rank, world)
     model = build_model(p["model"])
+    if p.get("vllm"):
+        batches = [with_sampling(b, model, p["vllm"], seed=p["seed"] + 1000 * k + rank) for k, b in enumerate(batches)]
     slices = p["rows"] // p["trl_rows"]
     trainers = {"trl": build_trainer(p, model, p["trl_rows"], slices, f"{tmp}/trl")}
+    # odb's arms take the generation batch as one slice, unless the loss is a mean per slice (bnpo: TRL's
+    # per_device_train_batch_size is part of the objective), where they keep TRL's slices and cut each.
+    odb_rows, odb_slices = (p["trl_rows"], slices) if p.get("same_slices") else (p["rows"], 1)
     for arm, layout in ODB_ARMS.items():
-        trainers[arm] = enable_odb(build_trainer(p, model, p["rows"], 1, f"{tmp}/{arm}"), token_budget=p["budget"],
-                                   layout=layout, step_plan=p.get("step_plan", "auto"))
-    cuts = {arm: slices if arm == "trl" else 1 for arm in ARMS}
+        trainers[arm] = enable_odb(build_trainer(p, model, odb_rows, odb_slices, f"{tmp}/{arm}"),
+                                   token_budget=p["budget"], layout=layout, step_plan=p.get("step_plan", "auto"))
+    cuts = {arm: slices if arm == "trl" else odb_slices for arm in ARMS}
     wrapped = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
