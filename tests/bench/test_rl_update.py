@@ -11,7 +11,7 @@ from odb.bench.report import goals, render
 from odb.bench.rl_update import run_rl_update, update_params
 from odb.bench.rl_update_plan import (PLAN_ARMS, draw_rollouts, kk_partition, odb_global, odb_rollout, plan_step,
                                       trl_slices, verl_plan)
-from odb.bench.rl_update_train import rollout_batch, row_signatures, step_batches
+from odb.bench.rl_update_rollouts import rollout_batch, row_signatures, step_batches
 
 HEAVY = dict(prompt=(40, 0.7, 8, 256), completion=(120, 1.0, 1024))
 

@@ -37,14 +37,15 @@ Example:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
 from odb.integrations.private_api import drift
 
-__all__ = ["COMPLETION_TOKENS", "MAX", "MIN", "POLICY", "POLICY_BEFORE_ACCUMULATION", "ROWS", "SAME", "TOKENS",
-           "combine_slice", "metric_rules"]
+__all__ = ["COMPLETION_TOKENS", "MAX", "MIN", "POLICY", "POLICY_BEFORE_ACCUMULATION", "ROWS", "SAME", "SliceMetrics",
+           "TOKENS", "combine_slice", "metric_rules"]
 
 TOKENS, COMPLETION_TOKENS, ROWS, MIN, MAX, POLICY, SAME = ("tokens", "completion_tokens", "rows", "min", "max",
                                                            "policy", "same")
@@ -67,6 +68,29 @@ def metric_rules(trainer_name: str, importance_sampling_level: str = "token") ->
     return {"kl": TOKENS, "entropy": TOKENS, "clip_ratio/low_mean": ratio, "clip_ratio/high_mean": ratio,
             "clip_ratio/region_mean": ratio, "clip_ratio/low_min": MIN, "clip_ratio/high_max": MAX,
             "cispo_clip_ratio": ratio, "vespo/phi_seq_mean": ROWS, "policy_loss": POLICY, "entropy_coef": SAME}
+
+
+@dataclass(frozen=True)
+class SliceMetrics:
+    """How a trainer's metrics combine (``rules``), and whether TRL logs ``policy_loss``: with the entropy bonus,
+    whose per-row terms odb then splits off (``bonus``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> SliceMetrics.of(SimpleNamespace(importance_sampling_level="token", _entropy_bonus_enabled=True,
+        ...                                 entropy_coef=0.1), "GRPOTrainer").bonus
+        True
+    """
+
+    rules: Mapping[str, str]
+    bonus: bool
+
+    @staticmethod
+    def of(trainer: Any, trainer_name: str) -> "SliceMetrics":
+        if trainer_name != "GRPOTrainer":
+            return SliceMetrics(metric_rules(trainer_name), False)
+        bonus = bool(trainer._entropy_bonus_enabled) and float(trainer.entropy_coef) != 0.0
+        return SliceMetrics(metric_rules(trainer_name, trainer.importance_sampling_level), bonus)
 
 
 def _weighted(values: List[float], weights: np.ndarray) -> float:

@@ -30,7 +30,7 @@ Example (two ranks' slices in one process: rank 1 trains rank 0's row 1 with its
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 import numpy as np
 import torch

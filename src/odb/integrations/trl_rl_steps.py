@@ -34,7 +34,7 @@ from odb.integrations.trl_pairs import ragged_gather
 from odb.integrations.trl_rl_forward import RolloutForward
 from odb.integrations.trl_rl_loss import LOSS_FACTORS, RowWeights, share_value
 from odb.integrations.trl_rl_metrics import (COMPLETION_TOKENS, POLICY_BEFORE_ACCUMULATION, ROWS, TOKENS,
-                                             combine_slice, metric_rules)
+                                             SliceMetrics, combine_slice)
 from odb.integrations.trl_rl_move import micro_batch, move_rows
 from odb.integrations.trl_rl_rows import loss_mask, rollout_keys, rollout_lengths, row_tokens, take_rows
 from odb.plan.rollout_global import GlobalRolloutPlan, plan_rollout_global
@@ -93,14 +93,10 @@ class RolloutMicroSteps:
                  layout: str = "padded", step_plan: str = "rank") -> None:
         self.trainer, self.name, self.kind, self.step_plan = trainer, name, kind, step_plan
         self.token_budget, self.exchange_timeout_s = token_budget, float(exchange_timeout_s)
-        self.pad_to_multiple_of = int(trainer.pad_to_multiple_of or 1)
-        self.layout = layout
         self.keys = rollout_keys(trainer, name)
-        grpo = name == "GRPOTrainer"
-        self.rules = metric_rules(name, trainer.importance_sampling_level if grpo else "token")
-        self.bonus = grpo and trainer._entropy_bonus_enabled and float(trainer.entropy_coef) != 0.0
+        self.metrics = SliceMetrics.of(trainer, name)
         pad_id = trainer.processing_class.pad_token_id
-        self.forward = RolloutForward(layout, self.pad_to_multiple_of, int(pad_id or 0), owner=name)
+        self.forward = RolloutForward(layout, int(trainer.pad_to_multiple_of or 1), int(pad_id or 0), owner=name)
         self.original = trainer.compute_loss
         self.exchange: Optional[RankExchange] = None
         self.recent: Deque[Tuple[int, int, int, int]] = collections.deque(maxlen=_RECENT)
@@ -141,8 +137,8 @@ class RolloutMicroSteps:
                         trainer.accelerator.backward(loss / divide)
                         done.append(loss.detach())
                         loss = None
-        combine_slice(logged, before, self.rules, self._metric_counts(plan, table), plan.steps,
-                      self._mean_over_ranks(policy) if self.bonus else None)
+        combine_slice(logged, before, self.metrics.rules, self._metric_counts(plan, table), plan.steps,
+                      self._mean_over_ranks(policy) if self.metrics.bonus else None)
         self.counts.slices += 1
         self._log(plan, rank)
         return loss + sum(done) if done else loss
@@ -172,8 +168,8 @@ class RolloutMicroSteps:
         """Every rank's micro-steps for this slice: a ``GlobalRolloutPlan`` (``step_plan="global"``) or a
         ``RolloutPlan``."""
         planner = plan_rollout_global if self.step_plan == "global" else plan_rollout_steps
-        plan = planner(table.prompt, table.completion, self.token_budget, self.pad_to_multiple_of,
-                       layout=self.layout)
+        plan = planner(table.prompt, table.completion, self.token_budget, self.forward.pad_to_multiple_of,
+                       layout=self.forward.layout)
         self.plans.append(plan)
         return plan
 
@@ -210,8 +206,8 @@ class RolloutMicroSteps:
         w_pol, w_ent = weights.of(rows)
         tokens = table.loss_tokens.reshape(-1)[rows].astype(np.float64)
         device = piece["completion_mask"].device
-        bonus = torch.zeros(len(rows), dtype=torch.float64, device=device, requires_grad=True) if self.bonus \
-            else None
+        bonus = torch.zeros(len(rows), dtype=torch.float64, device=device, requires_grad=True) \
+            if self.metrics.bonus else None
         mask = None
         if LOSS_FACTORS[self.kind] == "tokens" and self.step_plan == "global":  # bnpo: rows of several origins
             # On every rank and micro-step alike, in float32: TRL's sums of x * mask keep the dtypes they have with
@@ -223,7 +219,7 @@ class RolloutMicroSteps:
         loss = self.original(model, piece, num_items_in_batch=num_items_in_batch)
         self.forward.stand_in.expect_called(calls, f"{self.name}.compute_loss on a micro-batch")
         value, policy = share_value(loss, w_pol, w_ent, bonus, mask, tokens)
-        if self.bonus and self.kind in POLICY_BEFORE_ACCUMULATION:  # TRL's policy_loss is logged before it
+        if self.metrics.bonus and self.kind in POLICY_BEFORE_ACCUMULATION:  # TRL's policy_loss is logged before it
             policy *= float(self.trainer.current_gradient_accumulation_steps)
         return loss + (value - float(loss.detach())), policy
 
