@@ -101,7 +101,8 @@ def test_a_value_of_another_shape_than_its_key_stops_the_step(tmp_path):
 
 VLLM_GLOBAL = {
     "dr_grpo_token_mask": dict(loss_type="dr_grpo", vllm=dict(mode="token_mask", **TIGHT)),
-    "cispo_sequence_truncate": dict(loss_type="cispo", vllm=dict(mode="sequence_truncate", **WIDE)),
+    "cispo_sequence_truncate_no_high_bound": dict(loss_type="cispo", vllm=dict(mode="sequence_truncate",
+                                                                               clip_min=0.1, clip_max=None)),
     "sapo_sequence_mask_packed": dict(loss_type="sapo", vllm=dict(mode="sequence_mask", **WIDE), layout="packed"),
     "luspo_token_truncate": dict(loss_type="luspo", args={"importance_sampling_level": "sequence"},
                                  vllm=dict(mode="token_truncate", **TIGHT)),
