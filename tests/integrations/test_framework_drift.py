@@ -14,6 +14,7 @@ import inspect
 import warnings
 
 import pytest
+import torch
 
 import trl
 import transformers
@@ -178,3 +179,22 @@ def test_the_trl_extra_declares_the_tested_range_only():
     extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     trl_pins = [r for r in extras["project"]["optional-dependencies"]["trl"] if r.startswith("trl")]
     assert trl_pins == [TESTED["trl"]]
+
+
+def test_a_stand_in_trl_calls_twice_stops_the_first_step(monkeypatch, tmp_path):
+    # odb weighs each row's gradient in the one forward of a loss call: a second forward would go unweighted
+    own = trl.GRPOTrainer._compute_loss
+
+    def twice(self, model, inputs):
+        self._get_per_token_logps_and_entropies(
+            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1))
+        return own(self, model, inputs)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", twice)
+    trainer = odb_trl.enable_odb(R.build(dict(loss_type="grpo", max_steps=1), str(tmp_path), R.GradRecorder()),
+                                 token_budget=BUDGET)
+    with pytest.raises(FrameworkDrift, match=r"called GRPOTrainer._get_per_token_logps_and_entropies 2 times"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()

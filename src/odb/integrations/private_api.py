@@ -198,7 +198,8 @@ def check_instance(trainer: Any, owner: str) -> None:
 
 class StandIn:
     """Counts the calls of a method odb stands in for; ``expect_called(before, what)`` raises ``FrameworkDrift``
-    when the framework's code did not call it since ``before`` (e.g. TRL renamed the call).
+    unless the framework's code called it exactly once since ``before``: never (e.g. TRL renamed the call, and its
+    own code ran instead), or more than once (odb prepares each call of its stand-in for one use).
 
     Example:
         >>> s = StandIn("GRPOTrainer", "_get_per_token_logps_and_entropies")
@@ -210,10 +211,13 @@ class StandIn:
         self.calls = 0
 
     def expect_called(self, before: int, what: str) -> None:
-        if self.calls == before:
-            raise drift(self.entry.framework, _describe(self.entry),
-                        f"never called {self.entry.owner}.{self.entry.name} during {what}: odb's stand-in went "
-                        f"unused and the framework's own code ran instead")
+        calls, name = self.calls - before, f"{self.entry.owner}.{self.entry.name}"
+        if calls == 0:
+            raise drift(self.entry.framework, _describe(self.entry), f"never called {name} during {what}: odb's "
+                        f"stand-in went unused and the framework's own code ran instead")
+        if calls != 1:
+            raise drift(self.entry.framework, _describe(self.entry), f"called {name} {calls} times during {what}, "
+                        f"where odb's stand-in expects one call")
 
 
 def owners_in(cls: type, owners: Iterable[str]) -> Tuple[str, ...]:
