@@ -11,7 +11,7 @@ from odb.bench.report import goals, render
 from odb.bench.rl_update import run_rl_update, update_params
 from odb.bench.rl_update_plan import (PLAN_ARMS, draw_rollouts, kk_partition, odb_global, odb_rollout, plan_step,
                                       trl_slices, verl_plan)
-from odb.bench.rl_update_train import rollout_batch, row_signatures, step_batches
+from odb.bench.rl_update_rollouts import rollout_batch, row_signatures, step_batches
 
 HEAVY = dict(prompt=(40, 0.7, 8, 256), completion=(120, 1.0, 1024))
 
@@ -149,8 +149,16 @@ def test_the_quick_section_runs_and_yields_every_figure():
     assert set(cell["arms"]) == set(PLAN_ARMS)
     for fig in cell["arms"].values():
         assert {"ddp", "fsdp", "padding_share", "micro_steps", "plan_ms", "moved"} <= set(fig)
+    for name, v in result["updates"].items():  # the vLLM-style and bnpo variants: the same rows, the same gradient
+        assert v["world"] == 2 and v["same_rows"] and v["grad_rel_gap"] < 1e-5, name
+        assert v["arms"]["odb_packed"]["padding_share"] == 0.0 and v["arms"]["odb"]["step_plan"] == "global", name
+    assert sum(v["arms"]["odb"]["moved_rows_per_step"] for v in result["updates"].values()) > 0
+    losses = result["planning"]["loss_types"]["8"]
+    assert losses["bnpo"] == losses["entropy bonus"] == losses["dapo"] and losses["bnpo"]["step_plan"] == "global"
     names = [g.goal for g in goals({"rl_update": result})]
-    assert len(names) == 6 and any("odb packed / TRL" in n for n in names)
+    assert len(names) == 6 + 5 + 3 + 4 and any("odb packed / TRL" in n for n in names)
+    assert sum("vLLM-style rollouts, correction on" in n for n in names) == 5
     text = render({"rl_update": result}, markdown=True)
     assert "GRPO policy update" in text and "verl-style" in text and "odb global (padded)" in text
+    assert "importance-sampling correction on" in text and "per loss type" in text
     assert "planned only" not in text  # odb's global plan is what the trainer runs

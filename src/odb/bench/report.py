@@ -940,6 +940,21 @@ def _rl_spread(t: Dict[str, float], spec: str = "{:.2f}") -> str:
     return f"{spec.format(t['median'])} ({spec.format(t['min'])}-{spec.format(t['max'])})"
 
 
+def _rl_update_rows(u: Dict[str, Any], labels: Dict[str, str], budget: int, markdown: bool) -> str:
+    """The arms of one rl_update policy-update run as a table."""
+    rows = []
+    for arm, a in u["arms"].items():
+        if "ratios" in u:
+            ratio = f"x{u['ratios'][arm]:.2f}" + ("" if arm == "trl" else spread_text(u["ratio_spreads"][arm]))
+        else:  # a results file from before the packed arm
+            ratio = "x1.00" if arm == "trl" else f"x{u['ratio']:.2f}" + spread_text(u.get("ratio_spread"))
+        rows.append([labels.get(arm, arm), f"{a['micro_steps_per_step']:.2f}", f"{a['padding_share']:.3f}",
+                     f"{a['prompt_padding_share']:.3f}", f"{a['max_micro_batch_tokens']} / {budget}",
+                     _rl_spread(a["update_s"]), ratio])
+    return _table(["arm", "micro-steps / step", "padding share", "of which prompt padding",
+                   "largest micro-batch / cap", "update s / step", "x TRL"], rows, markdown)
+
+
 def rl_update_table(rl: Dict[str, Any], markdown: bool = False) -> str:
     """The rl_update section (odb.bench.rl_update): the policy update of both arms at equal rollouts, the
     planning-only comparison per simulated world size, and the notes."""
@@ -955,17 +970,10 @@ def rl_update_table(rl: Dict[str, Any], markdown: bool = False) -> str:
         parts[1:1] = [f"From `{run['command']}` (odb at commit {str(run.get('commit'))[:10]}, {run.get('date')}, "
                       f"{run.get('wall_s', 0.0):.0f} s, load average {run.get('load')}), merged into this results "
                       f"file.", ""]
-    rows = []
-    for arm, a in u["arms"].items():
-        if "ratios" in u:
-            ratio = f"x{u['ratios'][arm]:.2f}" + ("" if arm == "trl" else spread_text(u["ratio_spreads"][arm]))
-        else:  # a results file from before the packed arm
-            ratio = "x1.00" if arm == "trl" else f"x{u['ratio']:.2f}" + spread_text(u.get("ratio_spread"))
-        rows.append([labels.get(arm, arm), f"{a['micro_steps_per_step']:.2f}", f"{a['padding_share']:.3f}",
-                     f"{a['prompt_padding_share']:.3f}", f"{a['max_micro_batch_tokens']} / {budget}",
-                     _rl_spread(a["update_s"]), ratio])
-    parts += [_table(["arm", "micro-steps / step", "padding share", "of which prompt padding",
-                      "largest micro-batch / cap", "update s / step", "x TRL"], rows, markdown), ""]
+    parts += [_rl_update_rows(u, labels, budget, markdown), ""]
+    for name, v in (rl.get("updates") or {}).items():  # the update's variants (vLLM-style rollouts, bnpo)
+        parts += [f"{h}Policy update, {rl.get('variant_labels', {}).get(name, name)} ({v['world']} gloo "
+                  f"process(es))", "", _rl_update_rows(v, labels, budget, markdown), ""]
     pl = rl.get("planning") or {}
     for w, cell in pl.get("worlds", {}).items():
         parts += [f"{h}Planning only: {w} simulated ranks, {cell['steps']} step(s) (median (min-max) over steps)", ""]
@@ -977,6 +985,15 @@ def rl_update_table(rl: Dict[str, Any], markdown: bool = False) -> str:
                          f"{a['micro_steps']['median']:.1f}", _rl_spread(a["plan_ms"], "{:.1f}")])
         parts += [_table(["arm", "moves rows", "DDP step eff.", "FSDP", "padding share", "micro-steps", "plan ms"],
                          rows, markdown), ""]
+    losses = pl.get("loss_types") or {}
+    if losses:
+        worlds = list(losses)
+        parts += [f"{h}Planning only, per loss type: the plan enable_odb takes (step_plan='auto') and its DDP step "
+                  f"efficiency, padded / packed (median over steps)", ""]
+        rows = [[loss, first["step_plan"]] + [f"{losses[w][loss]['padded']['median']:.3f} / "
+                                              f"{losses[w][loss]['packed']['median']:.3f}" for w in worlds]
+                for loss, first in losses[worlds[0]].items()]
+        parts += [_table(["loss", "step plan"] + [f"{w} ranks" for w in worlds], rows, markdown), ""]
     parts += ["notes:"] + [f"- {n}" for n in rl.get("notes", [])]
     if "total" in rl.get("wall_s", {}):
         parts.append(f"- section wall time {rl['wall_s']['total']:.0f} s")

@@ -12,13 +12,18 @@ step on many simulated ranks.
    odb's trainer takes the whole generation batch as its one slice (odb bounds the micro-batches by the
    budget). All train the same rows per optimizer step. Only the policy update is timed (forward and
    backward over the step's slices), on 2 gloo DDP processes, interleaved rounds: median (min-max).
-   Padding share = 1 - real tokens / padded tokens processed.
+   Padding share = 1 - real tokens / padded tokens processed. Then the same three arms on two variants
+   (``VARIANTS``): rollouts as vLLM returns them with TRL's importance-sampling correction on (its default
+   ``sequence_mask`` mode and bounds; ``odb.bench.rl_update_rollouts.with_sampling``), and ``loss_type="bnpo"``,
+   whose rows now move between the ranks too.
 2. **Planning only** (``odb.bench.rl_update_plan``, no model): one generation batch per rank on 8, 32 and
    128 simulated ranks, planned by TRL's equal slices, verl-style Karmarkar-Karp balancing (moves rows between
    ranks, packed), odb's rollout plan (``step_plan="rank"``: rows stay on their rank) and odb's global plan
-   (``step_plan="global"``, what the trainer runs on several ranks for every loss_type but bnpo: rows move),
-   padded and packed, every arm under the same budget and per-micro-batch overhead: DDP step efficiency as
-   odb.bench.scale defines it, padding share, micro-steps, rows moved and planning milliseconds.
+   (``step_plan="global"``, what the trainer runs on several ranks for every loss_type: rows move), padded and
+   packed, every arm under the same budget and per-micro-batch overhead: DDP step efficiency as
+   odb.bench.scale defines it, padding share, micro-steps, rows moved and planning milliseconds; and per
+   loss type (and the entropy bonus) the plan ``enable_odb`` takes for it on W ranks and its efficiency
+   (``loss_type_plans``: rows move for every loss, each row weighted by its own slice's normaliser).
 
     python benchmarks/rl_update.py [--quick] [--out out/rl_update]   # this section alone
     python -m odb.bench --out out/bench                               # make demo runs it (--skip-rl: not)
@@ -35,10 +40,11 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from odb.bench.scale import OVERHEAD
-from odb.bench.verdict import paired_spread, spread_text, straddles
+from odb.bench.rl_update_goals import goals, notes
+from odb.bench.verdict import paired_spread
 
 # ---- 1. the update timing ---------------------------------------------------------------------------------
 # rows per rank per optimizer step, num_generations, prompt (median, sigma, min, max), completion (median, sigma,
@@ -51,8 +57,14 @@ UPDATE_QUICK = dict(UPDATE, rows=8, prompt=(24, 0.5, 4, 48), completion=(32, 1.0
                     model=dict(UPDATE["model"], vocab_size=256, hidden_size=64, intermediate_size=256,
                                max_position_embeddings=256), steps=1, rounds=1)
 WORLD = 2
-PADDING_MAX, TIME_RATIO_MAX, GRAD_GAP_MAX = 0.15, 0.6, 1e-5
-PACKED_PADDING_MAX = 0.02  # the issue's goal for packed rows
+# The update's variants: vLLM-style rollouts with TRL's correction at its defaults (mode and bounds; "noise": the
+# sampler's per-token log-probability offset), and bnpo (rows move on several processes).
+VARIANTS = {"vllm": dict(vllm=dict(mode="sequence_mask", clip_min=None, clip_max=3.0, noise=0.1)),
+            "bnpo": dict(loss_type="bnpo", same_slices=True)}
+VARIANT_LABELS = {"vllm": "vLLM-style rollouts, TRL's importance-sampling correction on (sequence_mask, clip_max 3)",
+                  "bnpo": "loss_type='bnpo', rows moving"}
+# Every loss TRL 1.16's GRPOTrainer and RLOOTrainer have, and the entropy bonus (its own per-token normaliser).
+LOSS_PLANS = ("grpo", "sapo", "luspo", "dr_grpo", "bnpo", "dapo", "cispo", "vespo", "rloo", "entropy bonus")
 
 # ---- 2. planning only -------------------------------------------------------------------------------------
 PLAN = dict(rows=64, generations=8, prompt=(256, 0.7, 16, 1024), completion=(700, 1.0, 4096), trl_rows=4)
@@ -99,8 +111,9 @@ def run_update(p: Dict[str, Any], world: int = WORLD, timeout_s: float = 600.0) 
 
 
 def run_rl_update(quick: bool = False, progress: Callable[..., Any] = lambda it, **kw: it, world: int = WORLD,
-                  planning: bool = True) -> Dict[str, Any]:
-    """The section: the update timing, then the planning comparison; plain JSON-able results."""
+                  planning: bool = True, variants: bool = True) -> Dict[str, Any]:
+    """The section: the update timing (and its ``VARIANTS``), then the planning comparison; plain JSON-able
+    results."""
     from odb.bench.rl_update_plan import MOVES_ROWS, PLAN_ARM_LABELS, PLANNED_ONLY, run_planning
 
     t_all = time.perf_counter()
@@ -109,6 +122,11 @@ def run_rl_update(quick: bool = False, progress: Callable[..., Any] = lambda it,
     t0 = time.perf_counter()
     result["update"] = run_update(p, world)
     result["wall_s"]["update"] = time.perf_counter() - t0
+    if variants:
+        t0 = time.perf_counter()
+        result["variant_labels"] = VARIANT_LABELS
+        result["updates"] = {name: run_update(dict(p, **v), world) for name, v in VARIANTS.items()}
+        result["wall_s"]["variants"] = time.perf_counter() - t0
     if planning:
         t0 = time.perf_counter()
         q = dict(PLAN, budget=budget_of(PLAN), overhead=OVERHEAD)
@@ -119,6 +137,7 @@ def run_rl_update(quick: bool = False, progress: Callable[..., Any] = lambda it,
                               "worlds": run_planning(worlds, steps, q["rows"], q["generations"], q["prompt"],
                                                      q["completion"], q["budget"], OVERHEAD, q["trl_rows"],
                                                      progress=progress)}
+        result["planning"]["loss_types"] = loss_type_plans(result["planning"]["worlds"])
         result["wall_s"]["planning"] = time.perf_counter() - t0
     result["goals"] = goals(result)
     result["notes"] = notes(result)
@@ -126,102 +145,27 @@ def run_rl_update(quick: bool = False, progress: Callable[..., Any] = lambda it,
     return result
 
 
-# ---- goals and notes --------------------------------------------------------------------------------------
-def _goal(goal: str, measured: str, target: str, met: Optional[bool], spread: Optional[Sequence[float]] = None,
-          target_value: Optional[float] = None) -> Dict[str, Any]:
-    return {"goal": goal, "measured": measured, "target": target, "met": met,
-            "spread": None if spread is None else list(spread), "straddles": straddles(spread, target_value)}
+def loss_type_plans(worlds: Dict[str, Any]) -> Dict[str, Any]:
+    """Per simulated world size, the plan ``enable_odb`` takes (``step_plan="auto"``) for every loss of
+    ``LOSS_PLANS`` and its DDP step efficiency, padded and packed, from the planning arms it runs.
 
+    Example:
+        >>> cell = {"arms": {a: {"ddp": {"median": 0.9}} for a in ("odb_global", "odb_global_packed")}}
+        >>> loss_type_plans({"8": cell})["8"]["bnpo"]["step_plan"]
+        'global'
+    """
+    from odb.integrations.trl_rl import resolve_step_plan
 
-def goals(result: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The section's goals (issue 32): odb's padding share (padded and packed), its update time against TRL's at
-    equal rollouts, every arm training the same rows to the same gradient, and TRL's padding share today (a
-    reference)."""
-    u = result["update"]
-    trl = u["arms"]["trl"]
-    where = f"GRPO policy update, {u['world']} process(es)"
-    out = []
-    for arm, layout, most in (("odb", "padded", PADDING_MAX), ("odb_packed", "packed", PACKED_PADDING_MAX)):
-        pad = u["arms"][arm]["padding_share"]
-        out.append(_goal(f"rl_update ({where}): odb {layout}, padding share",
-                         f"{pad:.3f} (TRL as is {trl['padding_share']:.3f})", f"<= {most}", pad <= most))
-    for arm, layout in (("odb", "padded"), ("odb_packed", "packed")):
-        ratio, spread = u["ratios"][arm], u["ratio_spreads"][arm]
-        out.append(_goal(f"rl_update ({where}): update seconds, odb {layout} / TRL at equal rollouts",
-                         f"{ratio:.2f}" + spread_text(spread), f"<= {TIME_RATIO_MAX}", ratio <= TIME_RATIO_MAX,
-                         spread, TIME_RATIO_MAX))
-    return out + [
-        _goal("rl_update: every arm trains the same rows to the same gradient",
-              f"{'same' if u['same_rows'] else 'OTHER'} rows; largest relative gradient gap {u['grad_rel_gap']:.1e}",
-              f"same rows, gap <= {GRAD_GAP_MAX:g}", bool(u["same_rows"]) and u["grad_rel_gap"] <= GRAD_GAP_MAX),
-        _goal(f"rl_update ({where}): TRL's padding share today (reference)", f"{trl['padding_share']:.3f}", "-", None),
-    ]
-
-
-def notes(result: Dict[str, Any]) -> List[str]:
-    """What the section does and every exception to it."""
-    u = result["update"]
-    s = u["settings"]
-    p_med, p_sig, p_lo, p_hi = s["prompt"]
-    c_med, c_sig, c_hi = s["completion"]
-    m = s["model"]
-    out = [
-        f"Update timing: {s['rows']} rollout rows per rank and optimizer step ({s['rows'] // s['generations']} prompts "
-        f"x num_generations={s['generations']}), prompts log-normal (median {p_med}, sigma {p_sig}) clipped to "
-        f"[{p_lo}, {p_hi}] tokens, completions log-normal (median {c_med}, sigma {c_sig}) clipped to "
-        f"max_completion_length={c_hi}; random token ids, advantages normalised per group; {s['steps']} steps, the "
-        f"same rollouts for every arm (drawn once from seed {s['seed']}; TRL's _compute_loss sees the same rows in "
-        "every arm, checked per row). No generation runs: the rollouts are the dict TRL's _prepare_inputs hands the loss.",
-        f"Memory cap: token_budget={s['budget']} = per_device_train_batch_size {s['trl_rows']} x ({p_hi} + "
-        f"{c_hi}), the largest TRL slice whose worst case fits it. TRL as is: per_device_train_batch_size="
-        f"{s['trl_rows']}, gradient_accumulation_steps = steps_per_generation = {s['rows'] // s['trl_rows']}. odb: "
-        f"per_device_train_batch_size={s['rows']}, 1 accumulation step, enable_odb(trainer, token_budget="
-        f"{s['budget']}, layout='padded' / 'packed'). GRPOConfig defaults otherwise (loss_type {s['loss_type']}, beta 0, num_iterations 1).",
-        f"Model: Llama from a config ({m['num_hidden_layers']} layers x {m['hidden_size']} hidden, vocabulary "
-        f"{m['vocab_size']}), random weights, float32, sdpa attention, CPU, {s['threads']} thread per process. "
-        f"Timed: each step's policy update (compute_loss + backward per slice or micro-batch, no_sync but the last; "
-        f"no optimizer step), from a barrier to a barrier, after one untimed warm-up per arm; {s['rounds']} "
-        f"interleaved rounds (arm order rotated), seconds per optimizer step, median (min-max).",
-        "odb's arms run a row's prompt and completion without TRL's gap between them: padded, rows right-padded "
-        "to the micro-batch's longest prompt + completion; packed, the micro-batch's rollouts in one row with "
-        "restarting position_ids. enable_odb(layout='packed') switches the model's attention to odb's per-sample "
-        "odb_varlen (the model is shared by the arms: padded batches, TRL's and odb padded's, still run "
-        "transformers' sdpa under that name).",
-    ]
-    moved = [f"{ARM_LABELS[arm]}: step_plan '{a['step_plan']}', {a['moved_rows_per_step']:.1f} rows "
-             f"({a['moved_bytes_per_step'] / 1e3:.1f} kB) moved between ranks per optimizer step"
-             for arm, a in u["arms"].items() if "moved_rows_per_step" in a]
-    if moved:
-        out.append("Rows moved (enable_odb's default step_plan='auto'; a rank's loss holds rows of the other's slice "
-                   "where that evens the ranks' costs): " + "; ".join(moved) + ".")
-    if u.get("fallback"):
-        out.append(f"1 PROCESS ONLY: {u['fallback']}.")
-    pl = result.get("planning")
-    if pl:
-        q = pl["settings"]
-        out.append(
-            f"Planning only (no model): {q['rows']} rows per rank ({q['rows'] // q['generations']} prompts x "
-            f"{q['generations']}), prompts log-normal (median {q['prompt'][0]}, sigma {q['prompt'][1]}) in "
-            f"[{q['prompt'][2]}, {q['prompt'][3]}], completions log-normal (median {q['completion'][0]}, sigma "
-            f"{q['completion'][1]}) clipped to {q['completion'][2]}; token_budget {q['budget']} (TRL's slice "
-            f"{q['trl_rows']} rows), overhead {q['overhead']} tokens per micro-batch (odb.bench.scale's); steps per "
-            "world size " + ", ".join(f"{w}: {k}" for w, k in q["steps"].items()) + ", median (min-max) over steps.")
-        out.append("verl-style: the step's rows in W equal-size sets of balanced token sums (Karmarkar-Karp's largest "
-                   "differencing, balanced variant, written from the algorithm's description), set r trained by rank "
-                   "r, so rows move between ranks; each rank's rows in M micro-batches of balanced token sums (KK), M "
-                   "the largest any rank needs (ceil of its tokens / budget), raised until every micro-batch fits; a "
-                   "micro-batch costs its real tokens (packed). Its plan ms: the balance plus the mean rank's own "
-                   "split.")
-        out.append("odb global (padded and packed): what enable_odb runs on several ranks (step_plan='auto' -> "
-                   "'global' for every loss_type but bnpo, without the entropy bonus): plan_rollout_global, i.e. "
-                   "plan_global_step over all ranks' rows, each row's prompt + completion as one length (odb's "
-                   "layouts run a row without the gap), then no empty micro-batch (a rank's costliest split), rows "
-                   "kept home where it costs nothing and the rank-local plan where it costs no more; rows move "
-                   "between ranks. odb rollout plan (padded and packed): step_plan='rank' (plan_rollout_steps over "
-                   "every rank's lengths; rows stay on their rank; the same rows per micro-step on every rank). Both "
-                   "plan with the trainer's micro_batch_cost (budget / 16). TRL: each rank's generation batch padded "
-                   "to its own widths (longest prompt + longest completion), shuffled, cut in equal slices. plan ms: "
-                   "one rank's.")
+    out: Dict[str, Any] = {}
+    for w, cell in worlds.items():
+        row = {}
+        for loss in LOSS_PLANS:
+            name = "RLOOTrainer" if loss == "rloo" else "GRPOTrainer"
+            plan = resolve_step_plan("auto", name, int(w))  # the same for every loss: its rows carry their weights
+            arms = ("odb_global", "odb_global_packed") if plan == "global" else ("odb_rollout", "odb_rollout_packed")
+            row[loss] = {"step_plan": plan, "padded": cell["arms"][arms[0]]["ddp"],
+                         "packed": cell["arms"][arms[1]]["ddp"]}
+        out[w] = row
     return out
 
 

@@ -20,11 +20,11 @@ Arms (``PLAN_ARMS``):
   M the largest number any rank needs (ceil of its tokens / budget), raised until every micro-batch of every
   rank fits the budget; packed (a micro-batch costs its real tokens).
 * ``odb_rollout`` / ``odb_rollout_packed``: what ``odb.integrations.trl.enable_odb`` runs (``layout="padded"``
-  / ``"packed"``) with ``step_plan="rank"`` (the default's choice for bnpo and the entropy bonus):
+  / ``"packed"``) with ``step_plan="rank"`` (the default's choice on one process):
   ``odb.plan.rollout_plan.plan_rollout_steps`` over every rank's rows (rows stay on their rank, the same row
   count per micro-step on every rank).
 * ``odb_global`` / ``odb_global_packed``: what ``enable_odb`` runs on several ranks with ``step_plan="auto"``
-  for the losses whose rows can move (every loss_type but bnpo, without the entropy bonus):
+  for every loss_type, the entropy bonus too (each row weighted by its own slice's normaliser):
   ``odb.plan.rollout_global.plan_rollout_global`` (``odb.plan.global_plan.plan_global_step`` over all ranks'
   rows, each row's prompt + completion as one length, then no empty micro-batch, rows kept home where it costs
   nothing, the rank-local plan where it costs no more), which moves rows between ranks.

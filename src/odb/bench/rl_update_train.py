@@ -5,8 +5,9 @@ with ``odb.integrations.trl.enable_odb``, on the same rollouts, on 1 or 2 gloo D
 torch thread each, a gloo group on a free local port) and returns every rank's result (``summarize`` joins
 them). Each rank (``run_worker``):
 
-* builds the rollouts: every rank draws every rank's row lengths from one seed
-  (``odb.bench.rl_update_plan.draw_rollouts``) and takes its own, then the dict TRL's ``_prepare_inputs``
+* builds the rollouts (``odb.bench.rl_update_rollouts``; ``params["vllm"]``: as vLLM's with TRL's correction on,
+  and the trainers run TRL's loss with ``use_vllm`` and that correction): every rank draws every rank's row lengths
+  from one seed (``odb.bench.rl_update_plan.draw_rollouts``) and takes its own, then the dict TRL's ``_prepare_inputs``
   hands the loss for a generation batch: ``prompt_ids``/``prompt_mask`` left-padded and
   ``completion_ids``/``completion_mask`` right-padded to the rank's longest prompt and completion, per-row
   ``advantages`` (rewards normalised within each group of ``num_generations``) and ``num_items_in_batch`` (the
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import json
 import os
 import socket
@@ -53,60 +53,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from odb.bench.rl_update_plan import draw_rollouts
+from odb.bench.rl_update_rollouts import EOS, PAD, row_signatures, step_batches, with_sampling
 
 ARMS = ("trl", "odb", "odb_packed")
 ODB_ARMS = {"odb": "padded", "odb_packed": "packed"}  # odb's arms: the layout each runs
-PAD, EOS = 0, 1
-
-
-# ---- rollouts -------------------------------------------------------------------------------------------
-def rollout_batch(prompt: np.ndarray, completion: np.ndarray, generations: int, vocab: int, total_loss_tokens: int,
-                  seed: int) -> Dict[str, torch.Tensor]:
-    """The generation batch of one rank as TRL's ``_generate_and_score_completions`` returns it: rows of
-    ``prompt``/``completion`` tokens (random ids), padded to the longest of each.
-
-    Example:
-        >>> b = rollout_batch(np.array([2, 2, 3, 3]), np.array([1, 4, 2, 3]), 2, 16, 20, seed=0)
-        >>> b["prompt_mask"].tolist()[0], b["completion_mask"].tolist()[0], b["num_items_in_batch"].item()
-        ([0, 1, 1], [1, 0, 0, 0], 20)
-    """
-    gen = torch.Generator().manual_seed(seed)
-    n, width_p, width_c = len(prompt), int(prompt.max()), int(completion.max())
-    cols_p, cols_c = torch.arange(width_p), torch.arange(width_c)
-    prompt_mask = (cols_p[None, :] >= width_p - torch.as_tensor(prompt)[:, None]).long()
-    completion_mask = (cols_c[None, :] < torch.as_tensor(completion)[:, None]).long()
-    prompt_ids = torch.randint(3, vocab, (n, width_p), generator=gen) * prompt_mask  # PAD (0) where masked
-    completion_ids = torch.randint(3, vocab, (n, width_c), generator=gen) * completion_mask
-    last = torch.as_tensor(completion) - 1  # a completion ends with its end-of-sequence token
-    completion_ids[torch.arange(n), last] = EOS
-    rewards = torch.randn(n // generations, generations, generator=gen)
-    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).reshape(-1)
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-            "completion_mask": completion_mask, "advantages": advantages,
-            "num_items_in_batch": torch.tensor(int(total_loss_tokens))}
-
-
-def row_signatures(inputs: Dict[str, torch.Tensor]) -> List[str]:
-    """One digest per row of its real prompt and completion tokens and its advantage (padding left out)."""
-    out = []
-    for i in range(inputs["prompt_ids"].shape[0]):
-        p = inputs["prompt_ids"][i][inputs["prompt_mask"][i].bool()].tolist()
-        c = inputs["completion_ids"][i][inputs["completion_mask"][i].bool()].tolist()
-        a = round(float(inputs["advantages"][i]), 6)
-        out.append(hashlib.sha1(repr((p, c, a)).encode()).hexdigest()[:16])
-    return out
-
-
-def step_batches(p: Dict[str, Any], rank: int, world: int) -> List[Dict[str, torch.Tensor]]:
-    """This rank's generation batch of every timed step (the same on every call: seeded)."""
-    out = []
-    for k in range(p["steps"]):
-        prompt, completion = draw_rollouts(world, p["rows"], p["generations"], p["prompt"], p["completion"],
-                                           seed=p["seed"] + k)
-        out.append(rollout_batch(prompt[rank], completion[rank], p["generations"], p["model"]["vocab_size"],
-                                 int(completion.sum()), seed=p["seed"] + 1000 * k + rank))
-    return out
 
 
 # ---- the trainers ---------------------------------------------------------------------------------------
@@ -134,16 +84,22 @@ def build_trainer(p: Dict[str, Any], model: torch.nn.Module, per_device: int, ac
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    vllm = p.get("vllm")
+    correction = {} if vllm is None else {f"vllm_importance_sampling_{k}": vllm[k] for k in ("mode", "clip_min",
+                                                                                            "clip_max")}
     args = GRPOConfig(output_dir=out, use_cpu=True, report_to="none", disable_tqdm=True, bf16=False,
                       save_strategy="no", logging_strategy="no", seed=0, per_device_train_batch_size=per_device,
                       gradient_accumulation_steps=accumulation, steps_per_generation=accumulation,
                       num_generations=p["generations"], max_completion_length=p["completion"][2],
-                      loss_type=p["loss_type"])
+                      loss_type=p["loss_type"], **correction)
     prompts = Dataset.from_dict({"prompt": ["w3 w4"] * 4 * p["rows"]})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-                           train_dataset=prompts, processing_class=tokenizer(p["model"]["vocab_size"]))
+        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                              train_dataset=prompts, processing_class=tokenizer(p["model"]["vocab_size"]))
+    if vllm is not None:  # TRL's loss as it runs after vLLM generated the rollouts (no generation runs here)
+        trainer.use_vllm = True
+    return trainer
 
 
 def update(trainer: Any, model: torch.nn.Module, batch: Dict[str, torch.Tensor], slices: int, seed: int) -> None:
@@ -227,12 +183,17 @@ def run_worker(rank: int, world: int, p: Dict[str, Any], tmp: Optional[str] = No
 
     batches = step_batches(p, rank, world)
     model = build_model(p["model"])
+    if p.get("vllm"):
+        batches = [with_sampling(b, model, p["vllm"], seed=p["seed"] + 1000 * k + rank) for k, b in enumerate(batches)]
     slices = p["rows"] // p["trl_rows"]
     trainers = {"trl": build_trainer(p, model, p["trl_rows"], slices, f"{tmp}/trl")}
+    # odb's arms take the generation batch as one slice, unless the loss is a mean per slice (bnpo: TRL's
+    # per_device_train_batch_size is part of the objective), where they keep TRL's slices and cut each.
+    odb_rows, odb_slices = (p["trl_rows"], slices) if p.get("same_slices") else (p["rows"], 1)
     for arm, layout in ODB_ARMS.items():
-        trainers[arm] = enable_odb(build_trainer(p, model, p["rows"], 1, f"{tmp}/{arm}"), token_budget=p["budget"],
-                                   layout=layout, step_plan=p.get("step_plan", "auto"))
-    cuts = {arm: slices if arm == "trl" else 1 for arm in ARMS}
+        trainers[arm] = enable_odb(build_trainer(p, model, odb_rows, odb_slices, f"{tmp}/{arm}"),
+                                   token_budget=p["budget"], layout=layout, step_plan=p.get("step_plan", "auto"))
+    cuts = {arm: slices if arm == "trl" else odb_slices for arm in ARMS}
     wrapped = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel

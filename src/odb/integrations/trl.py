@@ -32,8 +32,8 @@ before odb sees them) and odb options that contradict the collator.
 
 TRL's ``GRPOTrainer`` and ``RLOOTrainer`` keep their sampler and generation: odb cuts their
 policy update into token-budget micro-batches, padded or packed, rows moving between ranks
-where the loss allows it (``odb.integrations.trl_rl``: ``token_budget``, ``layout``, ``step_plan``
-and ``packed_attention`` only).
+for every loss, with vLLM's rollouts too (``odb.integrations.trl_rl``: ``token_budget``, ``layout``,
+``step_plan`` and ``packed_attention`` only).
 
 TRL's ``DPOTrainer`` and ``RewardTrainer`` train exactly too: a preference pair is one
 sample budgeted as the two rows it collates to, and the loss is weighted per pair

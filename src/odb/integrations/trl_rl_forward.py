@@ -21,6 +21,12 @@ zero where TRL's would be zero. Each rollout's tokens see the same tokens at the
 relative positions as in TRL's layout; only the absolute positions start at 0 (as they do
 at generation), which a rotary (relative) position encoding does not see.
 
+``weigh`` gives the next call its rows' weights (``odb.integrations.trl_rl_loss.RowWeights``): the
+values returned are the same, but the gradient through row i's log-probabilities is scaled by its
+policy weight and through its entropies by its entropy weight; with ``bonus_probe`` the entropies
+are also multiplied by ``1 + q`` (``q`` zeros, a leaf the caller differentiates the loss by). Every
+call is counted on a ``odb.integrations.private_api.StandIn``, so odb sees that TRL really called it.
+
 Example:
     >>> import torch
     >>> mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])   # prompt width 2, completion width 3
@@ -37,7 +43,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
+
+from odb.integrations.private_api import StandIn
 
 __all__ = ["LAYOUTS", "LaidOut", "RolloutForward", "layout_rows"]
 
@@ -100,7 +109,7 @@ def layout_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to
     rows_idx = torch.arange(rows, device=mask.device)[:, None].expand(rows, width)
     ids = torch.full((rows, span), int(pad_id), dtype=input_ids.dtype, device=mask.device)
     ids[rows_idx[mask], place[mask]] = tokens
-    attn = (torch.arange(span, device=mask.device)[None, :] < lengths[:, None]).to(attention_mask.dtype)
+    attn = (torch.arange(span, device=mask.device)[None, :] < lengths[:, None]).long()
     labels = torch.full((rows, span), IGNORE, dtype=torch.long, device=mask.device)
     scored_rows = rows_idx[:, :keep][scored]
     labels[scored_rows, source[scored]] = input_ids[:, width - keep:][scored]
@@ -112,16 +121,28 @@ class RolloutForward:
     """``_get_per_token_logps_and_entropies`` of a TRL RL trainer, on the tokens laid out as ``layout``.
 
     ``swapped_in(trainer)`` installs it on the trainer for the duration of a ``with`` block; ``tokens`` counts
-    the tokens the model ran (padding included) and ``calls`` the forward passes.
+    the tokens the model ran (padding included) and ``stand_in.calls`` the forward passes.
     """
 
-    def __init__(self, layout: str, pad_to_multiple_of: int = 1, pad_id: int = 0) -> None:
+    def __init__(self, layout: str, pad_to_multiple_of: int = 1, pad_id: int = 0, owner: str = "GRPOTrainer"
+                 ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"odb got layout={layout!r} for an RL trainer. Rule: one of {LAYOUTS}. Fix: pass "
                              f"layout='padded' (default) or layout='packed'.")
         self.layout, self.pad_to_multiple_of, self.pad_id = layout, int(pad_to_multiple_of or 1), int(pad_id)
-        self.tokens = self.calls = 0
+        self.tokens = 0
+        self.stand_in = StandIn(owner, "_get_per_token_logps_and_entropies")
         self.trainer: Any = None
+        self.weights: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self.bonus_probe: Optional[torch.Tensor] = None
+
+    @property
+    def calls(self) -> int:
+        return self.stand_in.calls
+
+    def weigh(self, policy: np.ndarray, entropy: np.ndarray, bonus_probe: Optional[torch.Tensor] = None) -> None:
+        """The rows' (policy, entropy) gradient weights of the next call, and the entropy probe ``q``."""
+        self.weights, self.bonus_probe = (np.asarray(policy), np.asarray(entropy)), bonus_probe
 
     @contextlib.contextmanager
     def swapped_in(self, trainer: Any) -> Iterator[None]:
@@ -151,11 +172,21 @@ class RolloutForward:
         with self.trainer.accelerator.autocast():
             outputs = model(**inputs, fused_lm_head=True)
         self.tokens += int(lay.input_ids.numel())
-        self.calls += 1
+        self.stand_in.calls += 1
+        weights, self.weights = self.weights, None
+        probe, self.bonus_probe = self.bonus_probe, None
 
-        def back(values: torch.Tensor) -> torch.Tensor:
+        def back(values: torch.Tensor, weight: Optional[np.ndarray]) -> torch.Tensor:
             picked = values.reshape(-1)[lay.source.reshape(-1)].view(lay.source.shape)
-            return torch.where(lay.scored, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+            picked = torch.where(lay.scored, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+            if weight is None or bool((weight == 1.0).all()):
+                return picked
+            w = torch.as_tensor(weight, dtype=picked.dtype, device=picked.device)[:, None]
+            return picked.detach() + w * (picked - picked.detach())  # the same values, the gradient times w
 
-        entropies = back(outputs.entropy) if compute_entropy else None
-        return back(outputs.log_probs), entropies, None
+        entropies = None
+        if compute_entropy:
+            entropies = back(outputs.entropy, weights[1] if weights is not None else None)
+            if probe is not None:
+                entropies = entropies * (1 + probe.to(entropies.dtype)[:, None])
+        return back(outputs.log_probs, weights[0] if weights is not None else None), entropies, None

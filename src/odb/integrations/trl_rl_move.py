@@ -5,11 +5,12 @@ rank the rows that rank trains, once (``pack_rows``: the rows' per-row tensors, 
 longest prompt and completion, pickled from the CPU by ``odb.data.sample_bytes`` as the loader's
 moved samples are), through odb's exchange (``RankExchange.move``: one gather of sizes and one gloo
 all-to-all of bytes, ``odb.comm.dist``). Each micro-batch is then built from the rank's own rows and
-the rows it received (``micro_batch``): prompt-aligned values re-padded on the left and completion-
-aligned ones on the right to the micro-batch's widths, per-row values (``(rows,)`` or ``(rows, 1)``)
-kept as they are, 0-d values (``num_items_in_batch``, the same on every rank) the rank's own; dtypes
-kept, received tensors put on the device of the rank's own. Padding is 0: it lies outside
-``prompt_mask`` / ``completion_mask``, which every loss term and odb's forward mask out.
+the rows it received (``micro_batch``), each key as ``odb.integrations.trl_rl_rows.RolloutKeys`` lists
+it: prompt values re-padded on the left and completion values on the right to the micro-batch's
+widths, with TRL's own padding value of that key (it lies outside ``prompt_mask`` /
+``completion_mask``, which every loss term and odb's forward mask out), per-row values kept as they
+are, shared values (``num_items_in_batch``, the same on every rank) the rank's own; dtypes kept,
+received tensors put on the device of the rank's own.
 
 Example (two ranks' slices in one process: rank 1 trains rank 0's row 1 with its own row 0):
     >>> import torch
@@ -29,46 +30,27 @@ Example (two ranks' slices in one process: rank 1 trains rank 0's row 1 with its
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 import numpy as np
 import torch
 
 from odb.data import sample_bytes
-from odb.integrations.trl_rl_rows import COMPLETION_KEYS, PROMPT_KEYS, rollout_lengths, take_rows
+from odb.integrations.trl_rl_rows import PROMPT, ROW, SHARED, TRL_KEYS, RolloutKeys, rollout_lengths, take_rows
 
 __all__ = ["Received", "micro_batch", "move_rows", "pack_rows", "unpack_rows"]
 
 Received = Dict[int, Tuple[Mapping[str, Any], np.ndarray]]  # origin rank -> (its rows' values, their rows)
-_MAYBE_PER_ROW = ("advantages", "importance_sampling_ratio")  # (rows, 1) is a value per row, not a column
 
 
-def column_kind(key: str, value: Any, completion_width: int) -> str:
-    """How a value of a slice whose completions are ``completion_width`` wide is re-padded: ``"prompt"`` (left),
-    ``"completion"`` (right), ``"row"`` (one value per row: kept) or ``"shared"`` (0-d or None: the rank's own).
-
-    Example:
-        >>> column_kind("advantages", torch.zeros(3, 1), 1), column_kind("completion_mask", torch.zeros(3, 1), 1)
-        ('row', 'completion')
-    """
-    if not isinstance(value, torch.Tensor) or value.ndim == 0:
-        return "shared"
-    if key in PROMPT_KEYS:
-        return "prompt"
-    if key in COMPLETION_KEYS and value.ndim == 2 and value.shape[1] == completion_width:
-        if not (key in _MAYBE_PER_ROW and value.shape[1] == 1):
-            return "completion"
-    return "row"
-
-
-def pack_rows(inputs: Mapping[str, Any], rows: np.ndarray) -> bytes:
+def pack_rows(inputs: Mapping[str, Any], rows: np.ndarray, keys: RolloutKeys = TRL_KEYS) -> bytes:
     """The bytes of ``rows`` (indices into the slice ``inputs``): every per-row value, trimmed to the rows' own
     longest prompt and completion, on the CPU (``odb.data.sample_bytes``: a view's own elements only)."""
     prompt, completion = rollout_lengths(inputs)
     rows = np.asarray(rows, dtype=np.int64)
     wide_p, wide_c = int(max(prompt[rows].max(), 1)), int(max(completion[rows].max(), 1))
-    piece = take_rows(inputs, rows, wide_p, wide_c)
-    out = {k: v.detach().to("cpu") for k, v in piece.items() if isinstance(v, torch.Tensor) and v.ndim > 0}
+    piece = take_rows(inputs, rows, wide_p, wide_c, keys)
+    out = {k: v.detach().to("cpu") for k, v in piece.items() if v is not None and keys.kind(k) != SHARED}
     return sample_bytes.dumps(out)  # a trimmed column is a view: its own elements only
 
 
@@ -78,41 +60,40 @@ def unpack_rows(data: bytes, like: Mapping[str, Any]) -> Dict[str, torch.Tensor]
     return {k: v.to(like[k].device) if isinstance(like.get(k), torch.Tensor) else v for k, v in values.items()}
 
 
-def _pad(value: torch.Tensor, width: int, left: bool) -> torch.Tensor:
-    """``value`` (rows, w <= width) padded with zeros to ``width`` columns, on the left or the right."""
+def _pad(value: torch.Tensor, width: int, left: bool, fill: float) -> torch.Tensor:
+    """``value`` (rows, w <= width) padded with ``fill`` to ``width`` columns, on the left or the right."""
     more = width - value.shape[1]
     if more <= 0:
         return value
-    zeros = value.new_zeros((value.shape[0], more) + tuple(value.shape[2:]))
-    return torch.cat([zeros, value] if left else [value, zeros], dim=1)
+    pad = value.new_full((value.shape[0], more) + tuple(value.shape[2:]), fill)
+    return torch.cat([pad, value] if left else [value, pad], dim=1)
 
 
 def micro_batch(local: Mapping[str, Any], received: Received, rank: int, n: int, rows: np.ndarray,
-                prompt_width: int, completion_width: int) -> Dict[str, Any]:
+                prompt_width: int, completion_width: int, keys: RolloutKeys = TRL_KEYS) -> Dict[str, Any]:
     """The micro-batch of flat ``rows`` (``origin * n + row``) on rank ``rank``: its own rows from ``local``, the
     others from ``received`` (origin -> (values, the origin's rows they hold, ascending)), prompt values
-    ``prompt_width`` wide (left-padded), completion values ``completion_width`` wide (right-padded)."""
+    ``prompt_width`` wide (left-padded), completion values ``completion_width`` wide (right-padded), each key
+    as ``keys`` lists it."""
     rows = np.asarray(rows, dtype=np.int64)
-    width_c = int(local["completion_ids"].shape[1])
-    kinds = {k: column_kind(k, v, width_c) for k, v in local.items()}
     parts = []
     for origin in np.unique(rows // n).tolist():
         mine = rows[rows // n == origin] - origin * n
         if origin == rank:
-            parts.append(take_rows(local, mine, prompt_width, completion_width))
+            parts.append(take_rows(local, mine, prompt_width, completion_width, keys))
             continue
         values, held = received[origin]
-        parts.append(take_rows(values, np.searchsorted(held, mine), prompt_width, completion_width))
+        parts.append(take_rows(values, np.searchsorted(held, mine), prompt_width, completion_width, keys))
     out: Dict[str, Any] = {}
     for key, value in local.items():
-        kind = kinds[key]
-        if kind == "shared":
+        kind = keys.kind(key)
+        if kind == SHARED or value is None:
             out[key] = value
             continue
         pieces = [p[key] for p in parts]
-        if kind != "row":
-            width = prompt_width if kind == "prompt" else completion_width
-            pieces = [_pad(p, width, left=kind == "prompt") for p in pieces]
+        if kind != ROW:
+            width = prompt_width if kind == PROMPT else completion_width
+            pieces = [_pad(p, width, kind == PROMPT, keys.pad(key)) for p in pieces]
         if len({tuple(p.shape[1:]) for p in pieces}) > 1:
             raise ValueError(f"odb rank {rank}: rollout rows moved between ranks hold {key!r} of shapes "
                              f"{[tuple(p.shape) for p in pieces]}. Rule: a value is per row, per prompt column or "
@@ -122,8 +103,8 @@ def micro_batch(local: Mapping[str, Any], received: Received, rank: int, n: int,
     return out
 
 
-def move_rows(exchange: Any, inputs: Mapping[str, Any], plan: Any, rank: int, where: str
-              ) -> Tuple[Received, int, int]:
+def move_rows(exchange: Any, inputs: Mapping[str, Any], plan: Any, rank: int, where: str,
+              keys: RolloutKeys = TRL_KEYS) -> Tuple[Received, int, int]:
     """Send every other rank d the rows of this rank's slice that it trains (``plan.sent(rank, d)``) and receive
     the rows this rank trains from theirs: (received, rows received, bytes received). A collective when the
     plan moves rows (every rank computes the same plan, so all call it or none needs to); nothing crosses
@@ -134,7 +115,7 @@ def move_rows(exchange: Any, inputs: Mapping[str, Any], plan: Any, rank: int, wh
     outgoing = []
     for d in range(world):
         rows = plan.sent(rank, d)
-        outgoing.append(pack_rows(inputs, rows) if d != rank and len(rows) else b"")
+        outgoing.append(pack_rows(inputs, rows, keys) if d != rank and len(rows) else b"")
     incoming = exchange.move(outgoing, where)
     received: Received = {}
     rows_in = bytes_in = 0

@@ -4,7 +4,6 @@ the checks of TrainingArguments and of the Trainer's loop API, and configure_tra
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -18,14 +17,9 @@ from odb.config import ODBConfig
 from odb.loader.dataloader import ODBDataLoader
 from odb.step_info import ODBStepInfo
 from odb.integrations.hf.progress import SampleProgress, WindowMetrics
+from odb.integrations.private_api import check_classes
 
 _GROUPING = ("group_by_length", "batch_rebalance")
-# The Trainer methods whose 5.x behaviour this module builds on (checked when odb is enabled).
-_LOOP_API = {"_run_epoch": {"epoch", "train_dataloader", "steps_in_epoch", "num_update_steps_per_epoch",
-                            "steps_trained_in_current_epoch"},
-             "_init_training_state": {"resume_from_checkpoint"}, "get_batch_samples": {"epoch_iterator"},
-             "set_initial_training_values": {"dataloader"}, "_save_checkpoint": {"trial"},
-             "_load_rng_state": {"checkpoint"}}
 # transformers 5.3.0-5.5.3 also hand gradient_accumulation_steps to the Accelerator, so every micro-batch's loss
 # is divided by it twice (fixed in 5.5.4): the gradient would not be odb's exact token mean.
 MIN_TRANSFORMERS = "5.5.4"
@@ -159,16 +153,8 @@ def check_loop_api() -> None:
             f"divides the loss by gradient_accumulation_steps twice (in its Trainer and in its Accelerator), so "
             f"the gradient would not be odb's exact token mean. Fix: install transformers>={MIN_TRANSFORMERS} "
             f"(make test-min tests 5.18, make test 5.24), or use odb.ODBDataLoader in your own training loop.")
-    for name, needed in _LOOP_API.items():
-        method = getattr(Trainer, name, None)
-        params = sorted(inspect.signature(method).parameters) if method is not None else []
-        if not needed <= set(params):
-            found = f"{name}({', '.join(params)})" if method is not None else "no such method"
-            raise RuntimeError(
-                f"odb.integrations.hf needs Trainer.{name}({', '.join(sorted(needed))}) of the transformers 5 "
-                f"training loop; transformers {transformers.__version__} has {found}. Fix: install "
-                f"transformers>={MIN_TRANSFORMERS} (make test-min tests 5.18, make test 5.24), or use "
-                f"odb.ODBDataLoader in your own training loop.")
+    # The Trainer methods odb overrides or calls, listed with TRL's in odb.integrations.private_api.
+    check_classes("Trainer", Trainer)
 
 
 def prepare_packed_rows(trainer: Trainer, attention: str) -> None:
