@@ -19,6 +19,7 @@ from odb.train.loss import scale_loss
 from odb.packed.collate import PackedCollate
 from odb.packed.models import PackedLayoutError, check_packed_model
 from odb.data.sampling import ShardSampler
+from odb.data.batch_shard import BatchShardSampler
 from odb.plan.schedule import linear_budget_ramp
 from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
 from odb.packed.attention import register_varlen_attention, varlen_causal_attention
@@ -26,7 +27,7 @@ from odb.packed.attention import register_varlen_attention, varlen_causal_attent
 __all__ = [
     "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "PackedCollate", "PackedLayoutError",
     "check_packed_model", "apply", "attach_step_info", "count_loss_tokens",
-    "default_length", "pop_step_info", "register_varlen_attention", "scale_loss", "seq2seq_lengths", "ShardSampler",
+    "default_length", "pop_step_info", "BatchShardSampler", "register_varlen_attention", "scale_loss", "seq2seq_lengths", "ShardSampler",
     "linear_budget_ramp", "varlen_causal_attention", "PadToBucket", "bucket_length", "fit_buckets",
     "geometric_buckets",
 ]

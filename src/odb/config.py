@@ -144,6 +144,19 @@ class ODBConfig:
             its own planned indices; otherwise processed samples move between ranks through
             torch.distributed (docs/distributed.md says what it costs). "rank": each rank cuts only its
             own ``global_batch_size / world_size`` samples (no sample crosses ranks).
+        composition: with ``global_batch_size``, which samples form each optimizer step
+            (odb.plan.composition). "sampler" (default): the sampler's order, the steps your own loader
+            gives (any sampler, e.g. transformers' ``LengthGroupedSampler``, keeps its steps exactly).
+            "length_grouped": each step made of length-similar samples of a block of
+            ``composition_block_steps`` steps, the block's steps in a shuffled order (the same on every
+            rank), so adjacent steps' lengths do not follow each other; it changes which samples share a
+            step, as group_by_length does (docs/algorithm.md). A name registered with
+            ``odb.plan.composition.register_composition`` is accepted too.
+        composition_block_steps: optimizer steps whose samples a composition reads and composes
+            together (each rank holds their samples meanwhile); more steps make them more alike.
+        composition_warmup_steps: the first optimizer steps of the run (epoch 0) that
+            ``composition="length_grouped"`` runs from short to long samples (a sequence-length
+            warm-up); 0 (default): none.
         join: keep finished ranks in the exchange and emit ghost batches until all
             ranks are done (True), or stop a rank when its data ends (False).
         exchange_timeout_s: how long a rank waits for the others in one exchange.
@@ -217,6 +230,9 @@ class ODBConfig:
     global_batch_size: Optional[int] = None
     micro_batch_cost: Optional[float] = None
     step_plan: StepPlan = "global"
+    composition: str = "sampler"
+    composition_block_steps: int = 16
+    composition_warmup_steps: int = 0
     join: bool = True
     exchange_timeout_s: float = 1800.0
     transfer_chunk_size: int = 16
@@ -318,7 +334,8 @@ PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_s
                 "pack_efficiency", "pad_to_multiple_of", "max_batch_size", "batch_size_multiple", "shape_buckets",
                 "quadratic_length",
                 "max_image_patches", "oversize", "gradient_accumulation_steps", "global_batch_size", "micro_batch_cost",
-                "step_plan", "join", "loss_scaling",
+                "step_plan", "composition", "composition_block_steps", "composition_warmup_steps", "join",
+                "loss_scaling",
                 "budget_schedule", "probe_worst_case", "layout", "sample_cost", "image_patch_cost", "loss_token_cost",
                 "auto_start_budget", "auto_margin",
                 "balance")

@@ -18,6 +18,8 @@ import math
 import numbers
 from typing import TYPE_CHECKING, Any
 
+from odb.plan.composition import COMPOSITIONS
+
 if TYPE_CHECKING:
     from odb.config import ODBConfig
 
@@ -186,6 +188,14 @@ def _check_global_batch(cfg: "ODBConfig") -> None:
     if cfg.step_plan not in ("global", "rank"):
         _fail("step_plan", cfg.step_plan, 'must be "global" (a step planned across ranks) or "rank" (each rank '
               "plans its own share)", 'pass step_plan="global" (the default) or "rank"')
+    if cfg.composition not in COMPOSITIONS:
+        _fail("composition", cfg.composition, f"names no step composition ({sorted(COMPOSITIONS)})",
+              'pass composition="sampler" (the default: your sampler\'s steps) or "length_grouped", or register '
+              "yours with odb.plan.composition.register_composition first")
+    _check_int("composition_block_steps", cfg.composition_block_steps, 1,
+               "pass the optimizer steps composed together, e.g. 16")
+    _check_int("composition_warmup_steps", cfg.composition_warmup_steps, 0,
+               "pass 0 (no warm-up) or the optimizer steps of a short-to-long warm-up")
     if cfg.global_batch_size is not None and cfg.gradient_accumulation_steps != 1:
         _fail("gradient_accumulation_steps", cfg.gradient_accumulation_steps,
               f"must be 1 with global_batch_size={cfg.global_batch_size}: odb then plans each optimizer "
@@ -262,3 +272,11 @@ def _cuda_available() -> bool:
         except ImportError:
             return False
     return bool(torch.cuda.is_available())
+
+
+def check_composition(cfg: "ODBConfig") -> None:
+    """Refuse a step composition without the user's batch (the loader calls it once its batch is resolved)."""
+    if cfg.composition != "sampler" and cfg.global_batch_size is None:
+        _fail("composition", cfg.composition, "composes the optimizer steps of your batch (global_batch_size), and "
+              "budget-filled steps (global_batch_size=None) are windows odb already groups by length",
+              "pass your batch (ODBDataLoader(batch_size=B), or global_batch_size=), or drop composition")

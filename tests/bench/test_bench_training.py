@@ -215,7 +215,8 @@ def test_convergence_arms_take_the_users_samples_per_step():
             f = r["arms"]["fixed"]
             assert f["time_at_target_step_s"] == pytest.approx(f["time_to_target_s"])
     goals_ = convergence_goals({**conv, "accumulations": {"8": conv["accumulations"]["4"]}})
-    assert len(goals_) == 5 and all(isinstance(g["met"], bool) for g in goals_)  # no per-rank arm here: 5 goals
+    # no per-rank arm and no composition arms here: 5 goals, and odb's best arm against the best other one
+    assert len(goals_) == 6 and all(isinstance(g["met"], bool) for g in goals_)
     plans = convergence_goals(conv, "1", plans_only=True)
     assert len(plans) == 2  # odb padded and packed against group_by_length (no per-rank arm here)
     assert plans[0]["read_at_fixed_step"] == ["odb_padded"] and plans[0]["context"] == ["odb_packed"]
@@ -225,6 +226,33 @@ def test_convergence_arms_take_the_users_samples_per_step():
     conv["goals"], conv["model"] = goals_, {"num_hidden_layers": 2, "hidden_size": 128}
     text = convergence_table(conv, markdown=True)
     assert "| odb padded |" in text and "A = 4" in text and "s to target" in text
+
+
+@pytest.mark.timeout(600)
+def test_convergence_composition_arms():
+    """odb on group_by_length's steps holds group_by_length's samples in every step (checked in the run), so its
+    loss per step is group_by_length's; odb length_grouped keeps the user's samples per step (its own steps) and
+    reports its adjacent steps' length correlation."""
+    cap = int(text_data.workload_lengths("heavy-tailed", 16).max())  # B = 1
+    arms = ["fixed", "group_by_length", "odb_gbl_padded", "odb_gbl_packed", "odb_length_grouped"]
+    params = {"device": "cpu", "cap": cap, "threads": 1,
+              "convergence": {"workload": "heavy-tailed", "samples": 16, "epochs": 1, "evals": 2, "base_lr": 1e-3,
+                              "accumulations": [2], "rounds": 1, "extra_epochs": 0, "arms": arms}}
+    part = launch(params, world=2, timeout_s=500)["convergence"]["accumulations"]["2"]
+    m = part["arms"]
+    for arm in ("odb_gbl_padded", "odb_gbl_packed"):
+        assert m[arm]["reference"] == "group_by_length" and m[arm]["same_samples_as_reference"], arm
+        gbl = {p["step"]: p["median"] for p in m["group_by_length"]["loss_by_step"]}
+        mine = {p["step"]: p["median"] for p in m[arm]["loss_by_step"]}
+        assert set(mine) == set(gbl) and all(abs(mine[k] - gbl[k]) < 1e-3 for k in mine), (arm, mine, gbl)
+    lg = m["odb_length_grouped"]
+    assert lg["steps"] == m["fixed"]["steps"] and lg["samples_per_step"] == m["fixed"]["samples_per_step"]
+    assert not lg["same_samples_as_reference"]  # its own steps: read on its own curve
+    assert lg["time_read_s"] == lg["time_to_target_s"]
+    assert all(m[a]["adjacent_correlation"] is not None for a in arms)
+    names = [g["goal"] for g in convergence_goals({"accumulations": {"8": part}})]
+    assert any("group_by_length's steps / group_by_length" in n for n in names)
+    assert any("adjacent steps' mean-length correlation" in n for n in names)
 
 
 @pytest.mark.timeout(120)

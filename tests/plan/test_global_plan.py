@@ -351,3 +351,24 @@ def test_step_efficiency_counts_ghosts_as_overhead():
     ddp, fsdp = step_efficiency(np.array([40, 10, 30]), plan, cost, 10.0)
     assert ddp == pytest.approx((80 / 2 + 10) / (50 + 20))
     assert fsdp == pytest.approx((80 / 2 + 10) / ((40 + 10) + (10 + 10)))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_max_micro_steps_holds_the_loaders_messages(layout):
+    """Few samples per rank, one of them long: the least slowest rank may want more micro-steps than a rank's
+    share (one long sample alone on one rank, the others one by one on the other), which the loader's per-step
+    messages cannot hold; ``max_micro_steps`` keeps the plan within it, every sample still planned once."""
+    cost = CostModel((472,), layout=layout)
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        world = int(rng.integers(2, 4))
+        share = int(rng.integers(1, 4))
+        lengths = rng.integers(50, 473, size=world * share)
+        free = plan_global_step(lengths, world, cost, overhead=29.5)
+        capped = plan_global_step(lengths, world, cost, overhead=29.5, max_micro_steps=share)
+        assert capped.micro_steps <= share, (lengths.tolist(), free.micro_steps)
+        planned = sorted(int(i) for groups in capped.ranks for g in groups for i in g)
+        assert planned == list(range(len(lengths)))
+    lengths = np.array([177, 143, 215, 472])  # found on the convergence benchmark's text (B = 1, 2 ranks)
+    assert plan_global_step(lengths, 2, cost, overhead=29.5).micro_steps == 3
+    assert plan_global_step(lengths, 2, cost, overhead=29.5, max_micro_steps=2).micro_steps == 2

@@ -57,6 +57,9 @@ def make(case: str) -> Any:
     if case == "global_batch_packed":
         packed = dict(common, collate_fn=odb.PackedCollate())  # (the collate makes no difference to the plan)
         return odb.ODBDataLoader(data, token_budget=128, global_batch_size=16, layout="packed", **packed), None
+    if case == "length_grouped":  # saved inside a composed block (its queued steps held), inside a step
+        return odb.ODBDataLoader(data, token_budget=96, global_batch_size=16, composition="length_grouped",
+                                 composition_block_steps=4, **common), None
     if case == "auto":
         stepper = Stepper()
         loader = odb.ODBDataLoader(data, token_budget="auto", memory_cap_bytes=136 * 300,
@@ -66,7 +69,8 @@ def make(case: str) -> Any:
     raise KeyError(case)
 
 
-CASES = {"padded_accumulation": 7, "global_batch_packed": 9, "auto": 25}  # case -> batches before the save
+# case -> batches before the save (length_grouped: from version 5, which added step compositions)
+CASES = {"padded_accumulation": 7, "global_batch_packed": 9, "auto": 25, "length_grouped": 11}
 
 
 def records(loader: Any, step: Any, limit: Any = None) -> List[Any]:

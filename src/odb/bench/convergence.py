@@ -51,19 +51,31 @@ from torch.utils.data import DataLoader, DistributedSampler
 import odb
 
 from odb.bench.verdict import paired_spread, straddles
+from odb.plan.composition import adjacent_correlation
 from odb.bench.text_data import PAD_ID, TextSamples, held_out_batch, pad_collate, workload_lengths
 from odb.bench.training_arms import PACKED_ATTN, fixed_batch_size, trl_rows
 from odb.bench.training_run import _autocast, _counts, _reduce, build_model, wrap
 
 ARMS = ("fixed", "group_by_length", "batch_rebalance", "trl_packing", "odb_padded", "odb_packed",
-        "odb_budget_filled", "odb_padded_rank")
+        "odb_budget_filled", "odb_padded_rank", "odb_gbl_padded", "odb_gbl_packed", "odb_length_grouped",
+        "odb_length_grouped_packed")
 SAME_UPDATES = ("fixed", "group_by_length", "batch_rebalance", "odb_padded", "odb_packed",
-                "odb_padded_rank")  # exactly G per step
-ODB = ("odb_padded", "odb_packed", "odb_budget_filled", "odb_padded_rank")
-ATTENTION = {"trl_packing": PACKED_ATTN, "odb_packed": PACKED_ATTN}
+                "odb_padded_rank", "odb_gbl_padded", "odb_gbl_packed", "odb_length_grouped",
+                "odb_length_grouped_packed")  # exactly G per step
+ODB = ("odb_padded", "odb_packed", "odb_budget_filled", "odb_padded_rank", "odb_gbl_padded", "odb_gbl_packed",
+       "odb_length_grouped", "odb_length_grouped_packed")
+PACKED = ("odb_packed", "odb_gbl_packed", "odb_length_grouped_packed")
+ATTENTION = {"trl_packing": PACKED_ATTN, **{a: PACKED_ATTN for a in PACKED}}
 LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
           "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
-          "odb_budget_filled": "odb budget-filled", "odb_padded_rank": "odb padded, per-rank plan"}
+          "odb_budget_filled": "odb budget-filled", "odb_padded_rank": "odb padded, per-rank plan",
+          "odb_gbl_padded": "odb padded on group_by_length's steps",
+          "odb_gbl_packed": "odb packed on group_by_length's steps",
+          "odb_length_grouped": "odb length_grouped", "odb_length_grouped_packed": "odb length_grouped packed"}
+# The arm whose steps an arm holds, checked in every round (batch_digest): odb on group_by_length's steps holds
+# group_by_length's; the other same-update arms fixed's, except the compositions that choose their own.
+REFERENCE = {"odb_gbl_padded": "group_by_length", "odb_gbl_packed": "group_by_length"}
+OWN_STEPS = ("odb_length_grouped", "odb_length_grouped_packed", "group_by_length")
 
 FLOAT_TOLERANCE = 1e-4  # of the loss-per-step comparison, beside the rounds' spread: float32 sums in another order
 Micro = Dict[str, Any]  # {"batch", "scale" (None: from the step's token count), "samples", "ghost"}
@@ -171,6 +183,26 @@ def _equalize(dealt: List[List[List[Any]]], rank: int) -> List[List[Any]]:
     return out
 
 
+class _LengthGroupedOrder:
+    """group_by_length's order of an epoch (``LengthGroupedSampler(megabatch_samples)`` seeded as the
+    group_by_length arm seeds it), for ``odb.BatchShardSampler`` to deal."""
+
+    def __init__(self, lengths: List[int], megabatch_samples: int, seed: int) -> None:
+        self.lengths, self.size, self.seed, self.epoch = lengths, megabatch_samples, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self) -> Iterator[int]:
+        from transformers.trainer_pt_utils import LengthGroupedSampler
+
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        return iter(list(LengthGroupedSampler(self.size, lengths=self.lengths, generator=g)))
+
+
 class _Arm:
     """One arm's loader and its optimizer steps on this rank: a list of micro-batches per step."""
 
@@ -184,6 +216,8 @@ class _Arm:
         self.settings = ""
         if arm in ("fixed",) + ODB:
             self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        if arm in ("odb_gbl_padded", "odb_gbl_packed"):  # group_by_length's order, dealt as accelerate deals it
+            self.sampler = odb.BatchShardSampler(_LengthGroupedOrder(self.lengths, b * acc, seed), b, world, rank)
         if arm == "fixed":
             self.loader: Any = DataLoader(dataset, batch_size=b, sampler=self.sampler, collate_fn=pad_collate)
             self.settings = f"DataLoader(batch_size={b}), DistributedSampler, {acc} micro-batches per step"
@@ -207,7 +241,7 @@ class _Arm:
             self.trl_collate = DataCollatorForLanguageModeling(pad_token_id=PAD_ID, padding_free=True)
         elif arm in ODB:
             options: Dict[str, Any] = {"shift_labels": True}
-            options.update({"layout": "packed"} if arm == "odb_packed" else {"collate_fn": pad_collate})
+            options.update({"layout": "packed"} if arm in PACKED else {"collate_fn": pad_collate})
             if arm == "odb_budget_filled":
                 options["gradient_accumulation_steps"] = acc
                 self.settings = (f"ODBDataLoader(token_budget={cap}, gradient_accumulation_steps={acc}): today's "
@@ -216,10 +250,14 @@ class _Arm:
                 options["global_batch_size"] = self.g
                 if arm == "odb_padded_rank":
                     options["step_plan"] = "rank"
+                if arm.startswith("odb_length_grouped"):
+                    options["composition"] = "length_grouped"
                 self.settings = (f"ODBDataLoader(token_budget={cap}, global_batch_size={self.g}"
                                  + (", step_plan='rank'" if arm == "odb_padded_rank" else "")
-                                 + (", layout='packed'), odb_varlen" if arm == "odb_packed" else ")")
-                                 + ", the DistributedSampler of fixed")
+                                 + (", composition='length_grouped'" if arm.startswith("odb_length_grouped") else "")
+                                 + (", layout='packed'), odb_varlen" if arm in PACKED else ")")
+                                 + (", BatchShardSampler(group_by_length's LengthGroupedSampler)"
+                                    if arm.startswith("odb_gbl") else ", the DistributedSampler of fixed"))
             self.loader = odb.ODBDataLoader(dataset, token_budget=cap, sampler=self.sampler, seed=seed, **options)
         else:
             raise ValueError(f"unknown convergence arm {arm!r}; known: {', '.join(ARMS)}")
@@ -337,6 +375,7 @@ class _Run:
         self.wait_s = 0.0
         self.at_epochs: Dict[str, Any] = {}
         self.digests: List[int] = []  # per optimizer step: batch_digest summed over its micro-batches and ranks
+        self.step_tokens: List[Tuple[float, float]] = []  # per optimizer step: (real tokens, samples), all ranks
 
     def _evaluate(self) -> float:
         module = getattr(self.model, "module", self.model)
@@ -372,6 +411,8 @@ class _Run:
         for micro in self.loaders.steps(epoch):
             t = time.perf_counter()  # what the step holds, for the check against fixed's steps: off the clock
             self.digests.append(sum(batch_digest(m["batch"]) for m in micro if not m["ghost"]))
+            self.step_tokens.append((float(sum(_counts(m["batch"])[0] for m in micro if not m["ghost"])),
+                                     float(sum(m["samples"] for m in micro if not m["ghost"]))))
             paused += time.perf_counter() - t
             self._step(micro)
             self.steps += 1
@@ -383,6 +424,8 @@ class _Run:
             torch.distributed.barrier()
         wall = _reduce([time.perf_counter() - start - paused], "MAX", self.world)[0]  # the slowest rank's
         self.digests[first:] = [int(d) for d in _reduce([float(d) for d in self.digests[first:]], "SUM", self.world)]
+        flat = _reduce([v for pair in self.step_tokens[first:] for v in pair], "SUM", self.world)
+        self.step_tokens[first:] = list(zip(flat[0::2], flat[1::2]))
         self.train_s, self.epochs = self.train_s + wall, self.epochs + 1
         self.wait_s += self.loaders.wait
         if self.curve[-1][1] != self.steps:
@@ -423,8 +466,6 @@ def _round(arms: Sequence[str], dataset: TextSamples, rows: Any, params: Dict[st
     equal_s = min(r.at_epochs["train_s"] for r in runs.values())
     out: Dict[str, Any] = {"seed": seed, "target_loss": target, "equal_time_s": equal_s, "eval_every_steps": every,
                            "arms": {}}
-    fixed = runs.get("fixed")
-    fixed_step = None if fixed is None else time_to_loss([(k, v) for _, k, v in fixed.curve], target)
     for a, run in runs.items():
         curve = [(s, v) for s, _, v in run.curve]
         out["arms"][a] = {**run.at_epochs, "settings": run.loaders.settings,
@@ -433,13 +474,20 @@ def _round(arms: Sequence[str], dataset: TextSamples, rows: Any, params: Dict[st
                           "epochs_trained": run.epochs,
                           "target_step": time_to_loss([(k, v) for _, k, v in run.curve], target),
                           "curve": [{"s": s, "step": k, "loss": v} for s, k, v in run.curve]}
-        if fixed is not None:
-            same = sum(x == y for x, y in zip(run.digests, fixed.digests))
-            as_fixed = same == len(fixed.digests) <= len(run.digests)
+        means = [t / n for t, n in run.step_tokens[:run.at_epochs["steps"]] if n]
+        out["arms"][a]["adjacent_correlation"] = adjacent_correlation(means)
+        ref_name = REFERENCE.get(a, "fixed")
+        ref = runs.get(ref_name)
+        if ref is not None:  # does every step hold its reference's samples? Then it is read at the reference's step
+            same = sum(x == y for x, y in zip(run.digests, ref.digests))
+            as_ref = same == len(ref.digests) <= len(run.digests)
+            ref_step = time_to_loss([(k, v) for _, k, v in ref.curve], target)
             out["arms"][a].update({
-                "steps_as_fixed": same, "steps_compared": len(fixed.digests), "same_samples_as_fixed": as_fixed,
-                "time_at_target_step_s": (loss_at([(k, s) for s, k, _ in run.curve], fixed_step)
-                                          if as_fixed and fixed_step is not None else None)})
+                "reference": ref_name, "steps_as_reference": same, "steps_compared": len(ref.digests),
+                "same_samples_as_reference": as_ref, "same_samples_as_fixed": as_ref and ref_name == "fixed",
+                "steps_as_fixed": same if ref_name == "fixed" else 0,
+                "time_at_target_step_s": (loss_at([(k, s) for s, k, _ in run.curve], ref_step)
+                                          if as_ref and ref_step is not None else None)})
         if rank == 0:
             m = out["arms"][a]
             t = m["time_to_target_s"]
@@ -463,7 +511,7 @@ def read_time(arm_round: Dict[str, Any]) -> Optional[float]:
         >>> read_time({"time_to_target_s": 9.0, "same_samples_as_fixed": False, "time_at_target_step_s": None})
         9.0
     """
-    if arm_round.get("same_samples_as_fixed"):
+    if arm_round.get("same_samples_as_reference", arm_round.get("same_samples_as_fixed")):
         return arm_round.get("time_at_target_step_s")
     return arm_round.get("time_to_target_s")
 
@@ -486,6 +534,9 @@ def summarize(rounds: List[Dict[str, Any]], world: int) -> Dict[str, Any]:
             "time_to_target_s": spread([p["time_to_target_s"] for p in per]),
             "reached": sum(p["time_to_target_s"] is not None for p in per),
             "same_samples_as_fixed": all(p.get("same_samples_as_fixed") for p in per),
+            "reference": first.get("reference"),
+            "same_samples_as_reference": all(p.get("same_samples_as_reference") for p in per),
+            "adjacent_correlation": spread([p.get("adjacent_correlation") for p in per]),
             "steps_as_fixed": sum(p.get("steps_as_fixed", 0) for p in per),
             "steps_compared": sum(p.get("steps_compared", 0) for p in per),
             "time_read_s": spread([read_time(p) for p in per]),
@@ -593,6 +644,7 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = F
         ratio_goal("odb packed / group_by_length", "odb_packed", "group_by_length", 1.0)
         ratio_goal("odb padded (global plan) / odb padded, per-rank plan", "odb_padded", "odb_padded_rank", 1.0)
         return out
+    composition_goals(part, acc, ratio_goal, out)
     ratio_goal("odb padded / fixed", "odb_padded", "fixed", 0.5)
     ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0)
     ratio_goal("odb packed / group_by_length", "odb_packed", "group_by_length", 0.85)
@@ -605,6 +657,38 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = F
                         "target": None if gap is None else gap["spread_there"], "met": bool(gap and gap["within"]),
                         "gap": gap, "arms": [arm, "fixed"]})
     return out
+
+
+def composition_goals(part: Dict[str, Any], acc: str, ratio_goal: Any, out: List[Dict[str, Any]]) -> None:
+    """The step compositions' goals at accumulation ``acc``: odb on group_by_length's steps against
+    group_by_length (its time and its loss per step), ``length_grouped`` against group_by_length (time, adjacent
+    steps' length correlation), and odb's best arm against the best other arm."""
+    arms = part["arms"]
+    ratio_goal("odb padded on group_by_length's steps / group_by_length", "odb_gbl_padded", "group_by_length", 0.95)
+    ratio_goal("odb packed on group_by_length's steps / group_by_length", "odb_gbl_packed", "group_by_length", 0.9)
+    ratio_goal("odb length_grouped / group_by_length", "odb_length_grouped", "group_by_length", 1.0,
+               context=("odb_length_grouped_packed",))
+    for arm in ("odb_gbl_padded", "odb_gbl_packed"):
+        if arm in arms and "group_by_length" in arms:
+            gap = curve_gap(part, arm, "group_by_length")
+            out.append({"goal": f"convergence (2 ranks, A = {acc}): {LABELS[arm]}: loss per optimizer step = "
+                                f"group_by_length's within the rounds' spread",
+                        "measured": None if gap is None else gap["max_gap"],
+                        "target": None if gap is None else gap["spread_there"], "met": bool(gap and gap["within"]),
+                        "gap": gap, "arms": [arm, "group_by_length"]})
+    if "odb_length_grouped" in arms and "group_by_length" in arms:
+        mine = (arms["odb_length_grouped"].get("adjacent_correlation") or {}).get("median")
+        theirs = (arms["group_by_length"].get("adjacent_correlation") or {}).get("median")
+        out.append({"goal": f"convergence (2 ranks, A = {acc}): adjacent steps' mean-length correlation, odb "
+                            f"length_grouped (group_by_length: {'-' if theirs is None else f'{theirs:.2f}'})",
+                    "measured": mine, "target": 0.2, "met": mine is not None and mine <= 0.2,
+                    "lower_is_better": True, "arms": ["odb_length_grouped", "group_by_length"]})
+    read = {a: (m.get("time_read_s") or {}).get("median") for a, m in arms.items() if a != "odb_budget_filled"}
+    ours = {a: t for a, t in read.items() if a in ODB and t is not None}
+    others = {a: t for a, t in read.items() if a not in ODB and t is not None}
+    if ours and others:
+        best, other = min(ours, key=ours.get), min(others, key=others.get)
+        ratio_goal(f"odb's best arm ({LABELS[best]}) / the best other arm ({LABELS[other]})", best, other, 1.0)
 
 
 CAP = 4096

@@ -185,7 +185,8 @@ class GlobalStep:
         if cfg.oversize != "skip":
             self.check_length(int(table.lengths.sum(axis=1).max()))  # refuses what no batch can hold (auto's cap)
         planned = plan_global_step(table.lengths, self.world, planner.cost, planner.step_overhead(), side,
-                                   alone=cfg.oversize == "alone" and not cfg.auto)
+                                   alone=cfg.oversize == "alone" and not cfg.auto,
+                                   max_micro_steps=self.step_samples)  # what the step's messages hold
         if not len(planned.oversize):
             return planned
         alone: List[int] = []

@@ -7,7 +7,7 @@ Its state is the run state's ``position`` (odb.epoch.run_state.POSITION_KEYS), w
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from odb.epoch.cursor import Cursor
 from odb.epoch.run_state import retained_positions
@@ -47,10 +47,12 @@ class RunPosition:
         self.since += 1
         return Cursor(self.snapshot, self.since, dataclasses.replace(stats))
 
-    def state_dict(self, emitted: Dict[str, Any]) -> Dict[str, Any]:
-        """The run state's ``position``, ``emitted`` (the emission's keys) in their place."""
+    def state_dict(self, emitted: Dict[str, Any], composed: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """The run state's ``position``, ``emitted`` (the emission's keys) and ``composed`` (the step composer's,
+        odb.epoch.composer; None without one) in their place."""
         return {"arrived": self.arrived, "planned_final": self.planned_final, "window_index": self.window_index,
-                "step": self.step, **emitted, "layers": self.layers, "stream": None, "step_tokens": None}
+                "step": self.step, **emitted, "composed": composed, "layers": self.layers, "stream": None,
+                "step_tokens": None}
 
     def cut_stream(self, run: Dict[str, Any]) -> None:
         """Record in the run state ``run`` the latest restart point of the stream before every retained

@@ -24,8 +24,10 @@ from odb.epoch.pool import SamplePool
 from odb.epoch.position import RunPosition
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
-from odb.epoch.run_state import retained_positions
+from odb.epoch.composer import StepComposer
+from odb.epoch.run_state import composed_positions, retained_positions
 from odb.epoch.windows import WindowGroups, window_strategy
+from odb.plan.composition import make_composition
 from odb.plan.pairing import make_pairing
 from odb.data.source import SampleSource
 from odb.epoch.stats import EpochStats
@@ -69,9 +71,13 @@ class EpochRun:
         # How windows are read and planned (odb.epoch.windows); step_plan="global": each optimizer step planned
         # across ranks, samples moving between them unless they are dataset indices (move_samples=False: known
         # lengths); drop_last keeps a partial last step's whole batches of the user's (batch_unit).
+        # Which samples form each optimizer step (odb.epoch.composer; with global_batch_size only)
+        self.composer = None if step_samples is None else StepComposer(
+            make_composition(cfg.composition, block_steps=cfg.composition_block_steps,
+                             warmup_steps=cfg.composition_warmup_steps), step_samples, seed=seed, epoch=epoch)
         self.windows = window_strategy(groups, exchange, step_samples=step_samples, total=total,
                                        drops=DropLast(drop_last, batch_unit), move_samples=move_samples,
-                                       register=self.register)
+                                       register=self.register, composer=self.composer)
         self.position = RunPosition(stream_marks)
         self.emission = StepEmission()
         # Batches left to collate (LazyBatch) by whichever thread needs them first (odb.epoch.pipeline).
@@ -115,7 +121,8 @@ class EpochRun:
         """This epoch's state as plain data (between batches; O(samples held)), one part per unit: the run's
         own place in the epoch (``position``), the window planner's, the rank aligner's, the counters' and the
         window budget's (odb.epoch.run_state.RUN_KEYS)."""
-        position = self.position.state_dict(self.emission.state_dict())
+        position = self.position.state_dict(self.emission.state_dict(),
+                                            None if self.composer is None else self.composer.state_dict())
         state = {"position": position, "planner": self.planner.state_dict(), "aligner": self.aligner.state_dict(),
                  "stats": self.stats.state_dict(), "budget": self.budget.state_dict()}
         self.position.cut_stream(state)
@@ -136,7 +143,10 @@ class EpochRun:
         for row in position["pending"] + position["micro"]:
             if row[0] is not None:
                 emitted -= set(int(i) for i in row[0])
+        emitted -= composed_positions(position)
         self.pool.forget(emitted)  # only the ghost's sample: it was emitted for real before
+        if self.composer is not None:
+            self.composer.reset(position["composed"])
         self.emission.load_state_dict(position, samples)
         self.position.load_state_dict(position)
         self.aligner.load_state_dict(state["aligner"])
@@ -159,12 +169,10 @@ class EpochRun:
 
     # ---- window and plan -----------------------------------------------------------
     def _read_window(self) -> Tuple[List[int], bool]:
-        records, ended = self.windows.read(self.source, self.position.arrived)
-        ids = []
+        records, ids, ended = self.windows.read(self.source, self.position.arrived)
         for sid, index, sample, meta in records:
             self.register(int(sid), int(index), sample, meta)
             self.position.arrived += 1
-            ids.append(int(sid))
         return ids, ended
 
     def _plan_next_window(self) -> List[Step]:

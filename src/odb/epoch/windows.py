@@ -30,6 +30,7 @@ import numpy as np
 from odb.config import ODBConfig
 from odb.data.source import SampleSource
 from odb.epoch.budget import WindowBudget
+from odb.epoch.composer import StepComposer
 from odb.epoch.drop_last import DropLast
 from odb.epoch.global_step import GlobalStep
 from odb.epoch.pool import SamplePool
@@ -56,9 +57,9 @@ class Windows(Protocol):
         """Whether batches that fill little of the token budget say something of the data (a step's samples
         set the fill of step windows)."""
 
-    def read(self, source: SampleSource, arrived: int) -> Tuple[List[Record], bool]:
-        """The next window's records from ``source`` (``arrived``: samples read so far this epoch), and
-        whether the data has ended."""
+    def read(self, source: SampleSource, arrived: int) -> Tuple[List[Record], List[int], bool]:
+        """The records read from ``source`` now (``arrived``: samples read so far this epoch), the positions
+        of the next window's samples (the run holds both), and whether the data has ended with the window."""
 
     def plan(self, ids: List[int], *, fresh: bool, final: bool, window_index: int, alone: bool) -> List[Step]:
         """The steps of the window of positions ``ids`` (``fresh``: read now, rather than the end of the data
@@ -196,11 +197,12 @@ class BudgetWindows:
     def micro_steps(self) -> Optional[int]:
         return self.groups.cfg.gradient_accumulation_steps
 
-    def read(self, source: SampleSource, arrived: int) -> Tuple[List[Record], bool]:
+    def read(self, source: SampleSource, arrived: int) -> Tuple[List[Record], List[int], bool]:
         g = self.groups
         remaining = None if self.total is None else max(self.total - arrived, 0)
-        return source.take(*window_limits(g.cfg, g.stats.windows, remaining, len(g.planner.carried_ids),
-                                          g.planner.window_tokens))
+        records, ended = source.take(*window_limits(g.cfg, g.stats.windows, remaining, len(g.planner.carried_ids),
+                                                    g.planner.window_tokens))
+        return records, [int(r[0]) for r in records], ended
 
     def plan(self, ids: List[int], *, fresh: bool, final: bool, window_index: int, alone: bool) -> List[Step]:
         return self.groups.steps(self._cut, ids, fresh=fresh, final=final, window_index=window_index, alone=alone)
@@ -222,21 +224,17 @@ class BudgetWindows:
 
 class StepWindows:
     """Each window exactly the next optimizer step's ``step_samples`` samples of this rank (fewer at the
-    end), planned whole; ``drops``: what drop_last keeps of a partial last step."""
+    end), as ``composer`` composes them (odb.epoch.composer: the sampler's order by default), planned whole;
+    ``drops``: what drop_last keeps of a partial last step."""
 
     micro_steps: Optional[int] = None  # all of a window's steps make one optimizer step
     fill_warning = False  # a step's samples set the fill
 
-    def __init__(self, groups: WindowGroups, step_samples: int, drops: DropLast) -> None:
-        self.groups, self.step_samples, self.drops = groups, step_samples, drops
+    def __init__(self, groups: WindowGroups, step_samples: int, drops: DropLast, composer: StepComposer) -> None:
+        self.groups, self.step_samples, self.drops, self.composer = groups, step_samples, drops, composer
 
-    def read(self, source: SampleSource, arrived: int) -> Tuple[List[Record], bool]:
-        records: List[Record] = []
-        ended = False
-        while len(records) < self.step_samples and not ended:
-            more, ended = source.take(self.step_samples - len(records), None)
-            records.extend(more)
-        return records, ended
+    def read(self, source: SampleSource, arrived: int) -> Tuple[List[Record], List[int], bool]:
+        return self.composer.next_step(source)
 
     def plan(self, ids: List[int], *, fresh: bool, final: bool, window_index: int, alone: bool) -> List[Step]:
         return self.groups.steps(self._cut, ids, fresh=fresh, final=final, window_index=window_index, alone=alone)
@@ -264,7 +262,7 @@ class GlobalStepWindows:
     def __init__(self, step: GlobalStep, alone: StepWindows, stats: EpochStats, budget: WindowBudget) -> None:
         self.step, self.alone, self.stats, self.budget = step, alone, stats, budget
 
-    def read(self, source: SampleSource, arrived: int) -> Tuple[List[Record], bool]:
+    def read(self, source: SampleSource, arrived: int) -> Tuple[List[Record], List[int], bool]:
         return self.alone.read(source, arrived)
 
     def plan(self, ids: List[int], *, fresh: bool, final: bool, window_index: int, alone: bool) -> List[Step]:
@@ -276,14 +274,15 @@ class GlobalStepWindows:
 
 
 def window_strategy(groups: WindowGroups, exchange: Any, *, step_samples: Optional[int], total: Optional[int],
-                    drops: DropLast, move_samples: bool, register: Callable[[int, int, Any, Any], None]) -> Windows:
+                    drops: DropLast, move_samples: bool, register: Callable[[int, int, Any, Any], None],
+                    composer: Optional[StepComposer]) -> Windows:
     """The windows of an epoch: budget-filled without ``step_samples`` (a rank's share of
-    ``global_batch_size``), else step windows, planned across ranks with ``step_plan="global"`` and an
-    ``exchange`` (samples move between ranks unless ``move_samples`` is False: known lengths; ``register``
-    holds what arrives)."""
-    if step_samples is None:
+    ``global_batch_size``), else step windows as ``composer`` composes them, planned across ranks with
+    ``step_plan="global"`` and an ``exchange`` (samples move between ranks unless ``move_samples`` is False:
+    known lengths; ``register`` holds what arrives)."""
+    if step_samples is None or composer is None:
         return BudgetWindows(groups, total=total, drop_last=drops.enabled)
-    per_rank = StepWindows(groups, step_samples, drops)
+    per_rank = StepWindows(groups, step_samples, drops, composer)
     if exchange is None or groups.cfg.step_plan != "global":
         return per_rank
     budget = groups.budget

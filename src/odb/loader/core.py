@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from odb.arguments import check_in_order
 from odb.comm.dist import GroupExchanges
 from odb.comm.protocol import ExchangeFactory
+from odb.config_rules import check_composition
 from odb.config import ODBConfig
 from odb.data.bucket_collate import PadToBucket
 from odb.data.collate_check import PaddingHint
@@ -120,6 +121,7 @@ class LoaderCore:
         self.checks = BatchChecks(cfg, lambda: budget.options)
         self.plan_options = PlanOptions()
         cfg.step_samples(self.world()[1])  # refuses a global_batch_size that the ranks cannot share, now
+        check_composition(cfg)
         weakref.finalize(owner, self.release)
 
     @property

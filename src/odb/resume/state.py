@@ -32,9 +32,9 @@ import copy
 from typing import Any, Dict, Optional
 
 from odb.epoch.cursor import Cursor
-from odb.epoch.run_state import POSITION_KEYS, RUN_KEYS, copy_row, upgrade_run_v3
+from odb.epoch.run_state import POSITION_KEYS, RUN_KEYS, copy_row, upgrade_run_v3, upgrade_run_v4
 
-STATE_VERSION = 4  # 4: nested by unit (3: one flat namespace, token_budget="auto" beside it as "auto")
+STATE_VERSION = 5  # 5: the step composer's part; 4: nested by unit (3: one flat namespace, "auto" beside it)
 OLDEST_VERSION = 3  # the oldest saved state this version upgrades
 TOP_KEYS = {"odb_state_version", "epoch", "seed", "world_size", "rank", "dataset_len", "iterable", "options",
             "sampler", "num_workers", "budget", "run"}
@@ -46,16 +46,22 @@ def upgrade(state: Any) -> Any:
 
     Example:
         >>> upgrade({"odb_state_version": 3, "epoch": 1, "run": None})
-        {'odb_state_version': 4, 'epoch': 1, 'run': None, 'budget': None}
+        {'odb_state_version': 5, 'epoch': 1, 'run': None, 'budget': None}
     """
-    if not isinstance(state, dict) or state.get("odb_state_version") != 3:
+    if not isinstance(state, dict) or state.get("odb_state_version") not in (3, 4):
         return state
-    out = {k: v for k, v in state.items() if k != "auto"}
-    auto = state.get("auto")
-    window = auto.get("window") if auto is not None else None
-    out["budget"] = None if auto is None else {k: v for k, v in auto.items() if k != "window"}
-    if state.get("run") is not None:
-        out["run"] = upgrade_run_v3(state["run"], window)
+    out = dict(state)
+    if state["odb_state_version"] == 3:
+        out = {k: v for k, v in state.items() if k != "auto"}
+        auto = state.get("auto")
+        window = auto.get("window") if auto is not None else None
+        out["budget"] = None if auto is None else {k: v for k, v in auto.items() if k != "window"}
+        if state.get("run") is not None:
+            out["run"] = upgrade_run_v3(state["run"], window)
+    if out.get("run") is not None:
+        out["run"] = upgrade_run_v4(out["run"])
+    if isinstance(out.get("options"), dict):  # saved before step compositions: its steps were the sampler's
+        out["options"] = {"composition": "sampler", **out["options"]}
     out["odb_state_version"] = STATE_VERSION
     return out
 
@@ -77,6 +83,8 @@ def cursor_state(cursor: Cursor, accumulation: Optional[int]) -> Dict[str, Any]:
     position = dict(at, step=int(at["step"]) + cursor.since, micro_pos=pos,
                     micro=[[None] + row[1:] if k < pos else copy_row(row) for k, row in enumerate(micro)],
                     pending=[copy_row(row) for row in pending],
+                    composed=None if at["composed"] is None else dict(at["composed"], queued=[
+                        list(step) for step in at["composed"]["queued"]]),
                     layers=[dict(layer, arrived=list(layer["arrived"]), kept=list(layer["kept"]))
                             for layer in at["layers"]],
                     step_tokens=list(cursor.step_tokens) if cursor.step_tokens is not None and pos < len(micro)

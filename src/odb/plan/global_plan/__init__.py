@@ -74,8 +74,8 @@ __all__ = ["GlobalStepPlan", "plan_global_step", "step_efficiency"]
 
 
 def plan_global_step(lengths: np.ndarray, world: int, cost: CostModel, overhead: float,
-                     patches: Optional[np.ndarray] = None, alone: bool = False, *, fsdp: Optional[bool] = None
-                     ) -> GlobalStepPlan:
+                     patches: Optional[np.ndarray] = None, alone: bool = False, *, fsdp: Optional[bool] = None,
+                     max_micro_steps: Optional[int] = None) -> GlobalStepPlan:
     """Assign one step's samples to W ranks x M micro-batches, each within the budget, so that the slowest
     rank costs little (the module docstring says how).
 
@@ -92,6 +92,10 @@ def plan_global_step(lengths: np.ndarray, world: int, cost: CostModel, overhead:
             costliest micro-batch costlier. False (DDP: the ranks meet once a step): the slowest rank alone, which
             may unbalance micro-steps for a little gain (the module docstring has figures). True (FSDP: they meet
             at every micro-step): that sum first, the slowest rank second, micro-steps protected.
+        max_micro_steps: the most micro-steps the plan may take (the loader's per-step messages hold a rank's
+            share, one entry per micro-step): a plan that would slow its slowest rank least with more (few
+            samples per rank, one of them long) is not considered. None: no limit. It never goes below the
+            fewest micro-steps the budget allows.
 
     Returns a ``GlobalStepPlan``. Every sample not oversize is in exactly one micro-batch; every micro-batch
     fits the budget (as ``cost.max_counts_sorted`` / ``odb.plan.packing`` say) and, padded, has a size that
@@ -133,5 +137,5 @@ def plan_global_step(lengths: np.ndarray, world: int, cost: CostModel, overhead:
     cost.check_dims(lengths.shape[1])
     side = None if patches is None else np.asarray(patches)
     if cost.packed:
-        return _plan_packed(lengths, world, cost, overhead, side, alone, fsdp)
-    return _plan_padded(lengths, world, cost, overhead, side, alone, fsdp)
+        return _plan_packed(lengths, world, cost, overhead, side, alone, fsdp, max_micro_steps)
+    return _plan_padded(lengths, world, cost, overhead, side, alone, fsdp, max_micro_steps)

@@ -101,7 +101,8 @@ def _split_rows(rows: List[np.ndarray], weight_of: np.ndarray, target: int) -> L
 
 
 def _plan_packed(lengths: np.ndarray, world: int, cost: CostModel, overhead: float,
-                 side: Optional[np.ndarray], alone: bool, fsdp: Optional[bool]) -> GlobalStepPlan:
+                 side: Optional[np.ndarray], alone: bool, fsdp: Optional[bool],
+                 max_micro_steps: Optional[int] = None) -> GlobalStepPlan:
     protect, fsdp = fsdp is not False, fsdp is True
     n_all = len(lengths)
     positions, fill, over = _sorted_sizes(lengths, np.arange(n_all), cost, side)  # fill: padded weights (budget)
@@ -144,7 +145,8 @@ def _plan_packed(lengths: np.ndarray, world: int, cost: CostModel, overhead: flo
     m = max(1, -(-(max(1, int(math.ceil(rows_lb - 1e-9))) + a) // world))
     bfd: Optional[List[np.ndarray]] = None
     misses = 0
-    while m <= n + a:
+    last = n + a if max_micro_steps is None else max(min(n + a, max_micro_steps), m)
+    while m <= last:
         if best is not None and lb_total + m * overhead >= _primary(best, fsdp) - 1e-9:
             break
         k = world * m - a

@@ -46,7 +46,8 @@ def _fill_by_splits(runs: List[Tuple[int, int]], costs: List[float], target: int
 
 
 def _plan_padded(lengths: np.ndarray, world: int, cost: CostModel, overhead: float,
-                 side: Optional[np.ndarray], alone: bool, fsdp: Optional[bool]) -> GlobalStepPlan:
+                 side: Optional[np.ndarray], alone: bool, fsdp: Optional[bool],
+                 max_micro_steps: Optional[int] = None) -> GlobalStepPlan:
     protect, fsdp = fsdp is not False, fsdp is True
     n_all = len(lengths)
     pool = SortedPool.of(lengths, np.arange(n_all), cost, side)
@@ -134,6 +135,8 @@ def _plan_padded(lengths: np.ndarray, world: int, cost: CostModel, overhead: flo
         min_runs = int(runs_of.count(0, math.inf, n))
         m0 = max(1, -(-(min_runs + a) // world))
         m_max = max(m0, n + a)  # past ceil((n + a) / W) some ranks run ghosts: a few M more, while they may win
+        if max_micro_steps is not None:
+            m_max = max(m0, min(m_max, max_micro_steps))
         misses, first_cap, first_runs = 0, None, 0
         for m in range(m0, m_max + 1):
             if best is not None and lb_total + m * overhead >= _primary(best, fsdp) - 1e-9:
@@ -161,6 +164,8 @@ def _plan_padded(lengths: np.ndarray, world: int, cost: CostModel, overhead: flo
             for scale in ((1.0,) if world == 1 else (1.0, 0.5, 0.0)):
                 runs = least_cost_segments(pool.padded, runs_of.cnt, cost, overhead * scale, pool.patches)
                 m = max(1, -(-(len(runs) + a) // world))
+                if max_micro_steps is not None and m > max_micro_steps and best is not None:
+                    continue
                 cand = polish(candidate(np.array([s for s, _ in runs], dtype=np.int64),
                                         np.array([e for _, e in runs], dtype=np.int64), m))
                 if _better(best, cand, fsdp):
