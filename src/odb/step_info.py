@@ -24,18 +24,23 @@ _carriers: Dict[int, Any] = {}
 class ODBStepInfo:
     """Metadata of one (micro-)batch emitted by odb.
 
+    "Step" is the optimizer step: ``optimizer_step`` counts them in the epoch, ``micro_batch`` the micro-batches
+    (``micro_step`` is this micro-batch's place in its optimizer step, ``micro_steps`` their number).
+
     Example:
-        >>> info = ODBStepInfo(step=0, epoch=0, local_samples=4, all_samples_this_step=8,
+        >>> info = ODBStepInfo(micro_batch=0, epoch=0, local_samples=4, all_samples_this_step=8,
         ...                    local_loss_tokens=100, global_loss_tokens=200, real_tokens=120,
         ...                    padded_tokens=128, loss_scale=1.0, is_ghost=False)
-        >>> info.padding_ratio
-        0.0625
+        >>> info.padding_ratio, info.optimizer_step
+        (0.0625, 0)
 
     Attributes:
-        step: index of this micro-batch within the epoch (the same on every rank).
+        micro_batch: index of this micro-batch within the epoch (the same on every rank). ``step`` is its
+            deprecated name (until the next release).
         epoch: the epoch it belongs to.
         local_samples: real samples in this rank's batch (0 for a ghost).
-        all_samples_this_step: real samples in this step, all ranks together.
+        all_samples_this_step: real samples in this micro-step (this micro-batch on every rank), all ranks
+            together: summed over an optimizer step's micro-batches, the step's samples.
         local_loss_tokens: supervised tokens in this rank's batch.
         global_loss_tokens: supervised tokens over all ranks and all micro-batches of
             the optimizer step this batch belongs to (the denominator of exact scaling).
@@ -58,9 +63,11 @@ class ODBStepInfo:
             batch (reading workers' output, planning, collating).
         rank_imbalance: max over ranks of this step's cost / the mean over ranks (1.0
             with one rank).
+        optimizer_step: index of the optimizer step this micro-batch belongs to, within the epoch (the same
+            on every rank).
     """
 
-    step: int
+    micro_batch: int
     epoch: int
     local_samples: int
     all_samples_this_step: int
@@ -77,6 +84,16 @@ class ODBStepInfo:
     buffered_samples: int = 0
     loader_wait_s: float = 0.0
     rank_imbalance: float = 1.0
+    optimizer_step: int = 0
+
+    @property
+    def step(self) -> int:
+        """Deprecated name of ``micro_batch`` (the micro-batch's index in the epoch), kept until the next release:
+        "step" means the optimizer step (``optimizer_step``)."""
+        warnings.warn("ODBStepInfo.step is deprecated: it is the micro-batch's index, now micro_batch "
+                      "(optimizer_step counts optimizer steps). Fix: read info.micro_batch.", DeprecationWarning,
+                      stacklevel=2)
+        return self.micro_batch
 
     @property
     def padding_ratio(self) -> float:
@@ -251,7 +268,7 @@ class UnpoppedCheck:
             return
         self.warned = True
         warnings.warn(
-            f"odb: a batch (epoch {last.epoch}, step {last.step}) went through the training loop with "
+            f"odb: a batch (epoch {last.epoch}, micro-batch {last.micro_batch}) went through the training loop with "
             f"batch[{self.key!r}] still in it: odb.pop_step_info was not called on it. model(**batch) "
             f"ignores the extra key (HF models take **kwargs), so the loss was not scaled by odb and the "
             f"step's token mean is off. Fix: take the info off every batch before the model sees it, and "

@@ -209,7 +209,7 @@ def test_a_real_cuda_out_of_memory_error_is_split_and_the_gradient_stays_exact()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
     allowed = torch.cuda.memory_reserved() + 9 * 2**30
-    info = odb.ODBStepInfo(step=0, epoch=0, local_samples=rows, all_samples_this_step=rows, local_loss_tokens=rows,
+    info = odb.ODBStepInfo(micro_batch=0, epoch=0, local_samples=rows, all_samples_this_step=rows, local_loss_tokens=rows,
                            global_loss_tokens=rows, real_tokens=rows, padded_tokens=rows, loss_scale=1.0,
                            is_ghost=False)
     counters = OOMCounters()

@@ -42,7 +42,7 @@ def upsampled() -> List[int]:
 
 def row(batch: Any, info: odb.ODBStepInfo) -> Tuple[Tuple[int, ...], int, float]:
     assert list(info.sample_ids) == list(batch["idx"])  # dataset indices, in the batch's row order
-    return info.sample_ids, info.step, info.loss_scale
+    return info.sample_ids, info.micro_batch, info.loss_scale
 
 
 def batches(loader: Any, limit: Optional[int] = None) -> List[Tuple[Tuple[int, ...], int, float]]:

@@ -97,7 +97,7 @@ def test_fields_count_the_batch():
     for step, batch in enumerate(loader(pad_collate, shuffle=True, seed=4)):
         info = odb.pop_step_info(batch)
         rows, width = batch["input_ids"].shape
-        assert info.step == step and info.epoch == 0 and not info.is_ghost and info.world_size == 1
+        assert info.micro_batch == step and info.epoch == 0 and not info.is_ghost and info.world_size == 1
         assert info.local_samples == info.all_samples_this_step == rows == len(info.sample_ids)
         assert info.sample_ids == tuple(batch["idx"])
         assert info.real_tokens == sum(LENGTHS[i] for i in info.sample_ids)
@@ -127,7 +127,7 @@ def test_forgotten_pop_is_warned_once_with_the_fix(known):
                 assert "odb_step_info" in model_kwargs
     [warning] = not_popped(seen)
     text = str(warning.message)
-    assert "batch['odb_step_info'] still in it" in text and "step 0" in text
+    assert "batch['odb_step_info'] still in it" in text and "micro-batch 0" in text
     assert "info = odb.pop_step_info(batch)" in text and "odb.scale_loss(model(**batch).loss, info)" in text
     assert warning.filename == __file__, "the warning points at the training loop"
 
@@ -136,7 +136,7 @@ def test_forgotten_pop_is_warned_once_with_the_fix(known):
 def test_last_batch_of_an_epoch_is_checked_too(known):
     data = odb.ODBDataLoader(LengthDataset([5, 6]), token_budget=64, collate_fn=pad_collate,
                              lengths=[5, 6] if known else None)
-    with pytest.warns(odb.step_info.StepInfoNotPoppedWarning, match="epoch 0, step 0"):
+    with pytest.warns(odb.step_info.StepInfoNotPoppedWarning, match="epoch 0, micro-batch 0"):
         assert len(list(data)) == 1
 
 
@@ -265,3 +265,27 @@ def test_a_reattached_info_is_looked_for_in_the_batch_the_loop_got_and_its_recor
             check.finished()
         assert [issubclass(w.category, StepInfoNotPoppedWarning) for w in seen] == ([True] if warns else [])
         assert _carriers == {}
+
+
+@pytest.mark.parametrize("options", [{"gradient_accumulation_steps": 3}, {"global_batch_size": 8}])
+def test_optimizer_step_counts_optimizer_steps_and_resumes(options):
+    """``optimizer_step`` is the optimizer step's index in the epoch: the same for all its micro-batches, one more
+    after each last micro-batch; a resume inside a step continues the count. ``step`` is ``micro_batch``'s
+    deprecated name."""
+    from roundtrip import read, round_trip
+
+    def record(batch, info):
+        return info.optimizer_step, info.micro_step, info.micro_steps
+
+    make = lambda: loader(pad_collate, shuffle=True, seed=2, **options)  # noqa: E731
+    got = read(make(), record=record)
+    expected, k = [], 0
+    for opt, j, m in got:
+        expected.append((k, j, m))
+        k += j == m - 1
+    assert got == expected and k >= 3
+    stop = next(i for i, (_, j, m) in enumerate(got) if 0 < j < m)  # inside an optimizer step
+    assert round_trip(make, stop, record=record).epoch == got
+    info = odb.pop_step_info(next(iter(make())))
+    with pytest.warns(DeprecationWarning, match="micro_batch"):
+        assert info.step == info.micro_batch == 0

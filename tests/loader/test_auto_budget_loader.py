@@ -335,7 +335,7 @@ def test_two_thread_ranks_plan_every_window_with_the_agreed_budget(monkeypatch, 
     for rank, infos in enumerate(results):  # each step's batch is under its window's agreed budget
         windows = plans[rank]
         for info in infos:
-            window = max((k for k, (_, _, made) in enumerate(windows) if made <= info.step), default=0)
+            window = max((k for k, (_, _, made) in enumerate(windows) if made <= info.micro_batch), default=0)
             if windows[window][0] >= first and not info.is_ghost:
                 assert info.padded_tokens <= max(p.token_budget for _, p, _ in windows[:window + 1])
 

@@ -154,7 +154,7 @@ def test_same_updates_as_a_plain_loop(world: int, step_plan: str, accumulation: 
 
 def test_every_step_holds_global_batch_size_samples_and_len_counts_optimizer_steps() -> None:
     got = odb_batches(2, 12)
-    counts = [sum(info.local_samples for rank in got for _, info in rank if info.step in steps)
+    counts = [sum(info.local_samples for rank in got for _, info in rank if info.micro_batch in steps)
               for steps in _step_members(got[0])]
     assert counts == [12] * (N // 12) + [N % 12]
     ds = LengthDataset(LENGTHS)
@@ -170,7 +170,7 @@ def test_every_step_holds_global_batch_size_samples_and_len_counts_optimizer_ste
 
 
 def _step_members(batches: List[Tuple[Any, odb.ODBStepInfo]]) -> List[set]:
-    return [{info.step for _, info in step} for step in split_steps(batches)]
+    return [{info.micro_batch for _, info in step} for step in split_steps(batches)]
 
 
 @pytest.mark.filterwarnings("ignore:.*does not shard the dataset")  # each rank's list of indices is its shard

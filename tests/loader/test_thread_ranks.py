@@ -63,7 +63,7 @@ def steps(batches: Any) -> List[Dict[str, Any]]:
     out = []
     for batch in batches:
         info = odb.pop_step_info(batch)
-        out.append({"step": info.step, "micro": info.micro_step, "ids": list(info.sample_ids),
+        out.append({"step": info.micro_batch, "micro": info.micro_step, "ids": list(info.sample_ids),
                     "idx": [int(i) for i in batch["idx"]] if "idx" in batch else [], "ghost": info.is_ghost,
                     "scale": info.loss_scale, "local": info.local_loss_tokens, "global": info.global_loss_tokens,
                     "all": info.all_samples_this_step, "samples": info.local_samples,

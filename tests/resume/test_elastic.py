@@ -173,7 +173,7 @@ def test_repartition_keeps_held_samples_and_drops_the_ghost_copy():
 
 
 def step(batch: Any, info: odb.ODBStepInfo) -> Any:
-    return info.sample_ids, info.step, info.loss_scale, info.micro_step
+    return info.sample_ids, info.micro_batch, info.loss_scale, info.micro_step
 
 
 def summary(loader: Any, limit: Optional[int] = None) -> List[Any]:
@@ -245,7 +245,7 @@ def test_datasets_iterable_dataset_resumes_exactly(num_workers):
                                  seed=3, collate_fn=ew.list_collate, num_workers=num_workers)
 
     def row(batch, info):
-        return tuple(batch["idx"]), info.step
+        return tuple(batch["idx"]), info.micro_batch
 
     reference = read(make(), record=row)
     assert sorted(i for ids, _ in reference for i in ids) == list(range(181))

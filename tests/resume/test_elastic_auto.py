@@ -78,7 +78,7 @@ class Rank:
             loss = torch.nn.functional.cross_entropy(self.model(batch["input_ids"]).flatten(0, 1),
                                                      batch["labels"].flatten(), ignore_index=-100)
             odb.scale_loss(loss, info).backward()
-            steps.append({"step": info.step, "ids": list(info.sample_ids), "ghost": info.is_ghost,
+            steps.append({"step": info.micro_batch, "ids": list(info.sample_ids), "ghost": info.is_ghost,
                           "padded": info.padded_tokens})
             if stop is not None and len(steps) == stop:
                 break

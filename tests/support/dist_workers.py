@@ -41,7 +41,7 @@ class RankStream(IterableDataset):
 
 
 def record(batch: Dict[str, Any], info: odb.ODBStepInfo) -> Dict[str, Any]:
-    return {"step": info.step, "local": info.local_samples, "all": info.all_samples_this_step,
+    return {"step": info.micro_batch, "local": info.local_samples, "all": info.all_samples_this_step,
             "ghost": info.is_ghost, "scale": info.loss_scale, "ids": list(info.sample_ids), "idx": list(batch["idx"]),
             "padded": info.padded_tokens, "micro": (info.micro_step, info.micro_steps)}
 
@@ -258,7 +258,7 @@ def resume_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
         out = []
         for batch in batches:
             info = odb.pop_step_info(batch)
-            out.append([info.step, list(info.sample_ids), info.loss_scale, info.all_samples_this_step])
+            out.append([info.micro_batch, list(info.sample_ids), info.loss_scale, info.all_samples_this_step])
         return out
 
     reference = steps(make())

@@ -52,7 +52,7 @@ def accelerate_phase(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]
                 opt.step()
                 opt.zero_grad()
             if accelerator.sync_gradients:
-                steps.append({"epoch": info.epoch, "step": info.step, "ids": ids, "scale": sum(scales)})
+                steps.append({"epoch": info.epoch, "step": info.micro_batch, "ids": ids, "scale": sum(scales)})
                 ids, scales = [], []
                 if len(steps) == p.get("stop"):
                     accelerator.save_state(p["save_to"])  # every rank calls it; the main process writes

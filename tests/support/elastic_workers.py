@@ -23,7 +23,7 @@ from helpers import LengthDataset, known_lengths, make_sample, pad_collate
 
 def step_record(batch: Dict[str, Any]) -> Dict[str, Any]:
     info = odb.pop_step_info(batch)
-    return {"step": info.step, "ids": list(info.sample_ids), "idx": list(batch["idx"]), "ghost": info.is_ghost,
+    return {"step": info.micro_batch, "ids": list(info.sample_ids), "idx": list(batch["idx"]), "ghost": info.is_ghost,
             "scale": info.loss_scale, "padded": info.padded_tokens, "micro": [info.micro_step, info.micro_steps],
             "epoch": info.epoch}
 

@@ -39,7 +39,7 @@ Record = Callable[[Any, odb.ODBStepInfo], Any]
 
 def step_record(batch: Any, info: odb.ODBStepInfo) -> dict:
     """What a resume must reproduce of a batch: its samples, step, loss scale, place in the step, ghost flag."""
-    return {"ids": list(info.sample_ids), "step": info.step, "scale": info.loss_scale,
+    return {"ids": list(info.sample_ids), "step": info.micro_batch, "scale": info.loss_scale,
             "micro": [info.micro_step, info.micro_steps], "ghost": info.is_ghost}
 
 

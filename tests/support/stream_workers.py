@@ -72,7 +72,7 @@ class StatefulRankWorkerStream(RankWorkerStream):
 
 def _record(batch: Dict[str, Any], info: odb.ODBStepInfo, lengths: Sequence[int]) -> Dict[str, Any]:
     idx = [int(i) for i in batch["idx"]]
-    return {"epoch": info.epoch, "step": info.step, "ghost": info.is_ghost, "idx": idx,
+    return {"epoch": info.epoch, "step": info.micro_batch, "ghost": info.is_ghost, "idx": idx,
             "local": info.local_loss_tokens, "global": info.global_loss_tokens, "scale": info.loss_scale,
             "micro": [info.micro_step, info.micro_steps], "world": info.world_size,
             "pids": sorted({int(pid) for pid in batch["pid"]}),  # the processes that read the samples

@@ -154,7 +154,7 @@ def test_two_ranks_ddp_with_ghost_steps_match_the_same_precision_reference(tmp_p
 
 
 def info_of(local_tokens: int, scale: float, ghost: bool) -> odb.ODBStepInfo:
-    return odb.ODBStepInfo(step=0, epoch=0, local_samples=0 if ghost else 2, all_samples_this_step=4,
+    return odb.ODBStepInfo(micro_batch=0, epoch=0, local_samples=0 if ghost else 2, all_samples_this_step=4,
                            local_loss_tokens=local_tokens, global_loss_tokens=20, real_tokens=10,
                            padded_tokens=12, loss_scale=scale, is_ghost=ghost)
 

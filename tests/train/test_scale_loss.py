@@ -21,7 +21,7 @@ import loss_workers
 
 
 def info_of(local_tokens: int, scale: float, ghost: bool = False) -> odb.ODBStepInfo:
-    return odb.ODBStepInfo(step=0, epoch=0, local_samples=0 if ghost else 2, all_samples_this_step=4,
+    return odb.ODBStepInfo(micro_batch=0, epoch=0, local_samples=0 if ghost else 2, all_samples_this_step=4,
                            local_loss_tokens=local_tokens, global_loss_tokens=20, real_tokens=10,
                            padded_tokens=12, loss_scale=scale, is_ghost=ghost)
 

@@ -25,13 +25,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import pickle
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from odb.data import sample_bytes
+from odb.comm.mover import move_objects
 from odb.epoch.drop_last import DropLast
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
@@ -239,24 +237,20 @@ class GlobalStep:
             for u in arriving.tolist():
                 self.register(foreign_key(table.index[u], u), int(table.index[u]), int(table.index[u]), table.meta(u))
             return
-        start = time.perf_counter()
         self.aligner.expect((self.world,))
         outgoing: List[List[Tuple[int, Any]]] = [[] for _ in range(self.world)]
         for u in leaving.tolist():
             sample = self.pool.pop([int(table.position[u])])[0][0]
             outgoing[int(dest[u])].append((u, sample))
-        payloads = [sample_bytes.dumps(part) if part else b"" for part in outgoing]  # tensor views: their own data
-        incoming = self.exchange.move(payloads, where)
+        incoming, counts = move_objects(self.exchange, [part or None for part in outgoing], where)
         self.aligner.expect(None)
-        for source, payload in enumerate(incoming):
-            if source == self.rank or not payload:
-                continue
-            for u, sample in pickle.loads(payload):
+        for part in incoming:
+            for u, sample in part or ():
                 self.register(foreign_key(table.index[u], u), int(table.index[u]), sample, table.meta(u))
         # what moving cost this rank: samples and bytes sent, seconds from pickling to the last sample unpickled
-        self.stats.moved_samples += len(leaving)
-        self.stats.moved_bytes += sum(len(p) for p in payloads)
-        self.stats.move_s += time.perf_counter() - start
+        self.stats.moved_samples += counts.sent
+        self.stats.moved_bytes += counts.sent_bytes
+        self.stats.move_s += counts.seconds
 
     def _steps(self, table: StepTable, planned: GlobalStepPlan, placed: "Placement") -> List[Step]:
         """This rank's micro-batches (None: a ghost) with every micro-step's global figures."""

@@ -132,7 +132,7 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
         # knows its next step's size can still announce it (odb.comm.protocol.RankExchange.announce).
         message = np.zeros(cfg.micro_steps_capacity(exchange.world_size), dtype=np.int64)
         message[:len(local)] = local
-        gathered = exchange.all_gather(message, f"epoch {micro[0][1].epoch}, step {micro[0][1].step}")
+        gathered = exchange.all_gather(message, f"epoch {micro[0][1].epoch}, micro-batch {micro[0][1].micro_batch}")
         world, total = exchange.world_size, int(gathered.sum())
     else:
         world, total = 1, sum(local)

@@ -32,7 +32,8 @@ class RunPosition:
         self.arrived = 0  # samples taken from the source into windows
         self.window_index = 0
         self.planned_final = False
-        self.step = 0
+        self.step = 0  # micro-batches made
+        self.optimizer_step = 0  # optimizer steps whose last micro-batch was made
         self.layers: List[Dict[str, Any]] = []
         self.stream_marks: Any = stream_marks
         self.snapshot: Dict[str, Any] = {}  # state_dict() after the last planned window
@@ -51,7 +52,7 @@ class RunPosition:
         """The run state's ``position``, ``emitted`` (the emission's keys) and ``composed`` (the step composer's,
         odb.epoch.composer; None without one) in their place."""
         return {"arrived": self.arrived, "planned_final": self.planned_final, "window_index": self.window_index,
-                "step": self.step, **emitted, "composed": composed, "layers": self.layers, "stream": None,
+                "step": self.step, "optimizer_step": self.optimizer_step, **emitted, "composed": composed, "layers": self.layers, "stream": None,
                 "step_tokens": None}
 
     def cut_stream(self, run: Dict[str, Any]) -> None:
@@ -66,4 +67,5 @@ class RunPosition:
         self.planned_final = bool(position["planned_final"])
         self.window_index = int(position["window_index"])
         self.step = int(position["step"])
+        self.optimizer_step = int(position["optimizer_step"])
         self.layers = [dict(layer) for layer in position["layers"]]

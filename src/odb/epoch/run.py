@@ -259,14 +259,16 @@ class EpochRun:
         if not ghost:
             self.budget.made(step, lengths, metas, self.planner.cost)
         info = ODBStepInfo(
-            step=step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
+            micro_batch=step, epoch=self.epoch, local_samples=0 if ghost else len(ids),
             all_samples_this_step=plan.global_samples, local_loss_tokens=local_loss,
             global_loss_tokens=sum(p.global_loss_tokens for p in micro), real_tokens=0 if ghost else real,
             padded_tokens=padded, loss_scale=0.0 if ghost else self._scale(plan, micro),
             is_ghost=ghost, world_size=self.world_size, micro_step=j, micro_steps=len(micro),
             sample_ids=tuple(indices), buffered_samples=len(self.pool),
-            rank_imbalance=plan.imbalance)
+            rank_imbalance=plan.imbalance, optimizer_step=self.position.optimizer_step)
         self.position.step += 1
+        if j == len(micro) - 1:
+            self.position.optimizer_step += 1
         st = self.stats
         st.steps += 1
         st.buffered_max = max(st.buffered_max, len(self.pool))

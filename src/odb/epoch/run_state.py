@@ -19,8 +19,8 @@ from odb.epoch.stats import EpochStats
 from odb.plan.align import StepPlan
 
 RUN_KEYS = frozenset({"position", "planner", "aligner", "stats", "budget"})
-POSITION_KEYS = frozenset({"arrived", "planned_final", "window_index", "step", "pending", "micro", "micro_pos",
-                           "ghost", "composed", "layers", "stream", "step_tokens"})
+POSITION_KEYS = frozenset({"arrived", "planned_final", "window_index", "step", "optimizer_step", "pending", "micro",
+                           "micro_pos", "ghost", "composed", "layers", "stream", "step_tokens"})
 
 
 def step_row(entry: Tuple[StepPlan, Optional[np.ndarray]]) -> List[Any]:
@@ -98,7 +98,8 @@ def fresh_run_state(step: int, layers: List[Dict[str, Any]]) -> Dict[str, Any]:
         >>> state["position"]["step"], state["planner"]["carry"], set(state) == RUN_KEYS
         (5, [], True)
     """
-    position = {"arrived": 0, "planned_final": False, "window_index": 0, "step": int(step), "pending": [],
+    position = {"arrived": 0, "planned_final": False, "window_index": 0, "step": int(step), "optimizer_step": 0,
+                "pending": [],
                 "micro": [], "micro_pos": 0, "ghost": None, "composed": None, "layers": layers, "stream": None,
                 "step_tokens": None}
     return {"position": position, "planner": {"counts": [0, 0, 0], "carry": []},
@@ -118,7 +119,7 @@ def upgrade_run_v3(run: Dict[str, Any], window: Optional[Dict[str, Any]]) -> Dic
         >>> new["planner"], new["aligner"]["local_only"], set(new["position"]) == POSITION_KEYS
         ({'counts': [1, 2, 1], 'carry': [4]}, True, True)
     """
-    position = {k: run[k] for k in POSITION_KEYS - {"micro", "micro_pos", "composed"}}
+    position = {k: run[k] for k in POSITION_KEYS - {"micro", "micro_pos", "composed", "optimizer_step"}}
     position.update(micro=run["chunk"], micro_pos=run["chunk_pos"])
     return {"position": position, "planner": {"counts": run["planner"], "carry": run["carry"]},
             "aligner": {"all_done": run["all_done"], "local_only": run["local_only"]}, "stats": run["stats"],
@@ -127,10 +128,11 @@ def upgrade_run_v3(run: Dict[str, Any], window: Optional[Dict[str, Any]]) -> Dic
 
 def upgrade_run_v4(run: Dict[str, Any]) -> Dict[str, Any]:
     """A run state saved by version 4 in this version's layout: version 5 added the step composer's part of
-    ``position`` (``composed``), which a version-4 run never had (its steps were the sampler's order).
+    ``position`` (``composed``), which a version-4 run never had (its steps were the sampler's order), and the
+    optimizer steps made (``optimizer_step``), which it did not count: its resumed epoch counts them from 0.
 
     Example:
         >>> upgrade_run_v4({"position": {"step": 3}, "planner": {}})["position"]
-        {'step': 3, 'composed': None}
+        {'step': 3, 'composed': None, 'optimizer_step': 0}
     """
-    return dict(run, position=dict(run["position"], composed=None))
+    return dict(run, position=dict(run["position"], composed=None, optimizer_step=0))

@@ -2,9 +2,8 @@
 
 Under ``step_plan="global"`` a rank trains rows of other ranks' slices. Each rank sends every other
 rank the rows that rank trains, once (``pack_rows``: the rows' per-row tensors, trimmed to their own
-longest prompt and completion, pickled from the CPU by ``odb.data.sample_bytes`` as the loader's
-moved samples are), through odb's exchange (``RankExchange.move``: one gather of sizes and one gloo
-all-to-all of bytes, ``odb.comm.dist``). Each micro-batch is then built from the rank's own rows and
+longest prompt and completion, on the CPU), through odb's one mover of objects, the loader's own
+(``odb.comm.mover.move_objects``: pickled, one gather of sizes and one gloo all-to-all of bytes). Each micro-batch is then built from the rank's own rows and
 the rows it received (``micro_batch``), each key as ``odb.integrations.trl_rl_rows.RolloutKeys`` lists
 it: prompt values re-padded on the left and completion values on the right to the micro-batch's
 widths, with TRL's own padding value of that key (it lies outside ``prompt_mask`` /
@@ -29,13 +28,12 @@ Example (two ranks' slices in one process: rank 1 trains rank 0's row 1 with its
 
 from __future__ import annotations
 
-import pickle
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 
-from odb.data import sample_bytes
+from odb.comm.mover import move_objects
 from odb.integrations.trl_rl_rows import PROMPT, ROW, SHARED, TRL_KEYS, RolloutKeys, rollout_lengths, take_rows
 
 __all__ = ["Received", "micro_batch", "move_rows", "pack_rows", "unpack_rows"]
@@ -43,20 +41,18 @@ __all__ = ["Received", "micro_batch", "move_rows", "pack_rows", "unpack_rows"]
 Received = Dict[int, Tuple[Mapping[str, Any], np.ndarray]]  # origin rank -> (its rows' values, their rows)
 
 
-def pack_rows(inputs: Mapping[str, Any], rows: np.ndarray, keys: RolloutKeys = TRL_KEYS) -> bytes:
-    """The bytes of ``rows`` (indices into the slice ``inputs``): every per-row value, trimmed to the rows' own
-    longest prompt and completion, on the CPU (``odb.data.sample_bytes``: a view's own elements only)."""
+def pack_rows(inputs: Mapping[str, Any], rows: np.ndarray, keys: RolloutKeys = TRL_KEYS) -> Dict[str, torch.Tensor]:
+    """What is sent of ``rows`` (indices into the slice ``inputs``): every per-row value, trimmed to the rows' own
+    longest prompt and completion, on the CPU (``odb.comm.mover`` pickles a trimmed view's own elements only)."""
     prompt, completion = rollout_lengths(inputs)
     rows = np.asarray(rows, dtype=np.int64)
     wide_p, wide_c = int(max(prompt[rows].max(), 1)), int(max(completion[rows].max(), 1))
     piece = take_rows(inputs, rows, wide_p, wide_c, keys)
-    out = {k: v.detach().to("cpu") for k, v in piece.items() if v is not None and keys.kind(k) != SHARED}
-    return sample_bytes.dumps(out)  # a trimmed column is a view: its own elements only
+    return {k: v.detach().to("cpu") for k, v in piece.items() if v is not None and keys.kind(k) != SHARED}
 
 
-def unpack_rows(data: bytes, like: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
-    """The values ``pack_rows`` wrote, each on the device of the same value of ``like`` (the rank's own slice)."""
-    values = pickle.loads(data)
+def unpack_rows(values: Mapping[str, Any], like: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
+    """The values ``pack_rows`` took, each on the device of the same value of ``like`` (the rank's own slice)."""
     return {k: v.to(like[k].device) if isinstance(like.get(k), torch.Tensor) else v for k, v in values.items()}
 
 
@@ -112,18 +108,17 @@ def move_rows(exchange: Any, inputs: Mapping[str, Any], plan: Any, rank: int, wh
     world = plan.world
     if plan.moved_rows == 0:
         return {}, 0, 0
-    outgoing = []
+    outgoing: List[Optional[Dict[str, torch.Tensor]]] = []
     for d in range(world):
         rows = plan.sent(rank, d)
-        outgoing.append(pack_rows(inputs, rows, keys) if d != rank and len(rows) else b"")
-    incoming = exchange.move(outgoing, where)
+        outgoing.append(pack_rows(inputs, rows, keys) if d != rank and len(rows) else None)
+    incoming, counts = move_objects(exchange, outgoing, where)  # the loader's own mover of samples
     received: Received = {}
-    rows_in = bytes_in = 0
+    rows_in = 0
     for origin in range(world):
         held = plan.sent(origin, rank)
         if origin == rank or not len(held):
             continue
         received[origin] = (unpack_rows(incoming[origin], inputs), held)
         rows_in += len(held)
-        bytes_in += len(incoming[origin])
-    return received, rows_in, bytes_in
+    return received, rows_in, counts.received_bytes

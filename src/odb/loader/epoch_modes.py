@@ -58,7 +58,7 @@ class OnlineEpoch:
                 info = dataclasses.replace(info, loader_wait_s=pipeline.last_wait_s)
                 batch = attach_step_info(batch, info, key)
                 check.handed_out(batch, info, stacklevel=LOOP)
-                budget.handed_out(info.step, info.is_ghost)  # (token_budget="auto" measures the step from here)
+                budget.handed_out(info.micro_batch, info.is_ghost)  # (token_budget="auto" measures the step from here)
                 yield batch
                 budget.request()  # the loop asks for the next batch: the last one's step is over
             check.finished(stacklevel=LOOP)

@@ -75,12 +75,14 @@ def cursor_state(cursor: Cursor, accumulation: Optional[int]) -> Dict[str, Any]:
     snap = cursor.snapshot
     at = snap["position"]  # its "micro": the micro-batches of the optimizer step being emitted
     micro, pos, pending = at["micro"], int(at["micro_pos"]), at["pending"]
+    optimizer_step = int(at["optimizer_step"])
     for _ in range(cursor.since):
         if pos >= len(micro):
             take = len(pending) if accumulation is None else accumulation
             micro, pending, pos = pending[:take], pending[take:], 0
         pos += 1
-    position = dict(at, step=int(at["step"]) + cursor.since, micro_pos=pos,
+        optimizer_step += pos == len(micro)  # that batch was its optimizer step's last
+    position = dict(at, step=int(at["step"]) + cursor.since, optimizer_step=optimizer_step, micro_pos=pos,
                     micro=[[None] + row[1:] if k < pos else copy_row(row) for k, row in enumerate(micro)],
                     pending=[copy_row(row) for row in pending],
                     composed=None if at["composed"] is None else dict(at["composed"], queued=[

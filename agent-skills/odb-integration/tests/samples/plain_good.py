@@ -21,7 +21,7 @@ def main():
             if info.is_last_micro_step:
                 opt.step()
                 opt.zero_grad()
-            print(f"step {info.step} loss {loss.item() / max(info.loss_scale, 1e-9):.3f}")
+            print(f"step {info.micro_batch} loss {loss.item() / max(info.loss_scale, 1e-9):.3f}")
         print(epoch, loader.odb_stats["padding_ratio"])
 
 
