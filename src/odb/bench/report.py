@@ -873,10 +873,6 @@ def render(results: Dict[str, Any], markdown: bool = False) -> str:
     return "\n".join(parts)
 
 
-VLM_LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "odb_padded": "odb padded",
-              "odb_packed": "odb packed"}
-
-
 def vlm_intro(vlm: Dict[str, Any]) -> str:
     m = vlm["model"]
     return (f"Tiny vision-language models built from configs (text decoder {m['layers']} layers x {m['hidden']} "
@@ -894,6 +890,8 @@ def vlm_intro(vlm: Dict[str, Any]) -> str:
 
 def vlm_table(vlm: Dict[str, Any], markdown: bool = False) -> str:
     """The vision-language training section (odb.bench.vlm_training): every arm per workload, and the worst case."""
+    from odb.bench.vlm_training import LABELS as VLM_LABELS
+
     h = "### " if markdown else "-- "
     parts = [vlm_intro(vlm), ""]
     header = ["arm", "attention", "optimizer steps", "micro-steps", "samples / step", "padding share",

@@ -25,7 +25,11 @@ arm's worst micro-batch may carry, so the memory a user provisions for fixed B):
   (a causal LM's label count; no speed effect);
 - ``odb_packed``: the same with ``layout="packed"`` and ``PackedCollate.for_model(model)``
   (the model's own 3-D rope positions per sample), trained with ``odb_varlen`` attention
-  (the one exception to sdpa: a packed row needs a varlen kernel).
+  (the one exception to sdpa: a packed row needs a varlen kernel);
+- ``odb_gbl_padded`` / ``odb_gbl_packed``: odb with group_by_length's ``LengthGroupedSampler`` (the same seed)
+  as its sampler: group_by_length's steps, cut into micro-batches by odb;
+- ``odb_length_grouped``: odb padded with ``composition="length_grouped"`` (steps of length-similar samples,
+  their order shuffled: odb's own composition).
 
 TRL's ``SFTTrainer`` is no separate arm: TRL 1.16 refuses packing and padding-free rows for
 vision datasets, so its VLM path trains padded batches of the Trainer's sampler: the
@@ -59,11 +63,14 @@ from odb.bench.training_arms import PACKED_ATTN, fixed_batch_size
 from odb.bench.training_run import _counts
 from odb.data.vision_fields import image_patches
 
-ARMS = ("fixed", "group_by_length", "odb_padded", "odb_packed")
-ODB_ARMS = ("odb_padded", "odb_packed")
-ATTENTION = {"odb_packed": PACKED_ATTN}  # others: sdpa over padded batches
+ARMS = ("fixed", "group_by_length", "odb_padded", "odb_packed", "odb_gbl_padded", "odb_gbl_packed",
+        "odb_length_grouped")
+ODB_ARMS = ("odb_padded", "odb_packed", "odb_gbl_padded", "odb_gbl_packed", "odb_length_grouped")
+PACKED = ("odb_packed", "odb_gbl_packed")
+ATTENTION = {a: PACKED_ATTN for a in PACKED}  # others: sdpa over padded batches
 LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "odb_padded": "odb padded",
-          "odb_packed": "odb packed"}
+          "odb_packed": "odb packed", "odb_gbl_padded": "odb padded on group_by_length's steps",
+          "odb_gbl_packed": "odb packed on group_by_length's steps", "odb_length_grouped": "odb length_grouped"}
 SIDES = (16, 160)  # image sides in pixels (Qwen2-VL: 1 to 400 expanded tokens per image)
 MODEL = {"hidden": 64, "layers": 2}  # the text decoder of build_model; its vision towers stay tiny
 LR = 1e-3
@@ -99,13 +106,13 @@ def _steps(arm: str, samples: List[Dict[str, Any]], model: torch.nn.Module, c: D
     """The optimizer steps of one epoch of ``arm``: each a list of micro-batches."""
     b = c["batch_size"]
     g = torch.Generator().manual_seed(seed)
+    lengths = [len(s["input_ids"]) for s in samples]
     if arm in ("fixed", "group_by_length"):
         if arm == "fixed":
             loader: Any = DataLoader(samples, batch_size=b, shuffle=True, generator=g, collate_fn=V.pad_collate)
         else:
             from transformers.trainer_pt_utils import LengthGroupedSampler
 
-            lengths = [len(s["input_ids"]) for s in samples]
             order = list(LengthGroupedSampler(b * acc, lengths=lengths, generator=g))
             loader = DataLoader(samples, batch_sampler=_chunks(order, b), collate_fn=V.pad_collate)
         step: Step = []
@@ -120,7 +127,15 @@ def _steps(arm: str, samples: List[Dict[str, Any]], model: torch.nn.Module, c: D
     options: Dict[str, Any] = {"token_budget": c["token_budget"], "global_batch_size": b * acc, "shuffle": True,
                                "seed": seed, "shift_labels": True, "image_patches_key": V.PATCHES_KEY,
                                "max_image_patches": c["max_image_patches"]}
-    if arm == "odb_packed":
+    if arm.startswith("odb_gbl"):  # group_by_length's own order (the same generator seed): its steps, cut by odb
+        from transformers.trainer_pt_utils import LengthGroupedSampler
+
+        del options["shuffle"]
+        options["sampler"] = LengthGroupedSampler(b * acc, lengths=lengths,
+                                                  generator=torch.Generator().manual_seed(seed))
+    if arm == "odb_length_grouped":
+        options["composition"] = "length_grouped"
+    if arm in PACKED:
         options.update(layout="packed", collate_fn=odb.PackedCollate.for_model(model))
     else:
         options["collate_fn"] = V.pad_collate
@@ -227,7 +242,11 @@ def settings(b: int, acc: int) -> Dict[str, str]:
             "group_by_length": f"LengthGroupedSampler({b}x{acc}) over input_ids lengths, batches of {b}, {acc} per step",
             "odb_padded": f"ODBDataLoader(token_budget=cap, global_batch_size={b * acc}, max_image_patches=patch cap, "
                           "image_patches_key, shift_labels=True), the user's padding collator",
-            "odb_packed": "the same with layout='packed', PackedCollate.for_model(model), odb_varlen attention"}
+            "odb_packed": "the same with layout='packed', PackedCollate.for_model(model), odb_varlen attention",
+            "odb_gbl_padded": f"odb padded with group_by_length's LengthGroupedSampler({b}x{acc}) as its sampler: "
+                              "group_by_length's steps, cut into micro-batches",
+            "odb_gbl_packed": "the same, packed",
+            "odb_length_grouped": "odb padded with composition='length_grouped' (length-similar steps, shuffled)"}
 
 
 def worst(workloads: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
