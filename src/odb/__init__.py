@@ -21,11 +21,12 @@ from odb.packed.models import PackedLayoutError, check_packed_model
 from odb.data.sampling import ShardSampler
 from odb.plan.schedule import linear_budget_ramp
 from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
+from odb.integrations.enable import enable_odb
 from odb.packed.attention import register_varlen_attention, varlen_causal_attention
 
 __all__ = [
     "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "PackedCollate", "PackedLayoutError",
-    "check_packed_model", "apply", "attach_step_info", "count_loss_tokens",
+    "check_packed_model", "apply", "attach_step_info", "count_loss_tokens", "enable_odb",
     "default_length", "pop_step_info", "register_varlen_attention", "scale_loss", "seq2seq_lengths", "ShardSampler",
     "linear_budget_ramp", "varlen_causal_attention", "PadToBucket", "bucket_length", "fit_buckets",
     "geometric_buckets",
