@@ -113,7 +113,7 @@ def scale_rows(scale: Dict[str, Any]) -> List[Row]:
             continue
         best_odb, best_other = pair
         a, b = arms[best_odb]["ddp"]["median"], arms[best_other]["ddp"]["median"]
-        out.append(Row(f"scale, {world:,} ranks x {SCALE_SHARE} samples (ShareGPT lengths, planned)",
+        out.append(Row(f"scale, {world:,} simulated ranks x {SCALE_SHARE} samples per rank (ShareGPT lengths)",
                        "DDP step efficiency", labels.get(best_odb, best_odb),
                        _spread(arms[best_odb]["ddp"], "{:.3f}", "p10", "p90"), labels.get(best_other, best_other),
                        _spread(arms[best_other]["ddp"], "{:.3f}", "p10", "p90"), _ratio(a / b, None)))
