@@ -185,14 +185,14 @@ def headline_table(results: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def summary_lines(results: Dict[str, Any], width: int = 110) -> List[str]:
+def summary_lines(results: Dict[str, Any], width: int = 118) -> List[str]:
     """The one-screen summary: one line per setting (plain text), then the goals met."""
     from odb.bench.report import goals
 
     out = []
     for r in headline_rows(results):
         better = "lower" if r.measure.startswith(("s ", "update s")) else "higher"
-        out.append(f"- {r.setting}: {r.measure} ({better} is better)")
+        out.append(f"- {r.setting}: {r.measure}, {better} better")
         out.append(f"    {r.odb} {r.odb_value}  vs  {r.other} {r.other_value}  ->  {r.ratio}")
     measured = [g for g in goals(results) if g.met is not None]
     if measured:
