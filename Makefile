@@ -1,5 +1,6 @@
-# `make demo` (the benchmark; writes under out/ only), `make publish` (README and docs/benchmarks.md
-# regenerated from that run's results), `make test` (the whole suite, pinned by constraints.txt, with
+# `make demo` (the benchmark's headline at reduced sizes, in minutes; writes under out/demo only), `make bench`
+# (the full benchmark; writes under out/bench only), `make publish` (README and docs/benchmarks.md regenerated from
+# make bench's results, and make demo's time), `make test` (the whole suite, pinned by constraints.txt, with
 # LLaMA-Factory's tests in an environment of their own pinned by constraints-llamafactory.txt),
 # `make test-min` (the suite on the oldest Python, torch, numpy, transformers, accelerate, Lightning and
 # datasets that pyproject.toml declares, pinned by constraints-min.txt) and `make test-latest` (the
@@ -20,7 +21,7 @@ VENV_MIN := .venv-min
 PY_MIN := $(VENV_MIN)/bin/python
 STAMP_MIN := $(VENV_MIN)/.odb-installed
 
-.PHONY: demo publish test test-fast test-min test-latest venv venv-lf venv-min clean
+.PHONY: demo bench publish test test-fast test-min test-latest venv venv-lf venv-min clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,20 +45,26 @@ $(STAMP_LF): pyproject.toml constraints.txt constraints-llamafactory.txt
 
 venv-lf: $(STAMP_LF)
 
-# The benchmark: prints its tables and writes results.json, summary.md and the plots under out/bench.
-# It changes no tracked file.
+# The benchmark's headline at reduced sizes (odb.bench.demo: convergence and scale): what it runs first, a
+# one-screen summary and where each plot is last; results.json, summary.md and the plots under out/demo.
 demo: $(STAMP)
-	$(PY) -m odb.bench --out out/bench
-	@echo "make demo: tables in out/bench/summary.md, plots in out/bench/*.png, every figure in out/bench/results.json"
-	@echo "make demo: 'make publish' copies them into docs/results/ and regenerates README.md and docs/benchmarks.md"
+	$(PY) -m odb.bench --demo --out out/demo
 
-# Publish the last `make demo`: its results file and plots become the repository's (docs/results/,
-# docs/img/), and README.md's and docs/benchmarks.md's generated sections are rewritten from them.
+# The full benchmark: prints its tables, then the summary; results.json, summary.md and the plots under out/bench.
+# It changes no tracked file.
+bench: $(STAMP)
+	$(PY) -m odb.bench --out out/bench
+	@echo "make bench: 'make publish' copies it into docs/results/ and regenerates README.md and docs/benchmarks.md"
+
+# Publish the last `make bench`: its results file and plots become the repository's (docs/results/,
+# docs/img/), and README.md's and docs/benchmarks.md's generated parts are rewritten from them; the last
+# `make demo`'s results file (out/demo, when there is one) gives README the demo's measured time.
 publish: $(STAMP)
-	@test -f out/bench/results.json || { echo "make publish: no out/bench/results.json. Fix: run make demo first"; exit 1; }
+	@test -f out/bench/results.json || { echo "make publish: no out/bench/results.json. Fix: run make bench first"; exit 1; }
 	mkdir -p docs/results
 	cp out/bench/results.json docs/results/bench.json
 	for f in out/bench/*.png; do cp "$$f" docs/img/; done
+	if [ -f out/demo/results.json ]; then cp out/demo/results.json docs/results/demo.json; fi
 	$(PY) scripts/update_readme.py docs/results/bench.json
 
 # LLAMAFACTORY_TESTS: every test marked llamafactory (the snippets and the example run in these files too).
@@ -103,7 +110,7 @@ venv-min: $(STAMP_MIN)
 # (0.9.5 needs Python >= 3.11: its tests skip here, saying so). Nothing else skips for a missing package.
 # Left to `make test` as well, as work that does not depend on the versions (CI runs both; each ran in both before):
 # the tests marked slow (1,024 simulated ranks of the alignment protocol, pure Python; a killed main process's
-# workers exiting), the rest of tests/bench (the benchmark's own correctness: `make demo` runs on the pins), and
+# workers exiting), the rest of tests/bench (the benchmark's own correctness: `make bench` and `make demo` run on the pins), and
 # the static checks of tests/project (import layers, the options page, the agent skill's text). The doc snippets
 # and the examples still run here: they exercise the integrations on the floors.
 MIN_SKIPPED := --ignore=tests/integrations/test_trl.py --ignore=tests/integrations/test_trl_refusals.py --ignore=tests/integrations/test_trl_preference.py --ignore=tests/integrations/test_trl_grpo.py --ignore=tests/integrations/test_trl_grpo_vllm.py --ignore=tests/integrations/test_framework_drift.py --ignore=tests/bench --ignore=tests/project/test_layers.py \

@@ -22,12 +22,14 @@ from odb.data.sampling import ShardSampler
 from odb.data.batch_shard import BatchShardSampler
 from odb.plan.schedule import linear_budget_ramp
 from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
+from odb.integrations.enable import enable_odb
 from odb.packed.attention import register_varlen_attention, varlen_causal_attention
 
 __all__ = [
     "ODBConfig", "ODBDataLoader", "ODBHandle", "ODBStepInfo", "PackedCollate", "PackedLayoutError",
-    "check_packed_model", "apply", "attach_step_info", "count_loss_tokens",
-    "default_length", "pop_step_info", "BatchShardSampler", "register_varlen_attention", "scale_loss", "seq2seq_lengths", "ShardSampler",
+    "check_packed_model", "apply", "attach_step_info", "count_loss_tokens", "enable_odb",
+    "default_length", "pop_step_info", "BatchShardSampler", "register_varlen_attention", "scale_loss",
+    "seq2seq_lengths", "ShardSampler",
     "linear_budget_ramp", "varlen_causal_attention", "PadToBucket", "bucket_length", "fit_buckets",
     "geometric_buckets",
 ]

@@ -298,13 +298,16 @@ def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
     assert refused.returncode == 2  # quick results are not for the README
     done = subprocess.run(args + ["--allow-quick"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    text = readme.read_text()
+    text, docs_text = readme.read_text(), docs.read_text()
+    # README: the plot (drawn beside it from the results) and one table, a row per setting; the rest in docs
+    assert (tmp_path / "docs" / "img" / "loss_vs_time.png").exists()
+    assert "| convergence, 2 ranks, A = 8" in text and "Training speed" not in text
     for name in results["training"]["ranks2"]["workloads"]:
-        assert f"| {name} (" in text, name
+        assert f"| {name} (" in docs_text, name
     for name in results["planning"]["workloads"]:
-        assert name in docs.read_text(), name
-    assert "Training speed" in text and "Goals of the benchmark" in text
-    assert "### Goals" in docs.read_text()
+        assert name in docs_text, name
+    assert "Training speed" in docs_text and "Goals of the benchmark" in docs_text
+    assert "### Goals" in docs_text
     assert not missing_citations(docs.read_text(), str(out)), "docs/benchmarks.md cites files that do not exist"
     check = args + ["--allow-quick", "--check"]
     assert subprocess.run(check, capture_output=True, text=True).returncode == 0
@@ -312,9 +315,10 @@ def test_readme_and_docs_sections_are_generated_from_results(bench, tmp_path):
     gpu_results = json.load(open(gpu))
     assert "NVIDIA" in gpu_results["meta"]["machine"]["gpu"] and gpu_results["training"]["device"] == "cuda"
     for name in gpu_results["training"]["ranks1"]["workloads"]:
-        assert f"| {name} (" in text.split("<!-- odb-bench-gpu:begin")[1], name
-    for path, begin in ((readme, "<!-- odb-bench:begin"), (docs, "<!-- odb-bench-tables:begin"),
-                        (readme, "<!-- odb-bench-gpu:begin"), (docs, "<!-- odb-bench-gpu-tables:begin")):
+        assert f"| {name} (" in docs_text.split("<!-- odb-bench-gpu:begin")[1], name
+    for path, begin in ((readme, "<!-- odb-plot:begin"), (readme, "<!-- odb-bench:begin"),
+                        (docs, "<!-- odb-bench-summary:begin"), (docs, "<!-- odb-bench-tables:begin"),
+                        (docs, "<!-- odb-bench-gpu:begin"), (docs, "<!-- odb-bench-gpu-tables:begin")):
         good = path.read_text()
         at = good.index(begin)
         digit = re.compile(r"\d\.\d").search(good, at)  # the first decimal figure of the generated section

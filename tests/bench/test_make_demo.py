@@ -1,8 +1,10 @@
-"""`make demo` is a clean command: it runs the benchmark into out/ only, says where its tables
-and plots are, and leaves publishing (README.md, docs/) to `make publish`; the benchmark draws
-progress bars only on a terminal (a log gets plain progress lines, no redraws).
+"""`make demo` and `make bench` are clean commands: each runs the benchmark into out/ only (the demo its headline
+at reduced sizes into out/demo, the full run into out/bench), says where its tables and plots are, and leaves
+publishing (README.md, docs/) to `make publish`; the demo opens with what it runs and what it leaves out and
+ends with a one-screen summary and its plots; the benchmark draws progress bars only on a terminal (a log gets
+plain progress lines, no redraws).
 
-tests/bench/test_bench_smoke.py runs the benchmark itself (`python -m odb.bench --quick`) and checks
+tests/bench/test_bench_smoke.py runs the full benchmark itself (`python -m odb.bench --quick`) and checks
 that the run changed no file of the checkout and wrote no carriage return to a piped stderr.
 """
 
@@ -31,24 +33,72 @@ def dry_run(target: str) -> list:
 
 
 def test_make_demo_writes_under_out_only_and_says_where():
-    # Before: make demo also ran scripts/update_readme.py, rewriting README.md and docs/benchmarks.md.
-    commands = dry_run("demo")
-    runs = [c for c in commands if not c.startswith("echo ")]
-    assert runs == [f"{VENV}/bin/python -m odb.bench --out out/bench"], runs
-    told = " ".join(c for c in commands if c.startswith("echo "))
-    assert "out/bench/summary.md" in told and "out/bench/*.png" in told and "make publish" in told
-    publish = " ".join(dry_run("publish"))  # publishing is its own target
-    assert "scripts/update_readme.py docs/results/bench.json" in publish and "docs/results/bench.json" in publish
+    # Before: make demo also ran scripts/update_readme.py, rewriting README.md and docs/benchmarks.md; then it ran
+    # the whole benchmark (39 min on 2 cores) before a newcomer saw anything.
+    assert dry_run("demo") == [f"{VENV}/bin/python -m odb.bench --demo --out out/demo"]
+    bench = dry_run("bench")
+    assert [c for c in bench if not c.startswith("echo ")] == [f"{VENV}/bin/python -m odb.bench --out out/bench"]
+    assert "make publish" in " ".join(bench)
+    publish = " ".join(dry_run("publish"))  # publishing is its own target, from make bench's run
+    assert "scripts/update_readme.py docs/results/bench.json" in publish and "cp out/bench/results.json" in publish
+    assert "out/demo/results.json docs/results/demo.json" in publish  # the demo's time only
+
+
+def test_the_demo_runs_the_full_sections_at_reduced_sizes():
+    """The demo's sections are make bench's (the same code, model, data, cap and learning rate), smaller: its
+    convergence arms are arms of the full section, its scale cells cells of the full grid."""
+    from odb.bench import scale
+    from odb.bench.convergence import ARMS, SIZES
+    from odb.bench.demo import DEMO_CONVERGENCE, DEMO_SCALE, plan_lines
+
+    full, demo = SIZES["full"], DEMO_CONVERGENCE["size"]
+    assert set(DEMO_CONVERGENCE["arms"]) <= set(ARMS) and {"fixed", "odb_padded", "odb_packed"} <= set(
+        DEMO_CONVERGENCE["arms"])
+    assert demo["workload"] == full["workload"] and demo["accumulations"] == full["accumulations"]
+    assert all(demo[k] <= full[k] for k in ("samples", "epochs", "rounds", "extra_epochs"))
+    assert set(DEMO_SCALE["worlds"]) <= set(scale.WORLDS) and set(DEMO_SCALE["shares"]) <= set(scale.SHARES)
+    assert 1024 in DEMO_SCALE["worlds"] and set(DEMO_SCALE["arms"]) <= set(scale.ARMS)
+    said = " ".join(plan_lines())
+    assert "no spread" in said and "make bench" in said  # the output says what it leaves out
+
+
+@pytest.mark.timeout(600)
+def test_the_demo_opens_with_what_it_runs_and_ends_with_the_summary_and_its_plots(tmp_path):
+    """``python -m odb.bench --demo --quick`` (the demo's arms at the smoke test's tiny sizes): the plan first, the
+    one-screen summary and every plot's path last; make publish refuses its results."""
+    import subprocess
+
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "odb.bench", "--demo", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("make demo: the benchmark's headline at reduced sizes")
+    assert lines[1].startswith("- convergence:") and lines[2].startswith("- scale:")
+    start = next(i for i, line in enumerate(lines) if line.startswith("== summary of make demo"))
+    screen = lines[start:]
+    assert len(screen) <= 30, "the summary does not fit one screen"
+    assert any("convergence, 2 ranks, A = 8" in line for line in screen)
+    plots = [line.split(": ", 1)[0].strip() for line in screen if line.startswith("  ") and ".png: " in line]
+    assert {os.path.basename(p) for p in plots} == {"loss_vs_time.png", "training_loss.png", "scale.png"}
+    assert all(os.path.exists(p) for p in plots)
+    assert (out / "summary.md").exists() and "== Goals" not in proc.stdout  # the tables go to summary.md
+    refused = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "update_readme.py"),
+                              str(out / "results.json"), "--readme", str(tmp_path / "README.md"), "--no-docs",
+                              "--allow-quick"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert refused.returncode == 2 and "make demo" in refused.stderr
 
 
 def test_what_make_demo_writes_is_ignored_by_git():
-    """`make demo` writes out/bench/ (and may build .venv): git ignores both, so a fresh clone's `git status`
-    stays clean after it (the smoke test runs the benchmark with --out elsewhere, so it cannot see this)."""
+    """`make demo` and `make bench` write out/demo/ and out/bench/ (and may build .venv): git ignores them, so a
+    fresh clone's `git status` stays clean after them (the smoke test runs the benchmark with --out elsewhere, so it
+    cannot see this)."""
     import subprocess
 
     if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
         pytest.skip("not a git checkout")
-    for path in ("out/bench/results.json", "out/bench/summary.md", "out/bench/bench.png", ".venv/bin/python"):
+    for path in ("out/bench/results.json", "out/bench/summary.md", "out/bench/bench.png", "out/demo/results.json",
+                 "out/demo/loss_vs_time.png", ".venv/bin/python"):
         proc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT, timeout=60)
         assert proc.returncode == 0, f"{path} is not ignored by git: make demo would leave the checkout dirty"
 

@@ -389,6 +389,19 @@ def test_neat_packing_trains_odb_packed_rows_and_one_step_equals_the_reference(s
     assert_close_gradients(grads, reference_gradients(parts, state, ids), 1e-4)
 
 
+def test_odb_enable_odb_takes_llamafactorys_trainer(setup):
+    """``odb.enable_odb(trainer)``, the one call for every trainer, sends LLaMA-Factory's trainer down LLaMA-Factory's
+    path: the collator's neat_packing becomes packed rows (the plain transformers path would pad), and it trains."""
+    parts = build_neat(setup, "neat-enable", max_steps=1)
+    trainer = make_trainer(parts)
+    assert odb.enable_odb(trainer, token_budget=BUDGET, buffer_size=16) is trainer
+    assert trainer.odb_config.layout == "packed" and isinstance(trainer.data_collator, odb.PackedCollate)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert trainer.state.global_step == 1 and trainer.odb_step_infos
+    assert all(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters() if n in before)
+
+
 def test_run_exp_maps_neat_packing_onto_packed_rows_of_unpacked_samples(setup):
     seen: List[Any] = []
 

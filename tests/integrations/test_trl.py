@@ -285,15 +285,19 @@ def test_a_budget_below_max_length_is_refused_at_enable_odb(tmp_path):
     enable_odb(sft_trainer(tmp_path, max_length=64), token_budget=12, oversize="alone")
 
 
-def test_trl_enable_odb_refuses_other_trainers(tmp_path):
+def test_trl_enable_odb_takes_other_trainers_too(tmp_path):
+    # Before: it refused a plain Trainer, pointing to odb.integrations.hf.enable_odb. Now every door is
+    # odb.enable_odb, which dispatches by the trainer's type (tests/integrations/test_enable_odb.py).
     from transformers import Trainer, TrainingArguments
 
+    import odb
+    from odb.integrations.hf import ODBTrainerMixin
     from odb.integrations.trl import enable_odb
 
     trainer = Trainer(model=W.H.llama(), args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"),
                       train_dataset=W.H.causal_dataset(4), data_collator=W.H.pad_collate)
-    with pytest.raises(TypeError, match="got Trainer, not a trl.SFTTrainer.*Fix: .*odb.integrations.hf.enable_odb"):
-        enable_odb(trainer, token_budget=64)
+    assert enable_odb is odb.enable_odb
+    assert enable_odb(trainer, token_budget=64) is trainer and isinstance(trainer, ODBTrainerMixin)
 
 
 def test_example_runs(tmp_path, monkeypatch, capsys):

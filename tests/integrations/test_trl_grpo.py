@@ -300,7 +300,8 @@ def test_a_subclass_with_its_own_loss_is_refused(tmp_path):
     (lambda t: odb_trl.enable_odb(t, token_budget=BUDGET, buffer_size=8), "got ['buffer_size'] for GRPOTrainer"),
     (lambda t: odb_trl.enable_odb(odb_trl.enable_odb(t, token_budget=BUDGET), token_budget=BUDGET),
      "already enabled"),
-    (lambda t: odb_hf.enable_odb(t, token_budget=BUDGET), "Fix: call odb.integrations.trl.enable_odb"),
+    # the HF door is odb.enable_odb too: it takes GRPO down the same path, with the same refusals
+    (lambda t: odb_hf.enable_odb(t, token_budget=BUDGET, buffer_size=8), "got ['buffer_size'] for GRPOTrainer"),
     (lambda t: odb_trl.enable_odb(t, token_budget=BUDGET, layout="rows"), "layout='rows' for GRPOTrainer"),
     (lambda t: odb_trl.enable_odb(t, token_budget=BUDGET, step_plan="ranks"), "step_plan='ranks' for GRPOTrainer"),
 ], ids=["budget_below_a_completion", "bool_budget", "loader_options", "twice", "hf_enable_odb", "layout",
@@ -314,14 +315,17 @@ def test_wrong_calls_name_the_value_and_the_fix(tmp_path, call, words):
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_the_loader_path_refuses_and_names_odbs_rl_path(tmp_path, kind):
+    from odb.integrations.hf.trainer import enable_odb as loader_path  # what ODBTrainerMixin runs
+
     trainer = R.build(dict(trainer=kind), str(tmp_path), R.GradRecorder())
     name = type(trainer).__name__
     loader = trainer.get_train_dataloader
     with pytest.raises(TypeError) as refused:
-        odb_hf.enable_odb(trainer, token_budget=BUDGET)  # odb's loader would replace TRL's RepeatSampler
+        loader_path(trainer, token_budget=BUDGET)  # odb's loader would replace TRL's RepeatSampler
     text = str(refused.value)
     assert f"odb cannot train TRL's {name} exactly" in text and "RepeatSampler" in text
-    assert "Fix: call odb.integrations.trl.enable_odb(trainer, token_budget=...)" in text
+    assert "Fix: call odb.enable_odb(trainer, token_budget=...)" in text
     assert trainer.get_train_dataloader.__func__ is loader.__func__ and not hasattr(trainer, "odb_rl")
-    assert odb_trl.enable_odb(trainer, token_budget=BUDGET) is trainer and trainer.odb_rl.name == name
+    # every door (odb.enable_odb, odb.integrations.hf.enable_odb, odb.integrations.trl.enable_odb) takes odb's RL path
+    assert odb_hf.enable_odb(trainer, token_budget=BUDGET) is trainer and trainer.odb_rl.name == name
     assert trainer.get_train_dataloader.__func__ is loader.__func__  # TRL's sampler and loader stay TRL's

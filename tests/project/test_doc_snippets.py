@@ -141,6 +141,26 @@ def hf_trainer() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
     return ns, check
 
 
+def readme_trainer() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
+    """README's one call: ``trainer`` is a transformers Trainer built without odb."""
+    from transformers import Trainer, TrainingArguments
+
+    world = lm_world()
+    args = TrainingArguments("out", num_train_epochs=1, per_device_train_batch_size=4, use_cpu=True,
+                             report_to="none", disable_tqdm=True, save_strategy="no")
+    ns = dict(trainer=Trainer(model=world["model"], args=args, train_dataset=world["dataset"],
+                              data_collator=world["collate_fn"]))
+    before = snapshot(world["model"])
+
+    def check(ns: Dict[str, Any]) -> None:
+        state = ns["trainer"].state
+        assert state.global_step > 0 and math.isfinite(state.log_history[-1]["train_loss"])
+        assert ns["trainer"].odb_step_infos, "the trainer did not train on odb batches"
+        trained(before, world["model"])
+
+    return ns, check
+
+
 def trl_sft() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
     from datasets import Dataset
 
@@ -251,6 +271,7 @@ def llamafactory_parts() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], Non
 
 FIXTURES: Dict[str, Callable[[], Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]]] = {
     "readme-quickstart": plain_loop,
+    "readme-trainer": readme_trainer,
     "hf-trainer": hf_trainer,
     "trl-sft": trl_sft,
     "llamafactory-run-exp": llamafactory_run_exp,

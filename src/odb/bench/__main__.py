@@ -1,17 +1,20 @@
-"""The benchmark of ``make demo``: convergence at the user's settings, planner quality, ranks, step efficiency
-against world size (scale), loader cost, training speed, vision-language training, the GRPO policy update
-(rl_update), end to end.
+"""The benchmark of ``make bench`` (and, reduced, ``make demo``): convergence at the user's settings, planner
+quality, ranks, step efficiency against world size (scale), loader cost, training speed, vision-language training,
+the GRPO policy update (rl_update), end to end.
 
-    python -m odb.bench --out out/bench            # the full run (about 20 minutes on 2 cores, + 5 for scale,
-                                                   # + 2 for rl_update)
+    python -m odb.bench --out out/bench            # make bench: the full run (39 min on 2 cores at 8775068)
+    python -m odb.bench --demo --out out/demo      # make demo: convergence and scale, reduced (odb.bench.demo)
     python -m odb.bench --out /tmp/b --quick       # tiny sizes, for the smoke test
     python -m odb.bench --out out/vlm --only-vlm   # the vision-language training section alone
 
-Writes ``results.json``, ``bench.png``, ``training_loss.png``, ``step_metrics.png``, ``scale.png`` and ``summary.md``
-under ``--out`` and prints the tables and every goal, met or not; a line on stderr as each section
-starts and ends (and the sections' own progress lines), also when the output goes to a log. Offline: the model is built
-from a config, nothing is downloaded. ``scripts/update_readme.py`` turns results.json
-into the README's benchmark table.
+Writes ``results.json``, ``summary.md`` (every table and goal) and the plots (``loss_vs_time.png``,
+``training_loss.png``, ``scale.png``, ``bench.png``, ``step_metrics.png``: those its sections draw) under ``--out``.
+Its output ends with a one-screen summary (odb's best arm against the best other arm, per setting:
+``odb.bench.headline``) and where each plot is; the full run prints every table before it, the demo
+opens with what it runs and what it leaves out. A line on stderr as each section starts (and the sections' own
+progress lines), also when the output goes to a log. Offline: the model is built from a config, nothing is
+downloaded. ``scripts/update_readme.py`` (``make publish``) turns a full run's results.json into README's and
+docs/benchmarks.md's generated parts.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from odb import __version__
 from odb.bench.planning import BUFFER_SIZES, load_workloads, run_planning
+from odb.bench.headline import plot_loss_vs_time, summary_lines
 from odb.bench.report import plot, plot_scale, plot_step_metrics, render
 from odb.bench.workloads import lognormal_lengths
 
@@ -118,6 +122,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/bench", help="output folder (default: out/bench)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds), for smoke tests")
+    p.add_argument("--demo", action="store_true",
+                   help="make demo: the convergence and scale sections at reduced sizes (odb.bench.demo)")
     p.add_argument("--device", default="cpu", help="device of the training benchmark, e.g. cpu or cuda")
     p.add_argument("--skip-convergence", action="store_true", help="skip the convergence section (the first table)")
     p.add_argument("--only-convergence", action="store_true",
@@ -156,6 +162,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     def section(name: str) -> None:
         print(f"[bench] {name} ({(time.perf_counter() - t_all) / 60:.1f} min so far)", file=sys.stderr, flush=True)
 
+    if args.demo:
+        from odb.bench.demo import plan_lines, run_demo
+
+        print("make demo: the benchmark's headline at reduced sizes (make bench runs all of it):\n"
+              + "\n".join(plan_lines()), flush=True)
+        run_demo(results, args.out, progress, section, time.perf_counter, quick=args.quick)
+        return _finish(args, results, t_all)
     if args.only_vlm:
         _vlm(args, results, section)
         return _finish(args, results, t_all)
@@ -284,25 +297,40 @@ def _finish(args: argparse.Namespace, results: Dict[str, Any], t_all: float) -> 
     results["meta"]["load_average_end"] = _load()
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    wrote = ["results.json"]
-    if "planning" in results:
-        plot(results, os.path.join(args.out, "bench.png"))
-        wrote.append("bench.png")
-    if "convergence" in results:
-        wrote.append("training_loss.png")
-    if "loader" in results:
-        plot_step_metrics(results["loader"], os.path.join(args.out, "step_metrics.png"))
-        wrote.append("step_metrics.png")
+    plots: List[tuple] = []  # (file, what it shows)
+    if results.get("convergence"):
+        plot_loss_vs_time(results["convergence"], os.path.join(args.out, "loss_vs_time.png"))
+        plots += [("loss_vs_time.png", "held-out loss against training time: odb, fixed, group_by_length, TRL packing"),
+                  ("training_loss.png", "convergence, every arm: loss per optimizer step and against time")]
     if results.get("scale") and "error" not in results["scale"]:
         plot_scale(results["scale"], os.path.join(args.out, "scale.png"))
-        wrote.append("scale.png")
+        plots.append(("scale.png", "step efficiency against world size, 2 to 1,024 ranks"))
+    if "planning" in results:
+        plot(results, os.path.join(args.out, "bench.png"))
+        plots.append(("bench.png", "planner quality, loader cost, training speed, end to end"))
+    if "loader" in results:
+        plot_step_metrics(results["loader"], os.path.join(args.out, "step_metrics.png"))
+        plots.append(("step_metrics.png", "the loader's per-step metrics"))
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(render(results, markdown=True) + "\n")
-    wrote.append("summary.md")
-    print(render(results))
-    print("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in results["wall_s"].items()))
-    print(f"wrote {args.out}/" + ", ".join(wrote))
+    if not args.demo:
+        print(render(results))
+    print(closing_screen(results, args.out, plots))
     return results
+
+
+def closing_screen(results: Dict[str, Any], out: str, plots: List[tuple]) -> str:
+    """The run's last screen: the one-screen summary, where each plot is, the tables' file and the wall time."""
+    demo = results["meta"].get("demo")
+    title = ("== summary of make demo (reduced sizes, above; the published full run: README.md, docs/benchmarks.md)"
+             if demo else "== summary")
+    lines = [title, *summary_lines(results), "", "plots:"]
+    lines += [f"  {os.path.join(out, name)}: {what}" for name, what in plots]
+    lines += [f"every table and goal: {os.path.join(out, 'summary.md')}; every figure: "
+              f"{os.path.join(out, 'results.json')}",
+              "wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in results["wall_s"].items())
+              + f" ({results['wall_s']['total'] / 60:.1f} min)"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

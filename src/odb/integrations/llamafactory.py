@@ -4,7 +4,9 @@ Three entry points (LLaMA-Factory itself is imported only by ``run_exp``):
 
 - ``enable_odb(trainer=trainer, token_budget=...)``: a ``CustomSeq2SeqTrainer`` (any
   transformers Trainer) built by your own code switches to odb batches, in place, through
-  ``odb.integrations.hf.enable_odb``, with the settings read from LLaMA-Factory's objects;
+  ``odb.integrations.hf``, with the settings read from LLaMA-Factory's objects (``odb.enable_odb(trainer)``
+  comes here for LLaMA-Factory's trainers); TRL's GRPO and RLOO trainers take odb's RL path, as through
+  ``odb.enable_odb``;
 - ``enable_odb(train_dataloader=loader, training_args=args, token_budget=...)``: a
   ``DataLoader(batch_size=B, collate_fn=SFTDataCollatorWith4DAttentionMask(...))`` of your
   own loop becomes an odb loader in place (``odb.apply``); returns its ``ODBHandle``;
@@ -54,6 +56,7 @@ from odb.plan.cost import CostModel
 from odb.loader.dataloader import make_config
 from odb.packed.collate import PackedCollate
 from odb.integrations.llamafactory_compat import import_llamafactory, swapped, transformers5_args, version_check_skipped
+from odb.integrations.trainer_kinds import enable_hf, enable_rl, trainer_kind
 
 __all__ = ["enable_odb", "import_llamafactory", "run_exp"]
 
@@ -87,6 +90,10 @@ def enable_odb(trainer: Any = None, train_dataloader: Optional[DataLoader] = Non
                          "loader from trainer.train_dataset. Fix: pass trainer alone, or train_dataloader alone for "
                          "a loop of your own.")
     options = dict(odb_options)
+    if trainer is not None and trainer_kind(trainer) == "rl":  # GRPO, RLOO: odb cuts the policy update
+        _check_training_args(trainer, training_args)
+        return enable_rl(trainer, token_budget, config, lengths, options.pop("packed_attention", "odb_varlen"),
+                         options)
     if trainer is not None:
         return _enable_trainer(trainer, training_args, token_budget, config, lengths, options)
     return _enable_loader(train_dataloader, training_args, token_budget, config, lengths, options)
@@ -140,13 +147,8 @@ def run_exp(args: Any = None, callbacks: Optional[List[Any]] = None, *, token_bu
 
 def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config: Optional[ODBConfig],
                     lengths: Optional[Sequence[int]], options: Dict[str, Any]) -> Any:
-    from odb.integrations import hf
-
     attention = options.pop("packed_attention", "odb_varlen")
-    args = getattr(trainer, "args", None)
-    if training_args is not None and training_args is not args:
-        raise ValueError("enable_odb got training_args that are not trainer.args. Rule: odb follows the arguments "
-                         "the trainer runs with. Fix: pass trainer alone (or build the trainer with those args).")
+    args = _check_training_args(trainer, training_args)
     finetuning = getattr(trainer, "finetuning_args", None)
     strategy = getattr(args, "train_sampling_strategy", "random")
     if getattr(finetuning, "disable_shuffling", False) and strategy != "sequential":
@@ -162,15 +164,23 @@ def _enable_trainer(trainer: Any, training_args: Any, token_budget: Any, config:
         lengths = _dataset_lengths(getattr(trainer, "train_dataset", None))
     _check_fits(lengths, cfg)
     if not packed:
-        return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, **options)
+        return enable_hf(trainer, token_budget, config, lengths, attention, options)
     _prepare_packed_model(getattr(trainer, "model", None), attention)
     trainer.data_collator = PackedCollate(ignore_index=IGNORE_INDEX)  # odb's row replaces LLaMA-Factory's packing
     try:
-        return hf.enable_odb(trainer, token_budget, config=config, lengths=lengths, packed_attention=attention,
-                             **options)
+        return enable_hf(trainer, token_budget, config, lengths, attention, options)
     except BaseException:
         trainer.data_collator = collator
         raise
+
+
+def _check_training_args(trainer: Any, training_args: Any) -> Any:
+    """``trainer.args``, after refusing other ``training_args`` than those."""
+    args = getattr(trainer, "args", None)
+    if training_args is not None and training_args is not args:
+        raise ValueError("enable_odb got training_args that are not trainer.args. Rule: odb follows the arguments "
+                         "the trainer runs with. Fix: pass trainer alone (or build the trainer with those args).")
+    return args
 
 
 # ---- a loader of your own ------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """odb in TRL's ``SFTTrainer``: the supervised tokens TRL's collator trains on, and padding-free rows.
 
-``odb.integrations.hf.enable_odb(trainer, token_budget=...)`` works on an ``SFTTrainer``
-(TRL 1.16, the ``trl`` extra's range) with TRL's own data preparation and collator; ``enable_odb`` here is the
-same call, refusing trainers that are not TRL's. TRL is never imported by odb: what is
-read comes from the objects the trainer already holds.
+``odb.enable_odb(trainer, token_budget=...)`` works on an ``SFTTrainer`` (TRL 1.16, the ``trl`` extra's range)
+with TRL's own data preparation and collator; ``enable_odb`` here (and ``odb.integrations.hf.enable_odb``) is the
+same call, which takes every trainer odb trains and dispatches by its type (``odb.integrations.enable``). TRL is
+never imported by odb: what is read comes from the objects the trainer already holds.
 
 What TRL's ``DataCollatorForLanguageModeling`` implies, applied when odb is enabled:
 
@@ -49,10 +49,7 @@ Example:
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Optional, Sequence
-
-from odb.config import ODBConfig
+from odb.integrations.enable import enable_odb  # noqa: F401  (odb.enable_odb: every trainer, by its type)
 from odb.integrations.trl_pairs import PairLength, PairUnits, pair_options, pair_trainer  # noqa: F401
 from odb.integrations.trl_rl import enable_odb_rl, is_rl_trainer  # noqa: F401
 from odb.integrations.trl_rules import (_SFT_MODULE, IGNORE_INDEX, SFTLossTokens, check_trl_trainer,  # noqa: F401
@@ -60,40 +57,3 @@ from odb.integrations.trl_rules import (_SFT_MODULE, IGNORE_INDEX, SFTLossTokens
 
 __all__ = ["PairLength", "PairUnits", "SFTLossTokens", "enable_odb", "enable_odb_rl", "pair_options",
            "sft_options"]
-
-
-def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
-               lengths: Optional[Sequence[int]] = None, packed_attention: str = "odb_varlen",
-               **odb_options: Any) -> Any:
-    """Switch a TRL ``SFTTrainer``, ``DPOTrainer`` or ``RewardTrainer`` to odb batches, in place; returns it.
-
-    The same as ``odb.integrations.hf.enable_odb`` (which applies TRL's rules too), but
-    refuses a trainer that is not one of those. A ``GRPOTrainer`` or ``RLOOTrainer`` goes to
-    ``odb.integrations.trl_rl.enable_odb_rl`` (``token_budget``, ``layout``, ``step_plan``, ``packed_attention``): its
-    policy update is cut by tokens.
-
-    Example:
-        >>> enable_odb(object(), token_budget=4096)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        TypeError: odb.integrations.trl.enable_odb got object, not a trl.SFTTrainer, DPOTrainer or RewardTrainer. ...
-    """
-    if is_rl_trainer(trainer):  # GRPO, RLOO: odb cuts the policy update; TRL keeps its sampler (trl_rl)
-        extra = sorted(set(odb_options) - {"layout", "step_plan"})
-        extra += [k for k, v in (("config", config), ("lengths", lengths)) if v is not None]
-        if extra:
-            raise TypeError(f"odb.integrations.trl.enable_odb got {extra} for {type(trainer).__name__}, which takes "
-                            f"token_budget, layout, step_plan and packed_attention only: odb cuts its policy "
-                            f"update, not its loader. Fix: pass those alone (odb.integrations.trl_rl.enable_odb_rl).")
-        return enable_odb_rl(trainer, token_budget, layout=odb_options.get("layout", "padded"),
-                             step_plan=odb_options.get("step_plan", "auto"), packed_attention=packed_attention)
-    check_trl_trainer(trainer)  # TRL's other trainers, each with its reason
-    sft = sys.modules.get(_SFT_MODULE)
-    if (sft is None or not isinstance(trainer, sft.SFTTrainer)) and pair_trainer(trainer) is None:
-        raise TypeError(f"odb.integrations.trl.enable_odb got {type(trainer).__name__}, not a trl.SFTTrainer, "
-                        f"DPOTrainer or RewardTrainer. Fix: pass that trainer instance, or use "
-                        f"odb.integrations.hf.enable_odb for other Trainers.")
-    from odb.integrations.hf.trainer import enable_odb as enable
-
-    return enable(trainer, token_budget, config=config, lengths=lengths, packed_attention=packed_attention,
-                  **odb_options)

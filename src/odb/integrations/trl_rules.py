@@ -53,8 +53,8 @@ _ROLLOUTS = ("odb's loader would replace TRL's RepeatSampler (the generations of
 _RL = ("odb's loader would replace TRL's RepeatSampler (the generations of one group would come from different "
        "prompts: wrong advantages); odb cuts {name}'s policy update into token-budget micro-batches instead, "
        "leaving TRL's sampler, generation and rewards alone")
-_RL_FIX = ("call odb.integrations.trl.enable_odb(trainer, token_budget=...) (odb.integrations.trl_rl), not "
-           "odb.integrations.hf.enable_odb or ODBTrainerMixin")
+_RL_FIX = ("call odb.enable_odb(trainer, token_budget=...) (odb.integrations.trl_rl; odb.integrations.hf.enable_odb "
+           "and odb.integrations.trl.enable_odb are the same call), not ODBTrainerMixin or ODBTrainer")
 _WHY = {"CPOTrainer": _PAIRS, "ORPOTrainer": _PAIRS,
         "GRPOTrainer": _RL, "RLOOTrainer": _RL, "OnlineDPOTrainer": _ROLLOUTS}
 _OTHER = ("its loss and batching are its own ({name} is not TRL's SFTTrainer, whose collator, labels and loss "
