@@ -251,6 +251,17 @@ class RankExchange:
             return None
         raise peer_error(self.rank, self.world_size, where, statuses.tolist(), [decode_reason(s) for s in slots])
 
+    def all_agree(self, flag: bool, where: str) -> bool:
+        """Whether ``flag`` holds on every rank (one gather; every rank calls it at the same point).
+
+        Example:
+            >>> from odb.comm.threads import ThreadRanks
+            >>> RankExchange(5.0, transport=ThreadRanks(1).transport(0)).all_agree(True, "example")
+            True
+        """
+        gathered = self.all_gather(np.array([int(bool(flag))]), where)
+        return bool(gathered is not None and gathered.all())
+
     def move(self, outgoing: Sequence[bytes], where: str) -> List[bytes]:
         """Move bytes between ranks: ``outgoing[d]`` goes to rank d; returns ``incoming``, where
         ``incoming[s]`` is what rank s sent to this rank (``incoming[rank]`` is ``outgoing[rank]`` itself,

@@ -73,7 +73,7 @@ class EpochAssembly:
         ended, so its exchanges can be released once every rank has started this one."""
         loader, cfg = self.loader, self.budget.options
         run_state = state["run"] if state is not None else None
-        exchange = self._new_exchange(settled)
+        exchange, settled = self._new_exchange(settled)
         known = self.sources.known_lengths()
         rank, world_size = self.world()
         order = resume_order(loader.sampler, run_state, epoch, rank, world_size)
@@ -128,12 +128,17 @@ class EpochAssembly:
         return Epoch(run, cursor, pipeline, mode,
                      mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch)))
 
-    def _new_exchange(self, settled: bool) -> Optional[RankExchange]:
-        """This epoch's metadata exchange (a collective call: on the main thread, when iteration starts)."""
+    def _new_exchange(self, settled: bool) -> Tuple[Optional[RankExchange], bool]:
+        """This epoch's metadata exchange (a collective call: on the main thread, when iteration starts) and
+        whether the last epoch's exchanges are to be released (``settled``; agreed by every rank where the
+        transport asks for it: a group over some of the ranks is named by the groups alive in the process, so
+        the ranks must release alike to name the next one alike)."""
         if self.exchanges is None or self.world()[1] <= 1:
-            return None
+            return None, settled
         previous = self.exchange
         ex = self.exchange = self.exchanges(self.budget.options.exchange_timeout_s)
+        if previous is not None and getattr(ex.transport, "agrees_releases", False):
+            settled = ex.all_agree(settled, "the start of an epoch (whether the last one's groups are free)")
         if previous is not None and settled:
             previous.release()  # every rank has started this epoch: the last one's exchanges are over
         sampler = self.loader.sampler
@@ -144,7 +149,7 @@ class EpochAssembly:
                 f"ranks but the loader's sampler ({type(sampler).__name__}) does not shard the dataset, "
                 f"so every rank iterates all of it. Fix: pass sampler=odb.ShardSampler(dataset) or a "
                 f"DistributedSampler.", stacklevel=5)
-        return ex
+        return ex, settled
 
 
 def stop_at_death(run: EpochRun, pipeline: BatchPipeline, steps: Optional[RankExchange] = None
