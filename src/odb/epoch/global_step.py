@@ -209,7 +209,7 @@ class GlobalStep:
 
     def _deal_by_price(self, table: StepTable, planned: GlobalStepPlan, where: str) -> GlobalStepPlan:
         """``planned``'s micro-batches dealt again by the pairing criterion's prices (balance="time": predicted
-        seconds), the mean of every rank's price for each, so every rank deals alike (odb.plan.price_deal);
+        seconds), the mean of every process's price for each, so every rank deals alike (odb.plan.price_deal);
         the plan as it is where any rank's model gives no price for one of them."""
         groups = planned_groups(planned)
         cost = self.planner.cost
@@ -217,7 +217,8 @@ class GlobalStep:
         prices = [self.aligner.pairing.price(cost.pad(table.lengths[g]), side[g]) for g in groups]
         message = np.array([-1 if p is None else p for p in prices], dtype=np.int64)
         self.aligner.expect(message.shape)
-        gathered = self.exchange.all_gather(message, where).reshape(self.world, len(groups))
+        # every process's prices (the peers of a replica each price with their own model): all agree on the mean
+        gathered = self.exchange.all_gather(message, where, every_process=True).reshape(-1, len(groups))
         self.aligner.expect(None)
         if (gathered < 0).any():
             return planned

@@ -21,6 +21,7 @@ from odb.config import ODBConfig
 from odb.epoch.drop_last import DropLast
 from odb.epoch.emission import BatchCollate, StepEmission
 from odb.epoch.pool import SamplePool
+from odb.epoch.peer_check import digests_of
 from odb.epoch.position import RunPosition
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
@@ -52,7 +53,9 @@ class EpochRun:
         self.budget: WindowBudget = budget if budget is not None else FixedBudget(cfg)
         self.source = source
         self.epoch = epoch
-        exchange = exchange if exchange is not None and exchange.world_size > 1 else None
+        # (under a mesh one replica may span several processes: its peers still exchange, to agree on what each
+        # measures and to check that they plan alike)
+        exchange = exchange if exchange is not None and exchange.processes > 1 else None
         self.rank = exchange.rank if exchange is not None else 0
         self.world_size = exchange.world_size if exchange is not None else 1
         # global_batch_size: each window is one optimizer step's samples on this rank, planned whole
@@ -212,7 +215,8 @@ class EpochRun:
         if held:
             first, last = self.step - len(held), self.step - 1
             steps = f"{first}-{last}" if last > first else f"{first}"
-            self.aligner.confirm(len(held), f"epoch {self.epoch}, step {steps}")
+            digest = digests_of([b for b, _ in held], self.cfg.step_info_key) if self.cfg.check_peers else 0
+            self.aligner.confirm(len(held), f"epoch {self.epoch}, step {steps}", digest)
             out, held[:] = list(held), []
             yield from out
 

@@ -80,7 +80,7 @@ class EpochAssembly:
         source, marks = self.sources.for_epoch(epoch, run_state, order, fresh=state is None)
         self.budget.epoch_starts(source.peek, resumed=run_state is not None)
         pin = loader.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
-        world = exchange.world_size if exchange is not None else 1
+        world = exchange.processes if exchange is not None else 1
         run = EpochRun(cfg, source, list if known is not None else self.group_collate, epoch=epoch,
                        seed=seed, shuffle=self.shuffle, drop_last=self.drops.enabled, batch_unit=self.drops.unit,
                        exchange=exchange, finalize=pin_batch if pin else None,
@@ -133,7 +133,7 @@ class EpochAssembly:
         whether the last epoch's exchanges are to be released (``settled``; agreed by every rank where the
         transport asks for it: a group over some of the ranks is named by the groups alive in the process, so
         the ranks must release alike to name the next one alike)."""
-        if self.exchanges is None or self.world()[1] <= 1:
+        if self.exchanges is None or self.exchanges.processes() <= 1:
             return None, settled
         previous = self.exchange
         ex = self.exchange = self.exchanges(self.budget.options.exchange_timeout_s)
@@ -142,7 +142,7 @@ class EpochAssembly:
         if previous is not None and settled:
             previous.release()  # every rank has started this epoch: the last one's exchanges are over
         sampler = self.loader.sampler
-        if not self.warned_shard and not self.sources.iterable and not is_sharded(sampler):
+        if not self.warned_shard and not self.sources.iterable and not is_sharded(sampler) and ex.world_size > 1:
             self.warned_shard = True
             warnings.warn(
                 f"odb rank {ex.rank}: torch.distributed has {ex.world_size} "

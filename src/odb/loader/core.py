@@ -30,7 +30,6 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset
 
 from odb.arguments import check_in_order
-from odb.comm.dist import GroupExchanges
 from odb.comm.protocol import ExchangeFactory
 from odb.config import ODBConfig
 from odb.data.bucket_collate import PadToBucket
@@ -50,24 +49,6 @@ from odb.loader.length_probe import check_probed_fit, probe_lengths
 from odb.loader.sources import EpochSources
 from odb.plan.estimate import estimate_steps
 from odb.resume.loader_state import PlanOptions, loader_fields, saved_state, state_to_resume
-
-
-def exchange_factory(cfg: ODBConfig, process_group: Any = None, exchange: Optional[ExchangeFactory] = None
-                     ) -> Optional[ExchangeFactory]:
-    """Where a loader's exchanges come from: ``exchange`` (a factory: ``world()`` and
-    ``factory(timeout_s) -> RankExchange``), else torch.distributed (``process_group`` or the
-    default group); None for a local loader (``distributed=False``)."""
-    if process_group is not None and exchange is not None:
-        raise ValueError(f"odb got process_group={process_group!r} and exchange={exchange!r}: both say how the "
-                         f"ranks exchange. Rule: one of them. Fix: drop one (exchange= is for tests and custom "
-                         f"transports, e.g. odb.comm.threads.ThreadRanks(n).exchanges(rank)).")
-    for name, given in (("process_group", process_group), ("exchange", exchange)):
-        if given is not None and not cfg.distributed:
-            raise ValueError(f"odb got {name}={given!r} with distributed=False: a local loader "
-                             f"exchanges nothing. Fix: drop {name}, or drop distributed=False.")
-    if not cfg.distributed:
-        return None
-    return exchange if exchange is not None else GroupExchanges(process_group)
 
 
 class LoaderCore:
