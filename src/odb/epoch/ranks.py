@@ -163,6 +163,11 @@ class RankAligner:
         self.due.unconfirmed = steps
 
     @property
+    def has_peers(self) -> bool:
+        """Whether a data-parallel replica spans several processes (odb.comm.replicas): they plan alike."""
+        return self.exchange is not None and self.exchange.processes > self.exchange.world_size
+
+    @property
     def agreed_plan(self) -> Any:
         """agree() of every rank's budget plan proposal at the last header (None: this rank sent none)."""
         return self.headers.agreed_plan

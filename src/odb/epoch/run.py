@@ -172,8 +172,10 @@ class EpochRun:
 
     def _plan_next_window(self) -> List[Step]:
         budget, alone, position = self.budget, self.aligner.local_only, self.position
+        # the peers of a replica never plan under a proposal of their own (each measures its own): the agreed one
+        own = alone and not self.aligner.has_peers
         self.planner.set_costs(budget.next_window(step=position.step, window_index=position.window_index,
-                                                  planned=position.step + self.emission.planned(), alone=alone))
+                                                  planned=position.step + self.emission.planned(), alone=own))
         self.aligner.pairing.freeze(budget.freeze_point(position.step))
         ids: List[int] = []
         fresh = not position.planned_final

@@ -110,7 +110,8 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
     cfg = UserBatch(loader.batch_size or 1, where, "odb.apply").keep(cfg, given, exchanges)
     if collate_fn is None and cfg.layout == "packed" and (loader.batch_size is None
                                                           or loader.collate_fn is default_collate):
-        collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
+        collate_fn = PackedCollate(ignore_index=cfg.ignore_index,  # one padding-free row per batch
+                                       sample_multiple=cfg.length_multiple if cfg.context_parallel > 1 else 1)
     group_collate, transform = group_collate_for(loader, collate_fn)
     seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator, loader.sampler)
     core = LoaderCore(loader, cfg, shuffle=shuffles(loader) if shuffle is None else bool(shuffle), seed=seed,

@@ -33,6 +33,7 @@ from odb.arguments import check_in_order
 from odb.comm.protocol import ExchangeFactory
 from odb.config import ODBConfig
 from odb.data.bucket_collate import PadToBucket
+from odb.packed.collate import check_context_collate
 from odb.data.collate_check import PaddingHint
 from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler, ShardSampler
@@ -80,9 +81,13 @@ class LoaderCore:
         # samples: the batch_size they wrote), or the whole partial last step where no batch size is known
         self.drops = DropLast(bool(loader.drop_last), batch_unit)
         self.seed = seed
-        if cfg.shape_buckets is not None and not isinstance(group_collate, PadToBucket):
-            # odb plans each batch at a bucket length; the collate pads to the longest sample: pad on to the bucket
-            group_collate = PadToBucket(group_collate, cfg.shape_buckets, ignore_index=cfg.ignore_index)
+        if cfg.layout == "padded" and (cfg.shape_buckets is not None or cfg.context_parallel > 1) and \
+                not isinstance(group_collate, PadToBucket):
+            # odb plans each batch at a bucket length (and, under context parallelism, at a multiple of what its
+            # sharding needs); the collate pads to the longest sample: pad on to the bucket, the multiple
+            group_collate = PadToBucket(group_collate, cfg.shape_buckets or (), ignore_index=cfg.ignore_index,
+                                        multiple=cfg.length_multiple if cfg.context_parallel > 1 else 1)
+        check_context_collate(cfg, group_collate)
         self.transform = sample_transform
         self.own_sampler = own_sampler
         self.inner = InnerLoaders(loader, sample_transform)
@@ -134,6 +139,8 @@ class LoaderCore:
 
             self.oom = OOMCounters()
             self.oom.on_oom = self.budget.on_oom  # odb.train.oom tells of an out-of-memory batch: auto learns it
+            if self.assembly.exchanges is not None and self.assembly.exchanges.processes() > 1:
+                self.oom.exchanges = self.assembly.exchanges  # (the fallback agrees over the loader's ranks)
         return self.oom
 
     def wait_s(self, default: float = 0.0) -> float:

@@ -259,7 +259,8 @@ class ODBDataLoader(ODBLoaderMixin):
                              f"odb.ShardSampler with shuffle=True), or drop sampler.")
         seed = cfg.seed if cfg.seed is not None else draw_seed(generator, sampler)
         if collate_fn is None and cfg.layout == "packed":
-            collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
+            collate_fn = PackedCollate(ignore_index=cfg.ignore_index,  # one padding-free row per batch
+                                       sample_multiple=cfg.length_multiple if cfg.context_parallel > 1 else 1)
         own = None
         if shuffle and sampler is None and not iterable:
             own = sampler = EpochShuffleSampler(dataset, seed)
