@@ -35,6 +35,9 @@ from odb.step_info import ODBStepInfo
 OOMPolicy = Literal["split", "skip"]
 SyncPass = Literal["last", "extra"]
 OOM_ERRORS: Tuple[type, ...] = (torch.OutOfMemoryError,)  # torch.cuda.OutOfMemoryError is the same class
+SYNCED_OOM = ("odb: out of memory inside a backward that synchronizes gradients across ranks; the other ranks are "
+              "already in that collective, so this cannot be recovered. Fix: pass sync_pass='extra' and "
+              "no_sync=model.no_sync (all work runs without sync, then a one-row pass syncs), or lower token_budget.")
 _EXCHANGE_TIMEOUT_S = 1800.0  # ODBConfig's default: the loader's metadata group, when it uses the default
 
 
@@ -245,19 +248,8 @@ class _Run:
         """Run one piece; returns what is left to run of it (nothing, itself, or its halves)."""
         self.passes += 1
         acc: Set[int] = set()
-        oom, loss, scale, masked = False, None, 0.0, item.masked
         with self.no_sync() if self.no_sync is not None and not synced else contextlib.nullcontext():
-            try:
-                piece, scale, masked = self._piece(item)
-                loss = self.loss_fn(piece)
-            except OOM_ERRORS:
-                oom = True
-            piece = None
-            if oom:
-                release_memory()
-                if isinstance(self.model, DDP):  # as DDP's post-forward sets it on the ranks whose forward ended:
-                    # whether the next forward broadcasts buffers must match across ranks
-                    self.model.require_forward_param_sync = synced and torch.is_grad_enabled()
+            oom, loss, scale, masked = self._forward(item, synced)
             if synced and self.exchange is not None:  # nobody enters a syncing backward unless all forwards worked
                 # (with what the round needs next: if all worked, this backward completes or raises)
                 got = self.exchange.all_gather(np.array([oom, queued, self.local_ooms, self.inexact]),
@@ -272,50 +264,60 @@ class _Run:
                     return self._failed(item, acc) if oom else [item]
             elif oom:
                 return self._failed(item, acc)
-            handles = [self.params[i].register_hook(_zero_grad) for i in masked]
-            before = self._grad_state()
-            scaled = None
-            try:
-                # A piece that adds nothing (no supervised token, a ghost) may have a NaN mean: an exact zero instead.
-                scaled = zero_loss(loss) if scale == 0 else loss * scale
-                self.backward(scaled)
-                if not item.ghost:
-                    self.losses.append(scaled.detach())
-            except OOM_ERRORS:
-                oom = True
-                acc = self._accumulated(before)
-            finally:
-                for h in handles:
-                    h.remove()
-                del loss, scaled, before
+            oom, acc = self._backward(item, loss, scale, masked)
         if not oom:
             return []
         release_memory()
         if synced and self.exchange is not None:
-            raise ODBOOMError("odb: out of memory inside a backward that synchronizes gradients across ranks; the "
-                              "other ranks are already in that collective, so this cannot be recovered. Fix: pass "
-                              "sync_pass='extra' and no_sync=model.no_sync (all work runs without sync, then a "
-                              "one-row pass syncs), or lower token_budget.")
+            raise ODBOOMError(SYNCED_OOM)
         return self._failed(item, acc)
+
+    def _forward(self, item: _Item, synced: bool) -> Tuple[bool, Any, float, frozenset]:
+        """(out of memory, the loss, its scale, the masked parameters) of one piece's forward."""
+        oom, loss, scale, masked = False, None, 0.0, item.masked
+        try:
+            piece, scale, masked = self._piece(item)
+            loss = self.loss_fn(piece)
+        except OOM_ERRORS:
+            oom = True
+        piece = None
+        if oom:
+            release_memory()
+            if isinstance(self.model, DDP):  # as DDP's post-forward sets it on the ranks whose forward ended:
+                # whether the next forward broadcasts buffers must match across ranks
+                self.model.require_forward_param_sync = synced and torch.is_grad_enabled()
+        return oom, loss, scale, masked
+
+    def _backward(self, item: _Item, loss: Any, scale: float, masked: frozenset) -> Tuple[bool, Set[int]]:
+        """(out of memory, the parameters whose gradient the backward reached) of one piece's backward; masked
+        parameters get a zero gradient."""
+        handles = [self.params[i].register_hook(_zero_grad) for i in masked]
+        before = self._grad_state()
+        oom, scaled = False, None
+        try:
+            # A piece that adds nothing (no supervised token, a ghost) may have a NaN mean: an exact zero instead.
+            scaled = zero_loss(loss) if scale == 0 else loss * scale
+            self.backward(scaled)
+            if not item.ghost:
+                self.losses.append(scaled.detach())
+        except OOM_ERRORS:
+            oom = True
+        finally:
+            for h in handles:
+                h.remove()
+            acc = self._accumulated(before)
+            del loss, scaled, before
+        return oom, acc
 
     def _peer_pass(self, item: _Item, synced: bool) -> Tuple[bool, Set[int], bool]:
         """Under a mesh: run one piece; (it ran out of memory here or, at a syncing pass, on a peer of this
         replica; the parameters whose gradient it reached here; run it again whole: another replica failed
         before a syncing backward). What is left of it is decided for the whole replica (``_settle``)."""
         self.passes += 1
-        oom, loss, scale, masked, acc = False, None, 0.0, item.masked, set()
+        acc: Set[int] = set()
         with self.no_sync() if self.no_sync is not None and not synced else contextlib.nullcontext():
-            try:
-                piece, scale, masked = self._piece(item)
-                loss = self.loss_fn(piece)
-            except OOM_ERRORS:
-                oom = True
-            piece = None
-            if oom:
-                self.local_ooms += 1
-                release_memory()
-                if isinstance(self.model, DDP):
-                    self.model.require_forward_param_sync = synced and torch.is_grad_enabled()
+            oom, loss, scale, masked = self._forward(item, synced)
+            self.local_ooms += oom
             if synced:  # nobody enters a syncing backward unless every forward worked
                 got = self.exchange.all_gather(np.array([oom]), "an OOM check before backward", every_process=True)
                 if got.any():
@@ -324,34 +326,18 @@ class _Run:
                     here = bool(got[[p for p, r in enumerate(self.peers.replica)
                                      if r == self.peers.replica[self.exchange.process_rank]]].any())
                     if item.ghost and oom:
-                        self._failed(item, set())  # raises
+                        self._failed(item, acc)  # raises
                     return here, acc, not here
             elif oom:
                 if item.ghost:
-                    self._failed(item, set())  # raises
+                    self._failed(item, acc)  # raises
                 return True, acc, False
-            handles = [self.params[i].register_hook(_zero_grad) for i in masked]
-            before = self._grad_state()
-            scaled = None
-            try:
-                scaled = zero_loss(loss) if scale == 0 else loss * scale
-                self.backward(scaled)
-                if not item.ghost:
-                    self.losses.append(scaled.detach())
-            except OOM_ERRORS:
-                oom = True
-                self.local_ooms += 1
-            finally:
-                for h in handles:
-                    h.remove()
-                acc = self._accumulated(before)
-                del loss, scaled, before
+            oom, acc = self._backward(item, loss, scale, masked)
+            self.local_ooms += oom
         if oom:
             release_memory()
             if synced:
-                raise ODBOOMError("odb: out of memory inside a backward that synchronizes gradients across ranks; "
-                                  "the other ranks are already in that collective, so this cannot be recovered. "
-                                  "Fix: pass sync_pass='extra' and no_sync=model.no_sync, or lower token_budget.")
+                raise ODBOOMError(SYNCED_OOM)
             if item.ghost:
                 self._failed(item, acc)  # raises
         return oom, acc, False
@@ -394,14 +380,7 @@ class _Run:
         if item.ghost:
             raise ODBOOMError("odb: a one-row pass at zero weight, run only to keep the ranks' passes aligned, ran "
                               "out of memory. Fix: lower token_budget.")
-        masked = item.masked | acc
-        rows = item.rows if item.rows is not None else tuple(range(self.n_rows))
-        if (self.policy == "skip" and not masked) or len(rows) == 1:
-            self.skipped += len(rows)
-            self.inexact = self.inexact or bool(masked)  # its gradient already reached some parameters
-            return []
-        self.split, half = True, len(rows) // 2
-        return [_Item(rows[:half], masked), _Item(rows[half:], masked)]
+        return self._cut(item, acc, bool(item.masked | acc))
 
     def _piece(self, item: _Item) -> Tuple[Any, float, frozenset]:
         if item.rows is None:
