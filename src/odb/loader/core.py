@@ -241,8 +241,14 @@ class LoaderCore:
         return self.inner.persistent
 
     def world(self) -> Tuple[int, int]:
-        """(rank, world size) without creating anything (no collective)."""
+        """(rank, world size) without creating anything (no collective): under a mesh, the data-parallel
+        replica's and the number of replicas."""
         return self.assembly.world()
+
+    @property
+    def exchange_factory(self) -> Optional[ExchangeFactory]:
+        """Where this loader's exchanges come from (None: a local loader)."""
+        return self.assembly.exchanges
 
     def stop(self) -> None:
         """End the previous iteration's background work, if any."""
