@@ -127,3 +127,29 @@ def on_threads(ranks: Any, fn: Any, timeout_s: float = 40.0) -> List[Any]:
         t.join(timeout_s + 10)
     assert not any(t.is_alive() for t in threads), "a rank thread still runs"
     return results
+
+
+class Counting:
+    """An exchange factory that counts every exchange's gathers (its transport's), in the order they are made."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.counts = inner, []
+
+    def world(self):
+        return self.inner.world()
+
+    def processes(self):
+        return self.inner.processes()
+
+    def __call__(self, timeout_s: float) -> Any:
+        ex = self.inner(timeout_s)
+        slot = len(self.counts)
+        self.counts.append(0)
+        gather = ex.transport.gather
+
+        def counted(message: np.ndarray, where: str) -> np.ndarray:
+            self.counts[slot] += 1
+            return gather(message, where)
+
+        ex.transport.gather = counted
+        return ex

@@ -676,7 +676,10 @@ def run_scale(quick: bool = False, progress: Callable[..., Any] = lambda it, **k
         except Exception as err:  # noqa: BLE001
             result["planning"][layout] = {"world": timing_world, "share": timing_share, "error": repr(err)}
     result["wall_s"]["planning_timing"] = time.perf_counter() - t0
-    result["goals"] = goals(result)
+    from odb.bench.scale_mesh import run_mesh_section  # meshes (DP x CP) and collectives per step
+
+    result["meshes"] = run_mesh_section(names[0], quick=quick)
+    result["goals"] = goals(result) + result["meshes"]["goals"]
     result["notes"] = notes(result)
     result["wall_s"]["total"] = time.perf_counter() - t_all
     return result

@@ -148,6 +148,9 @@ class RankAligner:
         # how ranks pair their groups (balance): by the criterion's price in a window where it is ready on every
         # rank (a flag in the header), else by the planner's cost
         self.pairing = pairing if pairing is not None else TokenPairing()
+        # whether made steps are confirmed through the exchange (False: steps computed on every rank without an
+        # exchange, odb.epoch.local_table; failures then reach the others at the step exchange of known lengths)
+        self.confirms = True
 
     # ---- state (odb.resume) ------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -260,12 +263,13 @@ class RankAligner:
 
     def steps_exchanged(self, steps: int) -> None:
         """``steps`` steps were agreed outside ``align`` (a global step plan): they are confirmed once made."""
-        self.due.unconfirmed += steps
+        if self.confirms:
+            self.due.unconfirmed += steps
 
     @property
     def confirm_every(self) -> int:
         """Batches to make before they are confirmed together (1: nothing to confirm, deliver at once)."""
-        return 1 if self.local_only else CONFIRM_STEPS
+        return 1 if self.local_only or not self.confirms else CONFIRM_STEPS
 
     def confirm(self, steps: int, where: str, digest: int = 0) -> None:
         """Tell every rank this rank made its batches of the last ``steps`` steps (and learn that they
@@ -285,7 +289,7 @@ class RankAligner:
     def announce(self, error: Optional[BaseException]) -> None:
         """Join the next exchange with this rank's failure (``error``) or stop (None), so every rank raises
         at once; nothing when no exchange is left or the exchange already failed."""
-        if self.finished:
+        if self.finished or not self.confirms:  # (not confirms: no exchange of this thread is left to meet at)
             return
         shape = self.due.body if self.due.body is not None else (self.headers.size,)
         self.exchange.announce(shape, f"epoch {self.epoch}, after step {self._steps_done()}", error)

@@ -48,7 +48,7 @@ class EpochRun:
                  exchange: Any = None,
                  finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None,
                  notices: Optional[Set[str]] = None, budget: Optional[WindowBudget] = None,
-                 stream_marks: Any = None, lazy: bool = False, move_samples: bool = True) -> None:
+                 stream_marks: Any = None, lazy: bool = False, move_samples: bool = True, tables: Any = None) -> None:
         self.cfg = cfg  # the user's options; each window's prices come from the window budget
         self.budget: WindowBudget = budget if budget is not None else FixedBudget(cfg)
         self.source = source
@@ -74,7 +74,7 @@ class EpochRun:
         # lengths); drop_last keeps a partial last step's whole batches of the user's (batch_unit).
         self.windows = window_strategy(groups, exchange, step_samples=step_samples, total=total,
                                        drops=DropLast(drop_last, batch_unit), move_samples=move_samples,
-                                       register=self.register)
+                                       register=self.register, tables=tables)
         self.position = RunPosition(stream_marks)
         self.emission = StepEmission()
         # Batches left to collate (LazyBatch) by whichever thread needs them first (odb.epoch.pipeline).

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from odb.comm.protocol import ExchangeFactory, RankExchange
 from odb.epoch.cursor import Cursor
 from odb.epoch.known import announce_to_steps, known_epoch
+from odb.epoch.local_table import local_tables
 from odb.epoch.pipeline import BatchPipeline, made
 from odb.epoch.drop_last import DropLast
 from odb.epoch.run import EpochRun
@@ -90,7 +91,8 @@ class EpochAssembly:
                        # a batch is collated before the ranks confirm its step, so a failing collate stops every
                        # rank at the same step.
                        lazy=cfg.ready_batches > 0 and world == 1,
-                       move_samples=known is None)  # known lengths: a sample is its dataset index
+                       move_samples=known is None,  # known lengths: a sample is its dataset index
+                       tables=self._tables(known, exchange, order, epoch))
         if run_state is not None:
             run.restore(run_state, retained_samples(source, run_state, dataset=loader.dataset,
                                                     sampler=loader.sampler, iterable=self.sources.iterable,
@@ -127,6 +129,17 @@ class EpochAssembly:
             watch.on_death(stop_at_death(run, pipeline, steps))
         return Epoch(run, cursor, pipeline, mode,
                      mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch)))
+
+    def _tables(self, known: Any, exchange: Optional[RankExchange], order: Any, epoch: int) -> Any:
+        """Known lengths with a stride-sharded sampler and ``global_batch_size`` planned across ranks: every step's
+        table computed on every rank (odb.epoch.local_table), none exchanged; None otherwise (or for an epoch
+        re-partitioned by an elastic resume, whose order is its own)."""
+        cfg = self.budget.options
+        if known is None or exchange is None or order is not None or cfg.step_plan != "global":
+            return None
+        return local_tables(self.loader.sampler, epoch=epoch, rank=exchange.rank, world=exchange.world_size,
+                            lengths=known, step_samples=cfg.step_samples(exchange.world_size),
+                            own_order=list(self.loader.sampler))
 
     def _new_exchange(self, settled: bool) -> Tuple[Optional[RankExchange], bool]:
         """This epoch's metadata exchange (a collective call: on the main thread, when iteration starts) and
