@@ -101,3 +101,52 @@ def test_check_peers_names_a_peer_whose_batches_differ(known):
     for got in results:
         assert isinstance(got, ODBPeerMismatch), got
         assert "rank 1 sent another plan message than rank 0" in str(got), str(got)
+
+
+@pytest.mark.timeout(120)
+def test_peers_that_measure_differently_agree_on_auto_budgets_and_time_prices(monkeypatch):
+    """token_budget="auto" with balance="time": the second peer of each replica measures 30% more memory and
+    twice the seconds; the peers still train the same batches, which the budgets and prices they agreed shaped."""
+    import itertools
+
+    import torch
+
+    from odb.epoch.ranks import RankAligner
+    from odb.train.memory import ActivationMeter
+
+    priced: List[bool] = []
+    pair_cost = RankAligner.pair_cost
+
+    def counted(self: RankAligner, group: Any) -> Any:
+        priced.append(self.prices_ready)
+        return pair_cost(self, group)
+
+    monkeypatch.setattr(RankAligner, "pair_cost", counted)
+
+    def run(process: int, ex: ThreadExchanges) -> Any:
+        replica, replicas = ex.world()
+        peer = process % 2
+        torch.manual_seed(replica)
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+        meter = ActivationMeter(model)
+        data = LengthDataset(known_lengths(400, 1, 50, seed=1))
+        loader = odb.ODBDataLoader(data, sampler=odb.ShardSampler(data, num_replicas=replicas, rank=replica, seed=3),
+                                   exchange=ex, token_budget="auto", memory_cap_bytes=136 * 400, seed=0,
+                                   memory_meter=lambda: None if (p := meter()) is None else p * (1.0 + 0.3 * peer),
+                                   collate_fn=pad_collate, buffer_size=64, shift_labels=False, balance="time")
+        ticks = itertools.count()
+        loader.odb_core.auto.clock = lambda: float(next(ticks)) * (1 + peer)
+        out = []
+        for batch in loader:
+            info = odb.pop_step_info(batch)
+            torch.nn.functional.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten(),
+                                              ignore_index=-100).backward()
+            out.append((info.step, info.sample_ids, info.padded_tokens, info.rank_imbalance))
+        return out, loader.odb_stats
+
+    results = threads(ThreadRanks(4, replicas=Replicas.grid(2, 2)), run)
+    for process, got in enumerate(results):
+        assert not isinstance(got, BaseException), f"process {process}: {got!r}"
+        assert got[0] == results[process // 2 * 2][0], f"process {process}: not its replica's batches"
+    assert len({s[2] for s in results[0][0]}) > 3  # the budget moved (auto)
+    assert sum(priced) > len(priced) // 4  # many windows paired by seconds (each process's own prices)
