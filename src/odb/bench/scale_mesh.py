@@ -180,7 +180,7 @@ def mesh_step(lengths: np.ndarray, replicas: int, cp: int, cap: int, overhead: f
     replica of ``cp`` GPUs (cp x ``cap`` per replica, lengths padded to 2 x cp), as per-GPU micro-batches
     (odb.bench.scale.MicroBatch: a replica's tokens / cp)."""
     import odb
-    from odb.bench.scale import MicroBatch
+    from odb.bench.step_figures import MicroBatch
     from odb.plan.cost import CostModel
     from odb.plan.global_plan import plan_global_step
 
@@ -201,7 +201,7 @@ def mesh_cells(pool: np.ndarray, *, share: int = 16, steps: int = 8, worlds: Seq
                seed: int = 0) -> List[Dict[str, Any]]:
     """Per (GPUs, cp): the median step efficiency of the mesh and of pure DP over the same replicas and steps, their
     ratio, and the median bound of the pure-DP step against the same step with CP groups of 2 and 4."""
-    from odb.bench.scale import OVERHEAD, TOKEN_BUDGET, draw, step_efficiency
+    from odb.bench.step_figures import OVERHEAD, TOKEN_BUDGET, draw, step_efficiency
 
     cap = TOKEN_BUDGET if cap is None else cap
     overhead = OVERHEAD if overhead is None else overhead
@@ -227,7 +227,7 @@ def cp_bounds(pool: np.ndarray, *, worlds: Sequence[int] = MESH_WORLDS, shares: 
     and the same step's bound with its longest micro-batch on a CP group of 2 and 4 (the longest sample then
     costs length / cp on each of its GPUs), on the long-context lengths ``pool``; and the share of steps the
     longest sample bounds."""
-    from odb.bench.scale import OVERHEAD, draw
+    from odb.bench.step_figures import OVERHEAD, draw
 
     overhead = OVERHEAD if overhead is None else overhead
     rows = []
@@ -268,16 +268,15 @@ def mesh_goals(mesh: List[Dict[str, Any]], collectives: List[Dict[str, Any]]) ->
 LONG_RANGE = (16, 8192)  # the long-context lengths of the CP bound (DESIGN's public workloads' clip)
 
 
-def run_mesh_section(workload: str = "sharegpt", quick: bool = False) -> Dict[str, Any]:
-    """The section's mesh and collective figures (plain JSON): meshes on the scale section's lengths and cap;
-    the CP bound on the same set clipped to ``LONG_RANGE`` instead."""
-    from odb.bench.realdata import load_real_lengths
-    from odb.bench.scale import WORKLOADS, real_lengths
-
+def run_mesh_section(pool: np.ndarray, raw: np.ndarray, workload: str = "sharegpt", quick: bool = False
+                     ) -> Dict[str, Any]:
+    """The section's mesh and collective figures (plain JSON): meshes on the scale section's lengths ``pool``
+    (clipped as the section clips them) and cap; the CP bound on the set's ``raw`` lengths clipped to
+    ``LONG_RANGE`` instead (a (source, target) pair counts as one sequence)."""
     t0 = time.perf_counter()
     worlds = (8, 32) if quick else MESH_WORLDS
-    mesh = mesh_cells(real_lengths(workload), steps=2 if quick else 8, worlds=worlds)
-    raw = np.asarray(load_real_lengths(WORKLOADS[workload]), dtype=np.int64)
+    mesh = mesh_cells(np.asarray(pool), steps=2 if quick else 8, worlds=worlds)
+    raw = np.asarray(raw, dtype=np.int64)
     raw = raw.sum(axis=1) if raw.ndim == 2 else raw
     bounds = cp_bounds(np.clip(raw, *LONG_RANGE), worlds=worlds, steps=8 if quick else 64)
     collectives = collective_rows(worlds=(8, 32) if quick else COLLECTIVE_WORLDS)
