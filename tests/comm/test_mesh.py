@@ -382,6 +382,30 @@ def test_a_mid_epoch_and_an_elastic_resume_continue_exactly(tmp_path):
         assert sorted(before + after) == list(range(N)), f"{mode}: the elastic resume is not the rest of the epoch"
 
 
+# ---- process_group= with peer_group=: the same replicas as the mesh -----------------------------------------------
+
+
+def peer_groups(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
+    import odb
+
+    mesh = make_mesh("tp")
+    groups = {"process_group": mesh["dp"].get_group(), "peer_group": mesh["tp"].get_group(), "device_mesh": None}
+    out = {}
+    for mode in ("known", "online"):
+        meshed = [step_record(b, odb.pop_step_info(b)) for b in loader_for(mesh, mode, "padded")]
+        grouped = [step_record(b, odb.pop_step_info(b)) for b in loader_for(mesh, mode, "padded", **groups)]
+        out[mode] = {"mesh": meshed, "groups": grouped}
+    return out
+
+
+def test_a_data_parallel_group_with_a_peer_group_plans_as_the_mesh(tmp_path):
+    results = run_ranks("test_mesh:peer_groups", 4, {}, tmp_path, deadline_s=120)
+    for process, got in enumerate(results):
+        for mode, runs in got.items():
+            assert runs["groups"] == runs["mesh"], f"{mode}: process {process}'s groups plan otherwise than the mesh"
+            assert runs["groups"] == results[process // 2 * 2][mode]["groups"]
+
+
 # ---- a failure on one peer reaches every rank, naming it ---------------------------------------------------------
 
 
