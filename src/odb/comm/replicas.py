@@ -56,6 +56,9 @@ class Replicas:
                              f"must have the peers 0..{peers - 1} once each (a grid of replicas x peers). Fix: "
                              f"group the processes into replicas of equal size, e.g. a DeviceMesh's data-parallel "
                              f"dimensions against the others.")
+        table = np.empty((peers, count), dtype=np.int64)  # table[k, r]: the process of peer k of replica r
+        table[peer, replica] = np.arange(len(replica))
+        object.__setattr__(self, "_table", table)
 
     @classmethod
     def grid(cls, replicas: int, peers: int) -> "Replicas":
@@ -89,11 +92,7 @@ class Replicas:
 
     def members(self, peer: int) -> np.ndarray:
         """(count,) the process of peer ``peer`` of each replica, in replica order."""
-        out = np.empty(self.count, dtype=np.int64)
-        for p, (r, k) in enumerate(zip(self.replica, self.peer)):
-            if k == peer:
-                out[r] = p
-        return out
+        return self._table[peer]
 
     def rows(self, gathered: np.ndarray) -> np.ndarray:
         """One row per replica (its leader's) of a message gathered from every process."""
@@ -103,11 +102,10 @@ class Replicas:
         """(process, its leader) of the first process whose row of ``gathered`` differs from its leader's, else
         None."""
         gathered = np.asarray(gathered)
-        leaders = self.leaders
-        for p, r in enumerate(self.replica):
-            if p != leaders[r] and not np.array_equal(gathered[p], gathered[leaders[r]]):
-                return p, int(leaders[r])
-        return None
+        lead = self.leaders[np.asarray(self.replica)]  # each process's leader
+        differs = (gathered != gathered[lead]).reshape(len(lead), -1).any(axis=1)
+        first = np.flatnonzero(differs)
+        return (int(first[0]), int(lead[first[0]])) if len(first) else None
 
     def process_sizes(self, sizes: np.ndarray) -> np.ndarray:
         """(processes, processes) bytes each process sends each other, from ``sizes`` ((processes, count): what
