@@ -31,7 +31,9 @@ timing and resumable; `shuffle=True` shuffles the samples and the batch order, a
 `sampler`, with which the batch order is shuffled when the sampler shuffles),
 `config=` (an ODBConfig), `lengths=` (per-sample lengths after processing: `len()` uses them, and odb then plans
 in the batch sampler so that workers fetch and collate whole batches; see docs/algorithm.md),
-`process_group=` (a gloo group for odb's exchange). `odb.apply(loader, ...)` reads your batch from the
+`process_group=` (the ranks odb exchanges between; under a mesh, the data-parallel group, with `peer_group=` the
+other ranks of a replica), `device_mesh=` (a torch DeviceMesh: odb plans over its data-parallel dimensions and every
+other rank of a replica gets the same batches; docs/distributed.md, "Meshes"). `odb.apply(loader, ...)` reads your batch from the
 loader's `batch_size` (1 for `batch_size=None`) in the same way (`global_batch_size=None` asks for
 budget-filled steps; a `batch_sampler` of your own is refused), and also takes `shuffle=` (batch order;
 default: whether the sampler shuffles) and `collate_fn=` (for loaders built with `batch_size=None`).

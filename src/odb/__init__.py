@@ -17,6 +17,7 @@ from odb.data.lengths import count_loss_tokens, default_length, seq2seq_lengths
 from odb.loader.dataloader import ODBDataLoader
 from odb.train.loss import scale_loss
 from odb.packed.collate import PackedCollate
+from odb.packed.context import context_shard
 from odb.packed.models import PackedLayoutError, check_packed_model
 from odb.data.sampling import ShardSampler
 from odb.data.batch_shard import BatchShardSampler
@@ -31,6 +32,6 @@ __all__ = [
     "default_length", "pop_step_info", "BatchShardSampler", "register_varlen_attention", "scale_loss",
     "seq2seq_lengths", "ShardSampler",
     "linear_budget_ramp", "varlen_causal_attention", "PadToBucket", "bucket_length", "fit_buckets",
-    "geometric_buckets",
+    "geometric_buckets", "context_shard",
 ]
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
 
 from odb.arguments import check_options
@@ -203,6 +204,20 @@ class ODBConfig:
             fitted; needs ``token_budget="auto"``), or a criterion registered with
             ``odb.plan.pairing.register_pairing``. Under the global step plan the micro-batches the
             cost model cut are dealt to ranks by the criterion's price.
+        context_parallel: the context (or sequence) parallel degree cp of each data-parallel replica: a
+            micro-batch's sequences are split over cp ranks, so a micro-batch of T tokens costs T / cp on
+            each (``token_budget`` stays a per-GPU budget: odb plans replica micro-batches under cp x it).
+            Set for you from a ``device_mesh`` with a "cp" dimension (docs/distributed.md, "Meshes").
+        context_parallel_multiple: with ``context_parallel`` above 1, every sample's length is padded to a
+            multiple of this (on top of ``pad_to_multiple_of``): what the CP sharding needs to split each
+            sequence evenly. None (default): 2 x context_parallel, as load-balanced causal CP (torch's
+            ``context_parallel``, Megatron) cuts a sequence into 2 x cp chunks; pass cp for a sharding
+            without load balancing (e.g. DeepSpeed-Ulysses sequence parallelism).
+        check_peers: under a mesh (``device_mesh``, or ``process_group`` with ``peer_group``): every
+            optimizer step's exchange also carries a digest of each micro-batch (its samples, shapes and
+            step info), and every rank raises ``odb.comm.protocol.ODBPeerMismatch``, naming the two ranks,
+            as soon as two peers of a replica would train different batches. A debugging aid (it hashes
+            every batch); the peers' plan messages are compared in every mode.
     """
 
     token_budget: Union[int, Tuple[int, ...], Literal["auto"]]
@@ -251,6 +266,9 @@ class ODBConfig:
     auto_start_budget: Optional[int] = None
     auto_margin: float = 0.1
     balance: Balance = "tokens"
+    context_parallel: int = 1
+    context_parallel_multiple: Optional[int] = None
+    check_peers: bool = False
 
     @property
     def auto(self) -> bool:
@@ -290,6 +308,33 @@ class ODBConfig:
         if self.auto:
             return (self.auto_start_budget or 1,)
         return tb if isinstance(tb, tuple) else (tb,)
+
+    @property
+    def length_multiple(self) -> int:
+        """What every padded length is a multiple of: ``pad_to_multiple_of``, and under context parallelism
+        the multiple its sharding needs (``context_parallel_multiple``, default 2 x cp).
+
+        Example:
+            >>> ODBConfig(token_budget=64, pad_to_multiple_of=8, context_parallel=2).length_multiple
+            8
+            >>> ODBConfig(token_budget=64, pad_to_multiple_of=6, context_parallel=2).length_multiple
+            12
+        """
+        if self.context_parallel == 1:
+            return self.pad_to_multiple_of
+        shard = self.context_parallel_multiple or 2 * self.context_parallel
+        return self.pad_to_multiple_of * shard // math.gcd(self.pad_to_multiple_of, shard)
+
+    def replica_budget(self, token_budget: Union[int, Tuple[int, ...]]) -> Union[int, Tuple[int, ...]]:
+        """A per-GPU ``token_budget`` as the budget of one replica's micro-batch: cp x it (a micro-batch of
+        T tokens costs T / cp on each of its context-parallel ranks).
+
+        Example:
+            >>> ODBConfig(token_budget=64, context_parallel=4).replica_budget(64)
+            256
+        """
+        cp = self.context_parallel
+        return tuple(int(v) * cp for v in token_budget) if isinstance(token_budget, tuple) else int(token_budget) * cp
 
     @property
     def window_tokens(self) -> Optional[int]:
@@ -338,7 +383,7 @@ PLAN_OPTIONS = ("token_budget", "window_budgets", "buffer_size", "first_window_s
                 "loss_scaling",
                 "budget_schedule", "probe_worst_case", "layout", "sample_cost", "image_patch_cost", "loss_token_cost",
                 "auto_start_budget", "auto_margin",
-                "balance")
+                "balance", "context_parallel", "context_parallel_multiple")
 
 
 def _checked_init(init: Callable[..., None]) -> Callable[..., None]:

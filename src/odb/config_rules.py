@@ -114,6 +114,7 @@ def validate(cfg: "ODBConfig") -> None:
         object.__setattr__(cfg, "budget_schedule", check_schedule(cfg.budget_schedule))
     _check_int("ready_batches", cfg.ready_batches, 0, "pass e.g. 4, or 0 to work on the training thread")
     _check_layout(cfg)
+    _check_context_parallel(cfg)
     if not isinstance(cfg.probe_worst_case, bool):
         _fail("probe_worst_case", cfg.probe_worst_case, "must be a bool", "pass True or False", TypeError)
     if not isinstance(cfg.distributed, bool):
@@ -259,6 +260,21 @@ def _check_layout(cfg: "ODBConfig") -> None:
             _fail(name, getattr(cfg, name), f'must be 1 with layout="packed": it {what}, and a packed batch is '
                   "one row without padding", f'leave {name}=1, or use layout="padded"')
 
+
+
+def _check_context_parallel(cfg: "ODBConfig") -> None:
+    _check_int("context_parallel", cfg.context_parallel, 1,
+               "pass the context parallel degree of each replica (1: none), or a device_mesh with a 'cp' dimension")
+    _check_int("context_parallel_multiple", cfg.context_parallel_multiple, 1,
+               "pass None (2 x context_parallel) or the multiple your CP sharding needs", optional=True)
+    if not isinstance(cfg.check_peers, bool):
+        _fail("check_peers", cfg.check_peers, "must be a bool", "pass True (digest every batch) or False", TypeError)
+    if cfg.context_parallel > 1 and cfg.shape_buckets is not None:
+        bad = [b for b in cfg.shape_buckets if b % cfg.length_multiple] if isinstance(cfg.shape_buckets, tuple) else []
+        if bad:
+            _fail("shape_buckets", cfg.shape_buckets, f"must be multiples of {cfg.length_multiple} under "
+                  f"context_parallel={cfg.context_parallel} (its sharding splits every sequence evenly); "
+                  f"{bad} are not", f"use multiples of {cfg.length_multiple}")
 
 
 def _cuda_available() -> bool:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 from torch.utils.data import DataLoader
 
 import odb
-from helpers import IGNORE, LengthDataset, known_lengths, pad_collate
+from helpers import IGNORE, LengthDataset, known_lengths, on_threads, pad_collate
 from odb.comm.protocol import ODBRankFailed
 from odb.comm.threads import ThreadExchanges, ThreadRanks
 
@@ -26,22 +25,7 @@ LENGTHS = known_lengths(N, 1, 50, seed=4)
 
 def run_ranks(world: int, fn: Callable[[int, ThreadExchanges], Any], timeout_s: float = 40.0) -> List[Any]:
     """``fn(rank, exchanges)`` on ``world`` threads; every rank's result, or its exception."""
-    ranks = ThreadRanks(world, timeout_s=timeout_s)
-    results: List[Any] = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, ranks.exchanges(rank))
-        except BaseException as err:  # the test reads it
-            results[rank] = err
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 10)
-    assert not any(t.is_alive() for t in threads), "a rank thread still runs"
-    return results
+    return on_threads(ThreadRanks(world, timeout_s=timeout_s), fn, timeout_s)
 
 
 def ok(results: List[Any]) -> List[Any]:

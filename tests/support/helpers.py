@@ -105,3 +105,51 @@ def ids_of(batches: List[Dict[str, Any]]) -> List[List[int]]:
 
 def flat_ids(batches: List[Dict[str, Any]]) -> List[int]:
     return sorted(i for b in batches for i in b["idx"])
+
+
+def on_threads(ranks: Any, fn: Any, timeout_s: float = 40.0) -> List[Any]:
+    """``fn(rank, ranks.exchanges(rank))`` on one thread per rank of ``ranks`` (odb.comm.threads.ThreadRanks);
+    every rank's result, or its exception."""
+    import threading
+
+    results: List[Any] = [None] * ranks.world_size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, ranks.exchanges(rank))
+        except BaseException as err:  # the test reads it
+            results[rank] = err
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ranks.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 10)
+    assert not any(t.is_alive() for t in threads), "a rank thread still runs"
+    return results
+
+
+class Counting:
+    """An exchange factory that counts every exchange's gathers (its transport's), in the order they are made."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.counts = inner, []
+
+    def world(self):
+        return self.inner.world()
+
+    def processes(self):
+        return self.inner.processes()
+
+    def __call__(self, timeout_s: float) -> Any:
+        ex = self.inner(timeout_s)
+        slot = len(self.counts)
+        self.counts.append(0)
+        gather = ex.transport.gather
+
+        def counted(message: np.ndarray, where: str) -> np.ndarray:
+            self.counts[slot] += 1
+            return gather(message, where)
+
+        ex.transport.gather = counted
+        return ex

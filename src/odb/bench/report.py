@@ -655,6 +655,10 @@ def scale_table(scale: Dict[str, Any], markdown: bool = False) -> str:
                          f"median of {t['repeats']}")
         else:
             parts.append(f"plan_global_step ({layout}): {t.get('error')}")
+    if "meshes" in scale:
+        from odb.bench.scale_mesh import mesh_lines
+
+        parts += [""] + mesh_lines(scale["meshes"])
     parts += ["", "notes:"] + [f"- {n}" for n in scale.get("notes", [])]
     walls = scale.get("wall_s", {})
     if "total" in walls:

@@ -37,7 +37,7 @@ import math
 import statistics
 import threading
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -46,8 +46,7 @@ from torch.utils.data import DistributedSampler
 import odb
 from odb.comm.threads import ThreadRanks
 
-TOKEN_BUDGET = 4096
-OVERHEAD = 256  # micro_batch_cost, in tokens
+from odb.bench.step_figures import OVERHEAD, TOKEN_BUDGET, MicroBatch, Step, draw, step_efficiency  # noqa: F401
 MIN_LENGTH, MAX_LENGTH = 8, 1024
 FIXED_B = TOKEN_BUDGET // MAX_LENGTH  # the largest B whose worst case (B x MAX_LENGTH) fits: 4
 
@@ -88,49 +87,6 @@ GLOBAL_ARMS = ("odb_global", "odb_global_packed")
 NOT_AVAILABLE = "not available in this build"
 
 
-class MicroBatch(NamedTuple):
-    """One rank's micro-batch: padded tokens (samples x longest; a packed row: its real tokens), real
-    tokens and its longest sample. A ghost micro-batch is ``None``."""
-
-    padded: int
-    real: int
-    longest: int
-
-
-Step = List[List[Optional[MicroBatch]]]  # step[rank][micro-step]
-
-
-def step_efficiency(step: Step, overhead: float = OVERHEAD, cap: int = TOKEN_BUDGET) -> Dict[str, float]:
-    """DDP and FSDP step efficiency and the bound of one optimizer step (the module's docstring defines them).
-
-    ``step[r]``: rank r's micro-batches in micro-step order, ``None`` for a ghost (the overhead alone).
-    ``cap_bound``: the bound with the micro-batches the memory cap forces: (R / W + overhead) / (max(R / W,
-    longest) + ceil(ceil(R / cap) / W) x overhead). Every rank runs the same number of micro-steps (ghosts
-    included) and no micro-batch holds more than ``cap`` real tokens, so some rank runs at least ceil(R / cap) / W
-    of them: no plan within the cap does better (BatchRebalanceSampler, which knows no cap, may).
-
-    Example:
-        >>> mb = MicroBatch
-        >>> e = step_efficiency([[mb(200, 150, 100)], [mb(100, 100, 100)]], overhead=256)
-        >>> round(e["ddp"], 4), round(e["fsdp"], 4), e["bound"]    # (250 / 2 + 256) / (200 + 256)
-        (0.8355, 0.8355, 1.0)
-        >>> round(step_efficiency([[mb(100, 100, 100), None], [mb(100, 100, 100), mb(100, 100, 100)]],
-        ...                       overhead=256)["ddp"], 4)          # (300 / 2 + 256) / (2 x 100 + 2 x 256)
-        0.5702
-    """
-    world = len(step)
-    real = sum(m.real for rank in step for m in rank if m is not None)
-    longest = max((m.longest for rank in step for m in rank if m is not None), default=0)
-    fair = real / world + overhead
-    slowest = max(sum((m.padded if m is not None else 0) + overhead for m in rank) for rank in step)
-    micro_steps = max(len(rank) for rank in step)
-    fsdp = sum(max(((rank[j].padded if j < len(rank) and rank[j] is not None else 0) + overhead)
-                   for rank in step) for j in range(micro_steps))
-    forced = math.ceil(math.ceil(real / cap) / world) if real else 1
-    return {"ddp": fair / slowest, "fsdp": fair / fsdp, "bound": fair / max(fair, longest + overhead),
-            "cap_bound": fair / (max(real / world, longest) + max(forced, 1) * overhead)}
-
-
 def spread(values: Sequence[float]) -> Dict[str, float]:
     """Median and the 10th and 90th percentiles.
 
@@ -165,13 +121,6 @@ def real_lengths(name: str) -> np.ndarray:
     if x.ndim == 2:  # (source, target) pairs: one decoder-only sequence
         x = x.sum(axis=1)
     return np.clip(x, MIN_LENGTH, MAX_LENGTH)
-
-
-def draw(pool: np.ndarray, n: int, seed: int) -> np.ndarray:
-    """``n`` lengths from ``pool``: a seeded subsample without replacement where the pool holds that many,
-    else drawn with replacement."""
-    rng = np.random.default_rng(seed)
-    return pool[rng.choice(len(pool), size=n, replace=n > len(pool))].astype(np.int64)
 
 
 class _Sized:
@@ -676,7 +625,12 @@ def run_scale(quick: bool = False, progress: Callable[..., Any] = lambda it, **k
         except Exception as err:  # noqa: BLE001
             result["planning"][layout] = {"world": timing_world, "share": timing_share, "error": repr(err)}
     result["wall_s"]["planning_timing"] = time.perf_counter() - t0
-    result["goals"] = goals(result)
+    from odb.bench.realdata import load_real_lengths
+    from odb.bench.scale_mesh import run_mesh_section  # meshes (DP x CP) and collectives per step
+
+    result["meshes"] = run_mesh_section(pools[names[0]], load_real_lengths(WORKLOADS[names[0]]), names[0],
+                                        quick=quick)
+    result["goals"] = goals(result) + result["meshes"]["goals"]
     result["notes"] = notes(result)
     result["wall_s"]["total"] = time.perf_counter() - t_all
     return result

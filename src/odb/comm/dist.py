@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from odb.comm.protocol import RankExchange, exchange_failed, wait_for_announcements
+from odb.comm.replicas import Replicas, mesh_layout
 
 _UNSET = -1  # what an all_gather part holds until the rank's message arrives
 
@@ -34,9 +35,28 @@ def world() -> Tuple[int, int]:
     return 0, 1
 
 
-def new_metadata_group(timeout_s: float) -> Any:
-    """A fresh gloo group over all ranks: a collective call (every rank, same order, main thread)."""
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+def new_metadata_group(timeout_s: float, ranks: Optional[Sequence[int]] = None) -> Any:
+    """A fresh gloo group over all ranks (``ranks`` None), or over ``ranks`` (global ranks, a strict subset of the
+    default group's): a collective call of every rank of the new group, in the same order, on the main thread.
+    Over a subset, only its ranks make the call (torch's ``use_local_synchronization``)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if ranks is None:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    return dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
+
+
+def group_ranks(group: Any) -> Optional[List[int]]:
+    """The global ranks of ``group`` in its rank order, or None where they are every rank of the default group
+    in order (a fresh group over them is made as one over all ranks); no collective.
+
+    A group of the user's is not where odb's exchanges run: one loader exchanges on two threads at once (known
+    lengths: the batch thread plans while the training thread exchanges each step's supervised tokens) and an
+    epoch abandoned inside an exchange must not disturb the next, so each exchange gets a fresh group over the
+    user's group's ranks, as it gets one over all ranks without a group. (Two exchanges on the user's group
+    interleaved their collectives and gloo aborted the process: "Received data size doesn't match expected
+    size".)"""
+    ranks = [int(r) for r in dist.get_process_group_ranks(group)]
+    return None if ranks == list(range(dist.get_world_size())) else ranks
 
 
 def release_group(group: Any) -> None:
@@ -53,6 +73,9 @@ def release_group(group: Any) -> None:
 # finalizes can abort the process ("terminate called without an active exception", pytorch issue 190489).
 _LIVE: List[RankExchange] = []
 EXIT_BARRIER_S = 10.0
+# Groups over a strict subset of the ranks whose exchanges every rank released, kept for the next exchange over
+# those ranks (``SpareGroups``); destroyed at exit.
+_SPARE: List[List[Any]] = []
 
 
 @atexit.register
@@ -71,13 +94,23 @@ def release_at_exit() -> None:
         except Exception:  # a rank that is not exiting with us: leave this group (and the rest) alone
             return
         ex.release()
+    for spare in _SPARE:  # no collective runs on these: nobody waits for them
+        while spare:
+            release_group(spare.pop())
 
 
-def live_exchange(timeout_s: float, group: Any = None) -> RankExchange:
-    """A ``RankExchange`` over a ``GlooTransport`` (on ``group``, or a fresh gloo group of all ranks: a
-    collective call), kept for ``release_at_exit`` while it holds a group of its own."""
-    ex = RankExchange(timeout_s, transport=GlooTransport(timeout_s, group))
-    if ex.transport.owns_group and ex.world_size > 1:
+def live_exchange(timeout_s: float, ranks: Optional[List[int]] = None, spare: Optional[List[Any]] = None,
+                  replicas: Optional[Replicas] = None) -> RankExchange:
+    """A ``RankExchange`` over a ``GlooTransport`` on a fresh gloo group (a collective call) over ``ranks``
+    (global ranks; None: all ranks), kept for ``release_at_exit`` until it is released. ``spare``: where groups
+    over a strict subset of the ranks go when released, and come from (``GlooTransport``); ``replicas``: the
+    processes' data-parallel replicas (odb.comm.replicas)."""
+    return kept_live(RankExchange(timeout_s, transport=GlooTransport(timeout_s, ranks, spare), replicas=replicas))
+
+
+def kept_live(ex: RankExchange) -> RankExchange:
+    """``ex``, kept for ``release_at_exit`` while it holds a group of its own."""
+    if ex.transport.owns_group and ex.processes > 1:
         _LIVE.append(ex)
     return ex
 
@@ -89,11 +122,23 @@ def group_world(group: Any = None) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def ranks_world(ranks: Optional[Sequence[int]]) -> Tuple[int, int]:
+    """(this process's index in ``ranks``, len(ranks)); None: the default group's (rank, world size)."""
+    if ranks is None:
+        return world()
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"odb rank {me}: an exchange over ranks {list(ranks)} was made on a rank outside them. "
+                         f"Fix: build the loader only on the ranks of its group or mesh.")
+    return list(ranks).index(me), len(ranks)
+
+
 class GlooTransport:
     """The transport of processes: all_gather of int64 arrays and all-to-all of bytes over a gloo group.
 
-    Without ``group`` it makes a fresh metadata group (a collective call: every rank, same
-    order, main thread) and owns it. ``gather`` and ``exchange_bytes`` raise ``ODBExchangeError``
+    It makes a fresh metadata group over ``ranks`` (global ranks in rank order; None: all ranks; a collective
+    call: every rank of it, same order, main thread) and owns it (``group_ranks`` says why never a group of the
+    user's). ``gather`` and ``exchange_bytes`` raise ``ODBExchangeError``
     when the group fails or times out; an error that a signal handler raised while a collective
     went through is kept in ``interrupted`` for the protocol to raise once the exchange is over.
 
@@ -103,19 +148,31 @@ class GlooTransport:
         transport.gather(np.array([0, 7]), "epoch 0")
     """
 
-    def __init__(self, timeout_s: float, group: Any = None) -> None:
-        self.owns_group = group is None
-        self.rank, self.world_size = group_world(group)
+    def __init__(self, timeout_s: float, ranks: Optional[List[int]] = None, spare: Optional[List[Any]] = None
+                 ) -> None:
+        self.owns_group = True
+        self.rank, self.world_size = ranks_world(ranks)
         self.timeout_s = timeout_s
-        self.group: Optional[Any] = group
+        self.group: Optional[Any] = None
         self.interrupted: Optional[BaseException] = None
-        if self.owns_group and self.world_size > 1:
-            self.group = new_metadata_group(timeout_s)
+        # Over a strict subset of the ranks torch names a new group by its ranks and the number of groups alive
+        # in the process: one made after a release can take the name of one still alive ("The specified group
+        # name has already been created"). So such a group, once released, goes to ``spare`` (every rank
+        # releases alike: ``agrees_releases``) and the next exchange takes it instead of a new one.
+        self.spare = (spare if spare is not None else []) if ranks is not None else None
+        self.agrees_releases = self.spare is not None
+        if self.world_size > 1:
+            self.group = self.spare.pop(0) if self.spare else new_metadata_group(timeout_s, ranks)
 
     def release(self) -> None:
         """Release the group, if this transport made it (call once its exchanges are over)."""
         if self.owns_group and self.group is not None:
-            release_group(self.group)
+            if self.spare is not None:
+                self.spare.append(self.group)  # (its collectives are over on every rank: the next one reuses it)
+                if not any(kept is self.spare for kept in _SPARE):
+                    _SPARE.append(self.spare)  # (destroyed at exit)
+            else:
+                release_group(self.group)
             self.group = None
             _LIVE[:] = [ex for ex in _LIVE if ex.transport is not self]
 
@@ -253,24 +310,67 @@ def _finish(work: Any, attempts: int = 3) -> bool:
 
 
 class GroupExchanges:
-    """Makes the exchanges of an odb loader over torch.distributed: on ``group``, or (None) each on a
-    fresh gloo group of the default group's ranks. ``world()`` says (rank, world size) without a
-    collective; calling it makes one exchange (a collective where it makes a group).
+    """Makes the exchanges of an odb loader over torch.distributed, each on a fresh gloo group of ``ranks``
+    (global ranks; None: all of the default group's), or of ``group``'s ranks. ``replicas``: the data-parallel
+    replicas of those processes (odb.comm.replicas; None: each process is one), or ``pair``: this process's
+    (replica, peer), every process's then gathered by the first exchange. ``world()`` says (rank, world size)
+    (under replicas: this replica, the number of replicas) without a collective; calling it makes one exchange
+    (a collective: it makes a group).
 
     Example:
         >>> GroupExchanges().world()   # no torch.distributed here: one rank
         (0, 1)
     """
 
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
+    def __init__(self, group: Any = None, *, ranks: Optional[List[int]] = None, replicas: Optional[Replicas] = None,
+                 pair: Optional[Tuple[int, int, int]] = None) -> None:
+        self.ranks = group_ranks(group) if group is not None else ranks
+        self.replicas = replicas
+        self.pair = pair  # (replica, peer, replicas) of this process, where ``replicas`` is gathered
+        self.spare: List[Any] = []  # (a group over a strict subset of the ranks) released groups, reused
 
     def world(self) -> Tuple[int, int]:
-        """(rank, world size) of the ranks this factory's exchanges span."""
-        return group_world(self.group)
+        """(rank, world size) of the data-parallel replicas this factory's exchanges span."""
+        process, processes = ranks_world(self.ranks)
+        if self.replicas is not None:
+            return self.replicas.replica[process], self.replicas.count
+        if self.pair is not None:
+            return self.pair[0], self.pair[2]
+        return process, processes
+
+    def processes(self) -> int:
+        """Processes the exchanges span."""
+        return ranks_world(self.ranks)[1]
 
     def __call__(self, timeout_s: float) -> RankExchange:
-        return live_exchange(timeout_s, self.group)
+        transport = GlooTransport(timeout_s, self.ranks, self.spare)
+        if self.pair is not None and self.replicas is None and transport.world_size > 1:
+            pairs = transport.gather(np.array(self.pair[:2], dtype=np.int64), "the replicas' layout")
+            self.replicas = Replicas.of_processes(pairs)
+        return kept_live(RankExchange(timeout_s, transport=transport, replicas=self.replicas))
+
+
+def mesh_exchanges(mesh: Any) -> Tuple[GroupExchanges, int]:
+    """The exchanges of a loader over a torch ``DeviceMesh`` (its ranks; replicas along its data-parallel
+    dimensions: odb.comm.replicas.mesh_layout) and the mesh's context parallel degree ("cp", else 1)."""
+    ranks = np.asarray(mesh.mesh.cpu().numpy() if hasattr(mesh.mesh, "cpu") else mesh.mesh, dtype=np.int64)
+    layout = mesh_layout(ranks, mesh.mesh_dim_names)
+    everyone = list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+    spanned = None if layout.ranks == everyone else layout.ranks
+    return GroupExchanges(ranks=spanned, replicas=layout.replicas), layout.context_parallel
+
+
+def peer_exchanges(process_group: Any, peer_group: Any) -> GroupExchanges:
+    """The exchanges of a loader whose data-parallel group is ``process_group`` (its rank: this replica) and
+    whose replica's peers are ``peer_group`` (its rank: this peer); together they must span every rank."""
+    dp, peers = group_world(process_group), group_world(peer_group)
+    everyone = world()[1]
+    if dp[1] * peers[1] != everyone:
+        raise ValueError(f"odb got process_group of {dp[1]} ranks and peer_group of {peers[1]}: {dp[1] * peers[1]} "
+                         f"processes, but torch.distributed has {everyone}. Rule: the data-parallel group times the "
+                         f"peers of a replica spans every rank (each rank iterates its loader). Fix: pass the "
+                         f"groups of a mesh that covers every rank, or device_mesh=mesh.")
+    return GroupExchanges(pair=(dp[0], peers[0], dp[1]))
 
 
 def _went_through(work: Any, parts: List[torch.Tensor], local: torch.Tensor, rank: int) -> bool:

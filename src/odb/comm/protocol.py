@@ -28,6 +28,8 @@ from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
+from odb.comm.replicas import Replicas
+
 OK, FAILED, STOPPED = 0, 1, 2
 REASON_BYTES = 1024  # utf-8 bytes of a failure reason carried to the other ranks (longer ones are cut)
 
@@ -49,6 +51,11 @@ class ODBRankFailed(ODBExchangeError):
 
 class ODBOptionMismatch(ODBExchangeError):
     """The ranks' loaders were built with different options that change the plan."""
+
+
+class ODBPeerMismatch(ODBExchangeError):
+    """Two peers of one data-parallel replica (its TP, CP, SP or PP ranks) sent different plan messages: their
+    batches would differ (odb.comm.replicas)."""
 
 
 def encode_reason(text: str) -> np.ndarray:
@@ -139,11 +146,15 @@ class Transport(Protocol):
 
 class ExchangeFactory(Protocol):
     """Where a loader's exchanges come from (the ``exchange=`` of ``odb.ODBDataLoader``):
-    ``world()`` is (rank, world size) without a collective; each call makes the rank's next
-    exchange (every rank makes its exchanges in the same order). ``GroupExchanges`` below;
+    ``world()`` is (rank, world size) without a collective (under a mesh: the data-parallel replica and the
+    number of replicas), ``processes()`` how many processes the exchanges span (more than the world size
+    where each replica has several peers); each call makes the rank's next exchange (every rank makes its
+    exchanges in the same order). ``GroupExchanges`` below;
     ``odb.comm.threads.ThreadRanks.exchanges(rank)`` for ranks that are threads."""
 
     def world(self) -> Tuple[int, int]: ...
+
+    def processes(self) -> int: ...
 
     def __call__(self, timeout_s: float) -> "RankExchange": ...
 
@@ -182,6 +193,23 @@ def outgoing_sizes(outgoing: Sequence[Any], rank: int, world_size: int) -> np.nd
     return sizes
 
 
+def peer_mismatch(rank: int, world_size: int, where: str, process: int, leader: int) -> ODBPeerMismatch:
+    """The error of every process that saw two peers of one replica send different plan messages at ``where``.
+
+    Example:
+        >>> str(peer_mismatch(0, 4, "epoch 0, window 2", 3, 2))[:72]
+        'odb rank 0 of 4: at epoch 0, window 2 rank 3 sent another plan message t'
+    """
+    return ODBPeerMismatch(
+        f"odb rank {rank} of {world_size}: at {where} rank {process} sent another plan message than rank {leader}, "
+        f"the first peer of its data-parallel replica (other samples, step figures or, with check_peers, another "
+        f"batch), so their batches would differ. Rule: the peers of a replica "
+        f"(its tensor, context, sequence or pipeline parallel ranks) plan from the same inputs: the same sampler "
+        f"shard (num_replicas and rank of the data-parallel dimension), the same dataset and processing, the same "
+        f"odb options and seed. Fix: build rank {process}'s loader as rank {leader}'s (e.g. DistributedSampler("
+        f"num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()) on every rank).")
+
+
 def exchange_failed(rank: int, world_size: int, where: str, timeout_s: float, err: BaseException
                     ) -> ODBExchangeError:
     """The error of a rank whose transport failed at ``where`` (a peer died, stalled or stopped)."""
@@ -210,9 +238,19 @@ class RankExchange:
         [[3, 4]]
     """
 
-    def __init__(self, timeout_s: float, *, transport: Transport) -> None:
+    def __init__(self, timeout_s: float, *, transport: Transport, replicas: Optional[Replicas] = None) -> None:
         self.transport: Any = transport
-        self.rank, self.world_size = self.transport.rank, self.transport.world_size
+        # the processes the transport spans; rank and world size are the data-parallel replicas' (the same where
+        # every replica is one process)
+        self.process_rank, self.processes = self.transport.rank, self.transport.world_size
+        if replicas is not None and replicas.processes != self.processes:
+            raise ValueError(f"odb: a layout of {replicas.processes} processes for an exchange over "
+                             f"{self.processes}. Fix: give one (replica, peer) per process of the exchange.")
+        self.replicas = replicas
+        if replicas is not None:
+            self.rank, self.world_size = replicas.replica[self.process_rank], replicas.count
+        else:
+            self.rank, self.world_size = self.process_rank, self.processes
         self.timeout_s = timeout_s
         self.dead = False
         self._announced = False
@@ -229,12 +267,14 @@ class RankExchange:
             self.transport.release()
             self.dead = True  # a released exchange takes no more collectives (None would mean the default group)
 
-    def all_gather(self, values: np.ndarray, where: str, status: int = OK, reason: str = ""
-                   ) -> Optional[np.ndarray]:
-        """(world, *values.shape) array of every rank's values (same shape on all ranks).
+    def all_gather(self, values: np.ndarray, where: str, status: int = OK, reason: str = "", *,
+                   every_process: bool = False) -> Optional[np.ndarray]:
+        """(world, *values.shape) array of every rank's values (same shape on all ranks): one row per
+        data-parallel replica (its first peer's, checked against its other peers': ``replica_rows``), or with
+        ``every_process`` one per process (what each process measured: the caller agrees on it).
 
-        Raises ``ODBRankFailed`` when another rank announced a failure or a stop at this
-        exchange; returns None on a rank that announced one itself (``status`` not OK).
+        Raises ``ODBRankFailed`` when another process announced a failure or a stop at this
+        exchange; returns None on a process that announced one itself (``status`` not OK).
         """
         values = np.ascontiguousarray(values, dtype=np.int64)
         self._check_alive(where)
@@ -243,13 +283,45 @@ class RankExchange:
         statuses = gathered[:, 0]
         if not statuses.any():
             self._raise_interrupted()
-            return gathered[:, 1:].reshape((self.world_size,) + values.shape)
+            rows = gathered[:, 1:].reshape((self.processes,) + values.shape)
+            return rows if every_process else self.replica_rows(rows, where)
         self.dead = True
         slots = self._gather(encode_reason(reason if status != OK else ""), where)
         self._raise_interrupted()
         if status != OK:
             return None
-        raise peer_error(self.rank, self.world_size, where, statuses.tolist(), [decode_reason(s) for s in slots])
+        raise peer_error(self.process_rank, self.processes, where, statuses.tolist(),
+                         [decode_reason(s) for s in slots])
+
+    def replica_rows(self, rows: np.ndarray, where: str, compare: Optional[Callable[[np.ndarray], np.ndarray]] = None
+                     ) -> np.ndarray:
+        """One row per replica of ``rows`` (one per process): its leader's, after checking that every peer sent
+        the same (``compare(rows)``: the part that must be equal; default all of it). Peers that differ would get
+        different batches: every process raises ``ODBPeerMismatch`` (each sees the same rows).
+
+        Example (no replicas: every process is a replica of its own):
+            >>> from odb.comm.threads import ThreadRanks
+            >>> RankExchange(5.0, transport=ThreadRanks(1).transport(0)).replica_rows(np.array([[4]]), "x").tolist()
+            [[4]]
+        """
+        if self.replicas is None:
+            return rows
+        found = self.replicas.mismatch(rows if compare is None else compare(rows))
+        if found is not None:
+            self.dead = True
+            raise peer_mismatch(self.process_rank, self.processes, where, *found)
+        return self.replicas.rows(rows)
+
+    def all_agree(self, flag: bool, where: str) -> bool:
+        """Whether ``flag`` holds on every rank (one gather; every rank calls it at the same point).
+
+        Example:
+            >>> from odb.comm.threads import ThreadRanks
+            >>> RankExchange(5.0, transport=ThreadRanks(1).transport(0)).all_agree(True, "example")
+            True
+        """
+        gathered = self.all_gather(np.array([int(bool(flag))]), where)
+        return bool(gathered is not None and gathered.all())
 
     def move(self, outgoing: Sequence[bytes], where: str) -> List[bytes]:
         """Move bytes between ranks: ``outgoing[d]`` goes to rank d; returns ``incoming``, where
@@ -279,16 +351,22 @@ class RankExchange:
         if self.world_size == 1:
             self._check_alive(where)
             return [outgoing[0]]
-        matrix = self.all_gather(sizes, where)  # raises ODBRankFailed when a rank announced here
+        # raises ODBRankFailed when a process announced here; peers' sizes may differ (pickles of equal samples)
+        matrix = self.all_gather(sizes, where, every_process=True)
         if matrix is None:  # only a rank that announces gets None, and this one sends OK
             raise RuntimeError(f"odb rank {self.rank}: the size exchange of move at {where} returned nothing. This is "
                                f"a bug in odb; please report it.")
+        replicas, parts = self.replicas, outgoing
+        if replicas is not None:  # peer k of each replica sends to peer k of the others
+            matrix, parts = replicas.process_sizes(matrix), replicas.process_parts(outgoing, self.process_rank)
         try:
-            incoming = self.transport.exchange_bytes(outgoing, matrix, where)
+            incoming = self.transport.exchange_bytes(parts, matrix, where)
         except ODBExchangeError:
             self.dead = True
             raise
         self._raise_interrupted()
+        if replicas is not None:
+            return replicas.replica_parts(incoming, self.process_rank, outgoing[self.rank])
         return incoming
 
     def _check_alive(self, where: str) -> None:
@@ -317,7 +395,7 @@ class RankExchange:
         first announcement (two would be two collectives of one rank).
         """
         with self._announcing:
-            if self.dead or self.world_size <= 1 or self._announced:
+            if self.dead or self.processes <= 1 or self._announced:
                 return
             self._announced = True
         status, reason = failure_of(error)
@@ -367,7 +445,7 @@ def announce_in_background(exchange: Any, shape: Tuple[int, ...], where: str, er
     """``exchange.announce`` on a daemon thread, so the announcing rank raises its own error at once
     (the others may reach that exchange only later). None when there is nothing to announce.
     ``cause(error)``, when given and not None, is announced instead (asked on that thread: it may wait)."""
-    if exchange is None or getattr(exchange, "dead", True) or exchange.world_size <= 1:
+    if exchange is None or getattr(exchange, "dead", True) or exchange.processes <= 1:
         return None
 
     def run() -> None:

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from odb.comm.protocol import ODBExchangeError, RankExchange, exchange_failed
+from odb.comm.replicas import Replicas
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -116,12 +117,19 @@ class ThreadExchanges:
         self.made = 0
 
     def world(self) -> Tuple[int, int]:
-        """(rank, world size)."""
+        """(rank, world size): under ``replicas``, this thread's replica and the number of replicas."""
+        replicas = self.ranks.replicas
+        if replicas is not None:
+            return replicas.replica[self.rank], replicas.count
         return self.rank, self.ranks.world_size
+
+    def processes(self) -> int:
+        """Threads the exchanges span."""
+        return self.ranks.world_size
 
     def __call__(self, timeout_s: float) -> RankExchange:
         index, self.made = self.made, self.made + 1
-        return RankExchange(timeout_s, transport=self.ranks.transport(self.rank, index))
+        return RankExchange(timeout_s, transport=self.ranks.transport(self.rank, index), replicas=self.ranks.replicas)
 
 
 class ThreadRanks:
@@ -129,14 +137,17 @@ class ThreadRanks:
 
     ``timeout_s`` bounds every wait at a barrier (a rank that never arrives: every other
     rank raises ``odb.comm.protocol.ODBExchangeError``); the loader's ``exchange_timeout_s`` is
-    not used here.
+    not used here. ``replicas`` (odb.comm.replicas.Replicas over the ``world_size`` threads) makes the
+    threads peers of data-parallel replicas, as a DeviceMesh does for processes.
     """
 
-    def __init__(self, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, replicas: Optional[Replicas] = None
+                 ) -> None:
         if world_size < 1:
             raise ValueError(f"ThreadRanks got world_size={world_size!r}: a group has at least one rank. "
                              f"Fix: pass world_size >= 1.")
         self.world_size, self.timeout_s = int(world_size), float(timeout_s)
+        self.replicas = replicas
         self._meetings: Dict[int, _Meeting] = {}
         self._lock = threading.Lock()
 

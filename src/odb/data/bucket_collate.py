@@ -60,10 +60,14 @@ class PadToBucket:
 
     def __init__(self, collate_fn: Callable[[List[Any]], Any], buckets: Sequence[int], *, ignore_index: int = -100,
                  pad_token_id: Optional[int] = None, pad_values: Optional[Dict[str, Any]] = None,
-                 padding_side: Optional[str] = None) -> None:
-        if not buckets or list(buckets) != sorted(set(int(b) for b in buckets)):
+                 padding_side: Optional[str] = None, multiple: int = 1) -> None:
+        if (not buckets and multiple == 1) or list(buckets) != sorted(set(int(b) for b in buckets)):
             raise ValueError(f"PadToBucket got buckets={buckets!r}: they must be increasing lengths. Fix: pass "
                              f"cfg.shape_buckets of an ODBConfig with shape_buckets set.")
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(f"PadToBucket got multiple={multiple!r}: an int >= 1. Fix: pass cfg.length_multiple.")
+        # widths are also rounded up to a multiple of this (context parallelism splits every sequence evenly)
+        self.multiple = int(multiple)
         if padding_side not in (None, "right", "left"):
             raise ValueError(f"PadToBucket got padding_side={padding_side!r}: it must be 'right', 'left' or None "
                              f"(the collate_fn's tokenizer's). Fix: pass padding_side='right'.")
@@ -100,6 +104,12 @@ class PadToBucket:
         self._check_other(batch, len(samples))
         return batch
 
+    def target(self, width: int) -> int:
+        """The width a batch of ``width`` is padded to: its bucket (when there are buckets), rounded up to
+        ``multiple``."""
+        width = bucket_length(width, self.buckets) if self.buckets else width
+        return -(-width // self.multiple) * self.multiple
+
     def pad_value(self, key: str) -> Any:
         """What the tensor under ``key`` is padded with."""
         if key in self.pad_values:
@@ -123,7 +133,7 @@ class PadToBucket:
             if not sequence(value) or int(value.shape[1]) not in widths:
                 continue
             width = int(value.shape[1])
-            target = bucket_length(width, self.buckets)
+            target = self.target(width)
             if target != width:
                 batch[key] = self._pad(value, target - width, self.pad_value(key))
         return batch
@@ -140,7 +150,7 @@ class PadToBucket:
         for value in items:
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == rows:
                 width = int(value.shape[1])
-                if bucket_length(width, self.buckets) != width:
+                if self.target(width) != width:
                     self._warn(batch, f"a (B, W) tensor has W={width}, not a bucket")
                 return
 

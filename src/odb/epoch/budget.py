@@ -97,7 +97,7 @@ class FixedBudget:
         """From the next window on (validated as ``ODBConfig`` validates ``token_budget``)."""
         self.options = self.options.replace(token_budget=token_budget, budget_schedule=None)
         self.schedule = None
-        self.costs = self.costs.with_budget(self.options.token_budget)
+        self.costs = self.costs.with_budget(self.options.replica_budget(self.options.token_budget))
 
     def epoch_starts(self, peek: Any, resumed: bool) -> None:
         """An epoch starts (``peek(n)``: its first samples' metas; ``resumed``: a saved epoch goes on)."""
@@ -137,7 +137,7 @@ class FixedBudget:
         if self.schedule is not None:
             k = window_index if self.options.global_batch_size is not None else \
                 planned // self.options.gradient_accumulation_steps
-            self.costs = self.costs.with_budget(budget_at(self.schedule, k))
+            self.costs = self.costs.with_budget(self.options.replica_budget(budget_at(self.schedule, k)))
         return self.costs
 
     def proposal(self) -> Optional[np.ndarray]:

@@ -117,8 +117,11 @@ class GlobalStep:
     def __init__(self, aligner: RankAligner, exchange: Any, planner: WindowPlanner, pool: SamplePool,
                  stats: EpochStats, *, epoch: int, step_samples: int, drops: DropLast, move_samples: bool,
                  register: Callable[[int, int, Any, Any], None], oversize_policy: Callable[[str, int], str],
-                 check_length: Callable[[int], None]) -> None:
+                 check_length: Callable[[int], None], tables: Any = None) -> None:
         self.aligner, self.exchange, self.planner, self.pool, self.stats = aligner, exchange, planner, pool, stats
+        # known lengths and a stride-sharded sampler: every step's header and table computed here
+        # (odb.epoch.local_table.LocalTables); the exchange checks them once per epoch
+        self.tables = tables
         self.epoch, self.step_samples, self.drops = epoch, step_samples, drops
         self.move_samples, self.register = move_samples, register
         self.oversize_policy, self.check_length = oversize_policy, check_length
@@ -134,7 +137,11 @@ class GlobalStep:
             self.pool.forget(ids[kept:])
             ids = ids[:kept]
         dims = self.pool.lengths(ids).shape[1] if ids else 0
-        header = aligner.header([len(ids), dims, int(final), 0], where, proposal)
+        computed = None
+        if self.tables is not None:
+            header, computed = self._computed(ids, dims, final, window_index, where, proposal)
+        else:
+            header = aligner.header([len(ids), dims, int(final), 0], where, proposal)
         all_final = bool(header[:, 2].all())
         dims = int(header[:, 1].max())
         if dims == 0:  # no rank has a sample left
@@ -144,7 +151,7 @@ class GlobalStep:
             raise ValueError(f"odb rank {self.rank}: the ranks' samples have different numbers of length "
                              f"dimensions ({header[:, 1].tolist()} by rank): length_fn must return as many lengths "
                              f"for every sample. Fix: return one length (or one per field) for every sample.")
-        table = self._gather_table(ids, dims, where)
+        table = computed if computed is not None else self._gather_table(ids, dims, where)
         if self.drops.enabled and self.drops.unit is None and all_final and len(table) < self.step_samples * self.world:
             self.stats.dropped_samples += len(ids)  # a partial last optimizer step, no batch of the user's to keep
             self.pool.forget(ids)
@@ -164,6 +171,29 @@ class GlobalStep:
         aligner.steps_exchanged(len(steps))
         aligner.all_done = all_final
         return steps
+
+    def _computed(self, ids: List[int], dims: int, final: bool, window_index: int, where: str,
+                  proposal: Optional[np.ndarray]) -> Tuple[np.ndarray, StepTable]:
+        """Every rank's header and the step table, computed here from the known lengths (no collective); the
+        epoch's first step exchanges a header with the tables' digest, so ranks that would compute other
+        tables (or run other options) stop at once."""
+        tables = self.tables
+        if not tables.checked:
+            first = self.aligner.header([len(ids), dims, int(final), tables.digest], where, proposal)
+            if len(set(first[:, 3].tolist())) > 1:
+                raise ValueError(f"odb rank {self.rank}: the ranks computed different step tables from their samplers "
+                                 f"and lengths (digests {first[:, 3].tolist()} by rank). Rule: with lengths= every rank "
+                                 f"plans every step from (sampler seed, epoch, world size, lengths), so they must be "
+                                 f"equal on every rank. Fix: pass the same lengths= and sampler seed on every rank.")
+            tables.checked = True
+            self.aligner.confirms = False  # no exchange on this thread from now on: the step exchange detects failures
+        tables.check_share(window_index, ids, final)
+        unit = self.drops.unit
+
+        def drop(n: int, ended: bool) -> int:
+            return self.drops.kept(n, self.step_samples) if ended and unit is not None else n
+
+        return tables.step(window_index, dims=tables.lengths.shape[1], drop=drop)
 
     def _gather_table(self, ids: List[int], dims: int, where: str) -> StepTable:
         pool = self.pool
@@ -208,7 +238,7 @@ class GlobalStep:
 
     def _deal_by_price(self, table: StepTable, planned: GlobalStepPlan, where: str) -> GlobalStepPlan:
         """``planned``'s micro-batches dealt again by the pairing criterion's prices (balance="time": predicted
-        seconds), the mean of every rank's price for each, so every rank deals alike (odb.plan.price_deal);
+        seconds), the mean of every process's price for each, so every rank deals alike (odb.plan.price_deal);
         the plan as it is where any rank's model gives no price for one of them."""
         groups = planned_groups(planned)
         cost = self.planner.cost
@@ -216,7 +246,8 @@ class GlobalStep:
         prices = [self.aligner.pairing.price(cost.pad(table.lengths[g]), side[g]) for g in groups]
         message = np.array([-1 if p is None else p for p in prices], dtype=np.int64)
         self.aligner.expect(message.shape)
-        gathered = self.exchange.all_gather(message, where).reshape(self.world, len(groups))
+        # every process's prices (the peers of a replica each price with their own model): all agree on the mean
+        gathered = self.exchange.all_gather(message, where, every_process=True).reshape(-1, len(groups))
         self.aligner.expect(None)
         if (gathered < 0).any():
             return planned

@@ -27,6 +27,7 @@ from odb.data.declared import Checked, DeclaredLengthCheck
 from odb.data.lengths import batch_loss_tokens
 from odb.data.source import Record
 from odb.data.worker_deaths import WorkerWatch
+from odb.epoch.peer_check import batch_digest
 from odb.step_info import ODBStepInfo, attach_step_info, loss_scale, pop_step_info
 
 _CHUNK = 256
@@ -129,11 +130,15 @@ def finish_step(micro: Sequence[Tuple[Any, ODBStepInfo]], cfg: ODBConfig, exchan
         world, total, local_total = (exchange.world_size if exchange is not None else 1), *map(int, totals)
     elif exchange is not None:
         # Always as many entries as a step can hold (a shorter step pads), so a rank that fails before it
-        # knows its next step's size can still announce it (odb.comm.protocol.RankExchange.announce).
-        message = np.zeros(cfg.micro_steps_capacity(exchange.world_size), dtype=np.int64)
+        # knows its next step's size can still announce it (odb.comm.protocol.RankExchange.announce);
+        # check_peers: then each micro-batch's digest, compared between the peers of a replica.
+        capacity = cfg.micro_steps_capacity(exchange.world_size)
+        message = np.zeros(step_message_shape(cfg, exchange.world_size), dtype=np.int64)
         message[:len(local)] = local
+        if cfg.check_peers:
+            message[capacity:capacity + len(micro)] = [batch_digest(b, i, cfg.step_info_key) for b, i in micro]
         gathered = exchange.all_gather(message, f"epoch {micro[0][1].epoch}, micro-batch {micro[0][1].micro_batch}")
-        world, total = exchange.world_size, int(gathered.sum())
+        world, total = exchange.world_size, int(gathered[:, :capacity].sum())
     else:
         world, total = 1, sum(local)
     out = []
@@ -175,7 +180,13 @@ def announce_to_steps(exchange: Any, cfg: ODBConfig, error: Optional[BaseExcepti
     """Join the next step exchange (``finish_step``'s message) with ``error`` (None: a stop), in the background
     (odb.comm.protocol.announce_in_background; nothing without an exchange)."""
     world = exchange.world_size if exchange is not None else 1
-    announce_in_background(exchange, (cfg.micro_steps_capacity(world),), "the next step exchange", error, cause)
+    announce_in_background(exchange, step_message_shape(cfg, world), "the next step exchange", error, cause)
+
+
+def step_message_shape(cfg: ODBConfig, world: int) -> Tuple[int]:
+    """The shape of a step's exchange with known lengths: each micro-batch's supervised tokens (as many entries as
+    a step can hold), then with ``check_peers`` as many digests."""
+    return (cfg.micro_steps_capacity(world) * (2 if cfg.check_peers else 1),)
 
 
 def _known_steps(batches: Iterator[Any], sampler: PlannedBatchSampler, cfg: ODBConfig, exchange: Any,

@@ -42,6 +42,7 @@ Step = Tuple[StepPlan, Optional[np.ndarray]]
 PLAN_SIZE = PLAN_FIELDS  # int64 of an encoded BudgetPlan (odb.plan.budget_plan.BudgetPlan.encode)
 AUTO_SIZE = PLAN_SIZE + 1  # the header's auto part: the encoded plan, and whether this rank's time model predicts
 CONFIRM_STEPS = 4  # steps confirmed by one exchange (the same on every rank: it shapes the protocol)
+BODY_FIELDS = 4  # per step of a window's body: pair cost, samples, supervised tokens, longest sample (probe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +148,9 @@ class RankAligner:
         # how ranks pair their groups (balance): by the criterion's price in a window where it is ready on every
         # rank (a flag in the header), else by the planner's cost
         self.pairing = pairing if pairing is not None else TokenPairing()
+        # whether made steps are confirmed through the exchange (False: steps computed on every rank without an
+        # exchange, odb.epoch.local_table; failures then reach the others at the step exchange of known lengths)
+        self.confirms = True
 
     # ---- state (odb.resume) ------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -160,6 +164,11 @@ class RankAligner:
     def expect_confirmations(self, steps: int) -> None:
         """A resumed run holds ``steps`` exchanged steps that it makes and confirms from now on."""
         self.due.unconfirmed = steps
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether a data-parallel replica spans several processes (odb.comm.replicas): they plan alike."""
+        return self.exchange is not None and self.exchange.processes > self.exchange.world_size
 
     @property
     def agreed_plan(self) -> Any:
@@ -209,16 +218,14 @@ class RankAligner:
             self.all_done = planned_final
             return self.local(groups)
         n_steps = window.steps
-        self.due.body = (n_steps, 3) if n_steps else None
+        self.due.body = (n_steps, BODY_FIELDS) if n_steps else None
         fitted = self._fit(groups, n_steps, planned_final)
         probe = cfg.probe_worst_case and window_index == 1
-        costs = [self.pair_cost(g) if g is not None else 0 for g in fitted]
-        longest = [self.pool.longest(g) if g is not None else 0 for g in fitted] if probe else None
-        rank_order = cost_rank_order(costs, longest).tolist()
-        ranked = [fitted[k] for k in rank_order]
-        stats = np.array([[costs[k], len(fitted[k]), self.pool.loss_tokens(fitted[k])] if fitted[k] is not None
-                          else [0, 0, 0] for k in rank_order], dtype=np.int64).reshape(n_steps, 3)
-        everyone = ex.all_gather(stats, where) if n_steps else np.zeros((ex.world_size, 0, 3), dtype=np.int64)
+        stats = np.array([[self.pair_cost(g), len(g), self.pool.loss_tokens(g), self.pool.longest(g) if probe else 0]
+                          if g is not None else [0] * BODY_FIELDS for g in fitted],
+                         dtype=np.int64).reshape(n_steps, BODY_FIELDS)
+        everyone, orders = self._ranked_bodies(stats, where, probe)
+        ranked = [fitted[k] for k in orders[ex.rank].tolist()]
         self.due.body = None
         self.due.unconfirmed += n_steps
         order = shared_step_order(n_steps, int(header[0, 3]), self.epoch, window_index, self.shuffle)
@@ -228,6 +235,19 @@ class RankAligner:
         slots = [k if ranked[k] is not None else None for k in range(n_steps)]
         return [(s, None if s.group is None else ranked[s.group])
                 for s in global_steps(everyone, ex.rank, order, slots)]
+
+    def _ranked_bodies(self, stats: np.ndarray, where: str, probe: bool) -> Tuple[np.ndarray, List[np.ndarray]]:
+        """Every replica's step summaries ((world, S, 3): cost, samples, loss tokens), each ranked by its cost (and
+        its longest sample where ``probe``), and each replica's rank order of its groups. Every rank ranks every
+        replica's groups from the gathered summaries (its first peer's costs): the peers of a replica, whose
+        prices are their own (balance="time"), so rank their groups alike."""
+        ex = self.exchange
+        if not len(stats):
+            return np.zeros((ex.world_size, 0, 3), dtype=np.int64), [np.zeros(0, dtype=np.int64)] * ex.world_size
+        rows = ex.all_gather(stats, where, every_process=True)
+        rows = ex.replica_rows(rows, where, compare=lambda r: r[..., 1:])  # costs may be each process's prices
+        orders = [cost_rank_order(row[:, 0], row[:, 3] if probe else None) for row in rows]
+        return np.stack([row[order, :3] for row, order in zip(rows, orders)]), orders
 
     def header(self, fields: List[int], where: str, proposal: Optional[np.ndarray] = None) -> np.ndarray:
         """Every rank's 4 header ``fields`` ((world, 4)), checking that the ranks plan under the same options;
@@ -243,19 +263,21 @@ class RankAligner:
 
     def steps_exchanged(self, steps: int) -> None:
         """``steps`` steps were agreed outside ``align`` (a global step plan): they are confirmed once made."""
-        self.due.unconfirmed += steps
+        if self.confirms:
+            self.due.unconfirmed += steps
 
     @property
     def confirm_every(self) -> int:
         """Batches to make before they are confirmed together (1: nothing to confirm, deliver at once)."""
-        return 1 if self.local_only else CONFIRM_STEPS
+        return 1 if self.local_only or not self.confirms else CONFIRM_STEPS
 
-    def confirm(self, steps: int, where: str) -> None:
+    def confirm(self, steps: int, where: str, digest: int = 0) -> None:
         """Tell every rank this rank made its batches of the last ``steps`` steps (and learn that they
-        made theirs)."""
+        made theirs); ``digest`` (``check_peers``: odb.epoch.peer_check) is compared between the peers of
+        each replica."""
         if self.local_only or self.due.unconfirmed <= 0:
             return
-        self._exchange([0, 0, 0, 0], where)
+        self._exchange([digest, 0, 0, 0], where)
         self.due.unconfirmed -= steps
 
     @property
@@ -267,7 +289,7 @@ class RankAligner:
     def announce(self, error: Optional[BaseException]) -> None:
         """Join the next exchange with this rank's failure (``error``) or stop (None), so every rank raises
         at once; nothing when no exchange is left or the exchange already failed."""
-        if self.finished:
+        if self.finished or not self.confirms:  # (not confirms: no exchange of this thread is left to meet at)
             return
         shape = self.due.body if self.due.body is not None else (self.headers.size,)
         self.exchange.announce(shape, f"epoch {self.epoch}, after step {self._steps_done()}", error)
@@ -276,12 +298,14 @@ class RankAligner:
         """A header-sized message (``HeaderMessage``) of every rank; refuses ranks whose loaders plan under other
         options."""
         message = self.headers.message(fields, plan, ready=self.pairing.ready())
-        gathered = self.exchange.all_gather(message, where)
+        # every process's message: the proposals and readiness of what each measures are agreed over all of them
+        gathered = self.exchange.all_gather(message, where, every_process=True)
         try:
-            return self.headers.read(gathered, self.exchange.rank)
+            fields = self.headers.read(gathered, self.exchange.process_rank)
         except ODBOptionMismatch:
             self.exchange.dead = True  # every rank raises this: nobody exchanges on this group again
             raise
+        return self.exchange.replica_rows(fields, where)
 
     def _rebalance(self, groups: List[np.ndarray], n_steps: int) -> List[np.ndarray]:
         """This rank's last groups re-cut into n_steps similar ones (no tiny tail, no halving)."""

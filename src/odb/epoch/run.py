@@ -21,6 +21,7 @@ from odb.config import ODBConfig
 from odb.epoch.drop_last import DropLast
 from odb.epoch.emission import BatchCollate, StepEmission
 from odb.epoch.pool import SamplePool
+from odb.epoch.peer_check import digests_of
 from odb.epoch.position import RunPosition
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.cursor import Cursor
@@ -49,12 +50,14 @@ class EpochRun:
                  exchange: Any = None,
                  finalize: Optional[Callable[[Any], Any]] = None, total: Optional[int] = None,
                  notices: Optional[Set[str]] = None, budget: Optional[WindowBudget] = None,
-                 stream_marks: Any = None, lazy: bool = False, move_samples: bool = True) -> None:
+                 stream_marks: Any = None, lazy: bool = False, move_samples: bool = True, tables: Any = None) -> None:
         self.cfg = cfg  # the user's options; each window's prices come from the window budget
         self.budget: WindowBudget = budget if budget is not None else FixedBudget(cfg)
         self.source = source
         self.epoch = epoch
-        exchange = exchange if exchange is not None and exchange.world_size > 1 else None
+        # (under a mesh one replica may span several processes: its peers still exchange, to agree on what each
+        # measures and to check that they plan alike)
+        exchange = exchange if exchange is not None and exchange.processes > 1 else None
         self.rank = exchange.rank if exchange is not None else 0
         self.world_size = exchange.world_size if exchange is not None else 1
         # global_batch_size: each window is one optimizer step's samples on this rank, planned whole
@@ -77,7 +80,7 @@ class EpochRun:
                              warmup_steps=cfg.composition_warmup_steps), step_samples, seed=seed, epoch=epoch)
         self.windows = window_strategy(groups, exchange, step_samples=step_samples, total=total,
                                        drops=DropLast(drop_last, batch_unit), move_samples=move_samples,
-                                       register=self.register, composer=self.composer)
+                                       register=self.register, composer=self.composer, tables=tables)
         self.position = RunPosition(stream_marks)
         self.emission = StepEmission()
         # Batches left to collate (LazyBatch) by whichever thread needs them first (odb.epoch.pipeline).
@@ -177,8 +180,10 @@ class EpochRun:
 
     def _plan_next_window(self) -> List[Step]:
         budget, alone, position = self.budget, self.aligner.local_only, self.position
+        # the peers of a replica never plan under a proposal of their own (each measures its own): the agreed one
+        own = alone and not self.aligner.has_peers
         self.planner.set_costs(budget.next_window(step=position.step, window_index=position.window_index,
-                                                  planned=position.step + self.emission.planned(), alone=alone))
+                                                  planned=position.step + self.emission.planned(), alone=own))
         self.aligner.pairing.freeze(budget.freeze_point(position.step))
         ids: List[int] = []
         fresh = not position.planned_final
@@ -220,7 +225,8 @@ class EpochRun:
         if held:
             first, last = self.step - len(held), self.step - 1
             steps = f"{first}-{last}" if last > first else f"{first}"
-            self.aligner.confirm(len(held), f"epoch {self.epoch}, step {steps}")
+            digest = digests_of([b for b, _ in held], self.cfg.step_info_key) if self.cfg.check_peers else 0
+            self.aligner.confirm(len(held), f"epoch {self.epoch}, step {steps}", digest)
             out, held[:] = list(held), []
             yield from out
 

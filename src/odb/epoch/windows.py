@@ -275,11 +275,12 @@ class GlobalStepWindows:
 
 def window_strategy(groups: WindowGroups, exchange: Any, *, step_samples: Optional[int], total: Optional[int],
                     drops: DropLast, move_samples: bool, register: Callable[[int, int, Any, Any], None],
-                    composer: Optional[StepComposer]) -> Windows:
+                    composer: Optional[StepComposer], tables: Any = None) -> Windows:
     """The windows of an epoch: budget-filled without ``step_samples`` (a rank's share of
     ``global_batch_size``), else step windows as ``composer`` composes them, planned across ranks with
     ``step_plan="global"`` and an ``exchange`` (samples move between ranks unless ``move_samples`` is False:
-    known lengths; ``register`` holds what arrives)."""
+    known lengths; ``register`` holds what arrives; ``tables``: every step's table computed here,
+    odb.epoch.local_table)."""
     if step_samples is None or composer is None:
         return BudgetWindows(groups, total=total, drop_last=drops.enabled)
     per_rank = StepWindows(groups, step_samples, drops, composer)
@@ -288,5 +289,5 @@ def window_strategy(groups: WindowGroups, exchange: Any, *, step_samples: Option
     budget = groups.budget
     step = GlobalStep(groups.aligner, exchange, groups.planner, groups.pool, groups.stats, epoch=groups.epoch,
                       step_samples=step_samples, drops=drops, move_samples=move_samples, register=register,
-                      oversize_policy=budget.oversize, check_length=budget.check_length)
+                      oversize_policy=budget.oversize, check_length=budget.check_length, tables=tables)
     return GlobalStepWindows(step, per_rank, groups.stats, budget)

@@ -165,9 +165,11 @@ def configure_accelerator(accelerator: Any, loader: ODBLoaderMixin, *,
         raise ValueError("configure_accelerator got an Accelerator with dispatch_batches=True (the main process "
                          "loads every batch and slices it): odb loads and plans on every rank. Fix: "
                          "Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False)).")
-    check_sharding(loader, accelerator.num_processes, "build the loader after Accelerator() with "
-                   "sampler=odb.ShardSampler(dataset) (or DistributedSampler(dataset)).")
-    capacity = loader.odb_config.micro_steps_capacity(accelerator.num_processes)
+    replicas = check_mesh(accelerator, loader)
+    check_sharding(loader, replicas, "build the loader after Accelerator() with "
+                   "sampler=odb.ShardSampler(dataset) (or DistributedSampler(dataset)); under a ParallelismConfig, "
+                   "with num_replicas and rank of the mesh's data-parallel dimensions.")
+    capacity = loader.odb_config.micro_steps_capacity(replicas)
     if loader.odb_config.global_batch_size is not None and accelerator.gradient_accumulation_steps != capacity:
         # odb's steps hold up to `capacity` micro-batches: Accelerate must not sync (and step) before odb's step
         # ends, which end_of_dataloader tells it; scale_loss undoes backward's division by this count.
@@ -181,6 +183,43 @@ def configure_accelerator(accelerator: Any, loader: ODBLoaderMixin, *,
                                    non_blocking=bool(getattr(accelerator, "non_blocking", False)))
     accelerator.register_for_checkpointing(wrapped)
     return wrapped
+
+
+def check_mesh(accelerator: Any, loader: ODBLoaderMixin) -> int:
+    """The data-parallel replicas of ``accelerator`` (its processes, or its ParallelismConfig's dp_replicate x
+    dp_shard). Under tensor parallelism the loader must plan over that mesh's replicas (``device_mesh=
+    accelerator.torch_device_mesh``); context and sequence parallelism are refused, naming why."""
+    config = getattr(accelerator, "parallelism_config", None)  # (accelerate >= 1.10)
+    if config is None:
+        return accelerator.num_processes
+    sizes = {"context": config.cp_size, "sequence": config.sp_size}
+    refused = [f"{kind} parallelism of size {size}" for kind, size in sizes.items() if size > 1]
+    if refused:
+        raise ValueError(
+            f"configure_accelerator got an Accelerator with {' and '.join(refused)}: Accelerate shards each "
+            f"sequence itself inside the model's forward (torch's context_parallel, DeepSpeed's Ulysses), and its "
+            f"loss and gradient reduction over those shards are not what odb's loss_scale assumes; odb cannot test "
+            f"it here (accelerate {_accelerate_version()} builds a ParallelismConfig only under FSDP2, DeepSpeed or "
+            f"several GPUs) and refuses it rather than train unchecked. Fix: a loop of your own over "
+            f"odb.ODBDataLoader(..., device_mesh=mesh) with odb.context_shard (docs/distributed.md, 'Meshes'), or "
+            f"tensor and data parallelism only.")
+    replicas = int(config.dp_replicate_size) * int(config.dp_shard_size)
+    planned = loader.odb_core.world()[1]
+    if config.tp_size > 1 and planned != replicas:
+        raise ValueError(
+            f"configure_accelerator got an Accelerator with tensor parallelism of size {config.tp_size} "
+            f"({replicas} data-parallel replicas) and an odb loader that plans over {planned} ranks: the tensor "
+            f"parallel peers of a replica would get different batches. Fix: build the loader after Accelerator() "
+            f"with device_mesh=accelerator.torch_device_mesh and a sampler over the replicas (DistributedSampler("
+            f"dataset, num_replicas={replicas}, rank=accelerator.torch_device_mesh['dp'].get_local_rank())). "
+            f"(Untested on GPU: Accelerate builds a ParallelismConfig only there.)")
+    return replicas
+
+
+def _accelerate_version() -> str:
+    import accelerate
+
+    return accelerate.__version__
 
 
 def scale_loss(accelerator: Any, loss: torch.Tensor, info: ODBStepInfo) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from odb.comm.dist import GroupExchanges, world
+from odb.comm.dist import world
 from odb.comm.protocol import RankExchange
 from odb.loader.dataloader import ODBLoaderMixin
 
@@ -30,20 +30,23 @@ _previous: Optional[RankExchange] = None  # the last gather's exchange, released
 
 
 def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[str, Any]]:
-    """Every rank's ``state`` in rank order (call on all ranks at once: two small all_gathers)."""
+    """Every rank's ``state`` in rank order (call on all ranks at once: two small all_gathers). Under a mesh a rank
+    is a data-parallel replica: one state per replica (its first peer's; its peers hold the same plan)."""
     global _previous
-    if world()[1] == 1:
+    factory = loader.odb_core.exchange_factory
+    if factory is None or factory.processes() == 1:
         return [state]
     raw = json.dumps(state).encode()
-    exchange = GroupExchanges()(loader.odb_config.exchange_timeout_s)  # new_group: every rank is past the last gather
+    exchange = factory(loader.odb_config.exchange_timeout_s)  # new_group: every rank is past the last gather
     if _previous is not None:
         _previous.release()
     _previous = exchange
-    sizes = exchange.all_gather(np.array([len(raw)]), "checkpoint (state sizes)")[:, 0]
+    sizes = exchange.all_gather(np.array([len(raw)]), "checkpoint (state sizes)", every_process=True)[:, 0]
     local = np.zeros(-(-int(sizes.max()) // 8), dtype=np.int64)
     local.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    rows = exchange.all_gather(local, "checkpoint (states)")
-    return [json.loads(rows[r].tobytes()[:int(sizes[r])]) for r in range(len(rows))]
+    rows = exchange.all_gather(local, "checkpoint (states)", every_process=True)
+    kept = exchange.replicas.leaders.tolist() if exchange.replicas is not None else range(len(rows))
+    return [json.loads(rows[r].tobytes()[:int(sizes[r])]) for r in kept]
 
 
 def restore_rank_state(loader: ODBLoaderMixin, states: Any, who: str) -> None:
@@ -53,13 +56,13 @@ def restore_rank_state(loader: ODBLoaderMixin, states: Any, who: str) -> None:
     list goes to ``loader.load_state_dict``, which re-partitions the interrupted epoch over
     this run's ranks (map-style data, ``odb.ShardSampler`` or ``DistributedSampler``).
     """
-    rank, size = world()
+    rank, size = loader.odb_core.world()
     if not isinstance(states, list) or not states:
         raise ValueError(f"{who} got {type(states).__name__} where it expects the list of every saved rank's odb "
                          f"state (as state_dict() writes it under 'odb_rank_states'): the checkpoint was not "
                          f"saved by this integration. Fix: resume from a checkpoint it saved, or restart the "
                          f"epoch without the checkpoint's loader state.")
-    if not saved_elsewhere(states):
+    if len(states) == size:
         loader.load_state_dict(states[rank])
         # odb restores its own epoch; a sampler of the user's (ShardSampler, DistributedSampler) learns it here, or
         # a fresh loader would skip the consumed prefix of epoch 0's order instead of the saved epoch's

@@ -8,7 +8,8 @@ from torch.utils.data import BatchSampler, DataLoader, default_collate
 
 from odb.comm.protocol import ExchangeFactory
 from odb.config import ODBConfig
-from odb.loader.core import LoaderCore, exchange_factory
+from odb.loader.core import LoaderCore
+from odb.loader.exchanges import exchange_factory
 from odb.loader.user_batch import UserBatch
 from odb.loader.dataloader import ODBLoaderMixin, check_inputs, draw_seed, group_collate_for, make_config, shuffles
 from odb.packed.collate import PackedCollate
@@ -60,7 +61,7 @@ class ODBHandle:
 def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBConfig] = None,
           shuffle: Optional[bool] = None, collate_fn: Optional[Callable] = None,
           lengths: Optional[Sequence[int]] = None, process_group: Any = None,
-          exchange: Optional[ExchangeFactory] = None,
+          exchange: Optional[ExchangeFactory] = None, device_mesh: Any = None, peer_group: Any = None,
           **options: Any) -> ODBHandle:
     """Make ``loader`` batch by token budget, in place, keeping its batch as the optimizer step.
 
@@ -76,7 +77,7 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
     the loader's collate_fn is applied per sample in the workers and ``collate_fn``
     (default: default_collate) collates each planned group. With ``layout="packed"``
     and no collate of the user's, groups are collated by ``odb.PackedCollate``.
-    ``process_group`` and ``exchange`` are as in ``odb.ODBDataLoader``.
+    ``process_group``, ``peer_group``, ``device_mesh`` and ``exchange`` are as in ``odb.ODBDataLoader``.
 
     Example:
         >>> import torch, odb
@@ -104,12 +105,13 @@ def apply(loader: DataLoader, token_budget: Any = None, *, config: Optional[ODBC
     given = dict(options)
     cfg = make_config(config, token_budget, options, "odb.apply")
     check_inputs(cfg, lengths, getattr(loader, "in_order", True))
-    exchanges = exchange_factory(cfg, process_group, exchange)
+    exchanges, cfg = exchange_factory(cfg, process_group, exchange, device_mesh, peer_group)
     where = "the DataLoader's batch_size" if loader.batch_size is not None else "the DataLoader's batch_size=None"
     cfg = UserBatch(loader.batch_size or 1, where, "odb.apply").keep(cfg, given, exchanges)
     if collate_fn is None and cfg.layout == "packed" and (loader.batch_size is None
                                                           or loader.collate_fn is default_collate):
-        collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
+        collate_fn = PackedCollate(ignore_index=cfg.ignore_index,  # one padding-free row per batch
+                                       sample_multiple=cfg.length_multiple if cfg.context_parallel > 1 else 1)
     group_collate, transform = group_collate_for(loader, collate_fn)
     seed = cfg.seed if cfg.seed is not None else draw_seed(loader.generator, loader.sampler)
     core = LoaderCore(loader, cfg, shuffle=shuffles(loader) if shuffle is None else bool(shuffle), seed=seed,

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from odb.comm.protocol import ExchangeFactory, RankExchange
 from odb.epoch.cursor import Cursor
 from odb.epoch.known import announce_to_steps, known_epoch
+from odb.epoch.local_table import local_tables
 from odb.epoch.pipeline import BatchPipeline, made
 from odb.epoch.drop_last import DropLast
 from odb.epoch.run import EpochRun
@@ -73,14 +74,14 @@ class EpochAssembly:
         ended, so its exchanges can be released once every rank has started this one."""
         loader, cfg = self.loader, self.budget.options
         run_state = state["run"] if state is not None else None
-        exchange = self._new_exchange(settled)
+        exchange, settled = self._new_exchange(settled)
         known = self.sources.known_lengths()
         rank, world_size = self.world()
         order = resume_order(loader.sampler, run_state, epoch, rank, world_size)
         source, marks = self.sources.for_epoch(epoch, run_state, order, fresh=state is None)
         self.budget.epoch_starts(source.peek, resumed=run_state is not None)
         pin = loader.pin_memory and torch.cuda.is_available() and known is None  # known: the inner loader pins
-        world = exchange.world_size if exchange is not None else 1
+        world = exchange.processes if exchange is not None else 1
         run = EpochRun(cfg, source, list if known is not None else self.group_collate, epoch=epoch,
                        seed=seed, shuffle=self.shuffle, drop_last=self.drops.enabled, batch_unit=self.drops.unit,
                        exchange=exchange, finalize=pin_batch if pin else None,
@@ -90,7 +91,8 @@ class EpochAssembly:
                        # a batch is collated before the ranks confirm its step, so a failing collate stops every
                        # rank at the same step.
                        lazy=cfg.ready_batches > 0 and world == 1,
-                       move_samples=known is None)  # known lengths: a sample is its dataset index
+                       move_samples=known is None,  # known lengths: a sample is its dataset index
+                       tables=self._tables(known, exchange, order, epoch))
         if run_state is not None:
             run.restore(run_state, retained_samples(source, run_state, dataset=loader.dataset,
                                                     sampler=loader.sampler, iterable=self.sources.iterable,
@@ -130,23 +132,41 @@ class EpochAssembly:
         return Epoch(run, cursor, pipeline, mode,
                      mode.batches(known_epoch(batches, sampler, cfg, steps, mode.consumed, resume_totals, watch)))
 
-    def _new_exchange(self, settled: bool) -> Optional[RankExchange]:
-        """This epoch's metadata exchange (a collective call: on the main thread, when iteration starts)."""
-        if self.exchanges is None or self.world()[1] <= 1:
+    def _tables(self, known: Any, exchange: Optional[RankExchange], order: Any, epoch: int) -> Any:
+        """Known lengths with a stride-sharded sampler and ``global_batch_size`` planned across ranks: every step's
+        table computed on every rank (odb.epoch.local_table), none exchanged; None otherwise (or for an epoch
+        re-partitioned by an elastic resume, whose order is its own, or whose steps a composition other than the
+        sampler's order makes: each rank composes its own)."""
+        cfg = self.budget.options
+        if known is None or exchange is None or order is not None or cfg.step_plan != "global" or \
+                cfg.composition != "sampler":
             return None
+        return local_tables(self.loader.sampler, epoch=epoch, rank=exchange.rank, world=exchange.world_size,
+                            lengths=known, step_samples=cfg.step_samples(exchange.world_size),
+                            own_order=list(self.loader.sampler))
+
+    def _new_exchange(self, settled: bool) -> Tuple[Optional[RankExchange], bool]:
+        """This epoch's metadata exchange (a collective call: on the main thread, when iteration starts) and
+        whether the last epoch's exchanges are to be released (``settled``; agreed by every rank where the
+        transport asks for it: a group over some of the ranks is named by the groups alive in the process, so
+        the ranks must release alike to name the next one alike)."""
+        if self.exchanges is None or self.exchanges.processes() <= 1:
+            return None, settled
         previous = self.exchange
         ex = self.exchange = self.exchanges(self.budget.options.exchange_timeout_s)
+        if previous is not None and getattr(ex.transport, "agrees_releases", False):
+            settled = ex.all_agree(settled, "the start of an epoch (whether the last one's groups are free)")
         if previous is not None and settled:
             previous.release()  # every rank has started this epoch: the last one's exchanges are over
         sampler = self.loader.sampler
-        if not self.warned_shard and not self.sources.iterable and not is_sharded(sampler):
+        if not self.warned_shard and not self.sources.iterable and not is_sharded(sampler) and ex.world_size > 1:
             self.warned_shard = True
             warnings.warn(
                 f"odb rank {ex.rank}: torch.distributed has {ex.world_size} "
                 f"ranks but the loader's sampler ({type(sampler).__name__}) does not shard the dataset, "
                 f"so every rank iterates all of it. Fix: pass sampler=odb.ShardSampler(dataset) or a "
                 f"DistributedSampler.", stacklevel=5)
-        return ex
+        return ex, settled
 
 
 def stop_at_death(run: EpochRun, pipeline: BatchPipeline, steps: Optional[RankExchange] = None

@@ -30,11 +30,11 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset
 
 from odb.arguments import check_in_order
-from odb.comm.dist import GroupExchanges
 from odb.comm.protocol import ExchangeFactory
 from odb.config_rules import check_composition
 from odb.config import ODBConfig
 from odb.data.bucket_collate import PadToBucket
+from odb.packed.collate import check_context_collate
 from odb.data.collate_check import PaddingHint
 from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler, ShardSampler
@@ -51,24 +51,6 @@ from odb.loader.length_probe import check_probed_fit, probe_lengths
 from odb.loader.sources import EpochSources
 from odb.plan.estimate import estimate_steps
 from odb.resume.loader_state import PlanOptions, loader_fields, saved_state, state_to_resume
-
-
-def exchange_factory(cfg: ODBConfig, process_group: Any = None, exchange: Optional[ExchangeFactory] = None
-                     ) -> Optional[ExchangeFactory]:
-    """Where a loader's exchanges come from: ``exchange`` (a factory: ``world()`` and
-    ``factory(timeout_s) -> RankExchange``), else torch.distributed (``process_group`` or the
-    default group); None for a local loader (``distributed=False``)."""
-    if process_group is not None and exchange is not None:
-        raise ValueError(f"odb got process_group={process_group!r} and exchange={exchange!r}: both say how the "
-                         f"ranks exchange. Rule: one of them. Fix: drop one (exchange= is for tests and custom "
-                         f"transports, e.g. odb.comm.threads.ThreadRanks(n).exchanges(rank)).")
-    for name, given in (("process_group", process_group), ("exchange", exchange)):
-        if given is not None and not cfg.distributed:
-            raise ValueError(f"odb got {name}={given!r} with distributed=False: a local loader "
-                             f"exchanges nothing. Fix: drop {name}, or drop distributed=False.")
-    if not cfg.distributed:
-        return None
-    return exchange if exchange is not None else GroupExchanges(process_group)
 
 
 class LoaderCore:
@@ -100,9 +82,13 @@ class LoaderCore:
         # samples: the batch_size they wrote), or the whole partial last step where no batch size is known
         self.drops = DropLast(bool(loader.drop_last), batch_unit)
         self.seed = seed
-        if cfg.shape_buckets is not None and not isinstance(group_collate, PadToBucket):
-            # odb plans each batch at a bucket length; the collate pads to the longest sample: pad on to the bucket
-            group_collate = PadToBucket(group_collate, cfg.shape_buckets, ignore_index=cfg.ignore_index)
+        if cfg.layout == "padded" and (cfg.shape_buckets is not None or cfg.context_parallel > 1) and \
+                not isinstance(group_collate, PadToBucket):
+            # odb plans each batch at a bucket length (and, under context parallelism, at a multiple of what its
+            # sharding needs); the collate pads to the longest sample: pad on to the bucket, the multiple
+            group_collate = PadToBucket(group_collate, cfg.shape_buckets or (), ignore_index=cfg.ignore_index,
+                                        multiple=cfg.length_multiple if cfg.context_parallel > 1 else 1)
+        check_context_collate(cfg, group_collate)
         self.transform = sample_transform
         self.own_sampler = own_sampler
         self.inner = InnerLoaders(loader, sample_transform)
@@ -161,6 +147,8 @@ class LoaderCore:
 
             self.oom = OOMCounters()
             self.oom.on_oom = self.budget.on_oom  # odb.train.oom tells of an out-of-memory batch: auto learns it
+            if self.assembly.exchanges is not None and self.assembly.exchanges.processes() > 1:
+                self.oom.exchanges = self.assembly.exchanges  # (the fallback agrees over the loader's ranks)
         return self.oom
 
     def wait_s(self, default: float = 0.0) -> float:
@@ -261,8 +249,14 @@ class LoaderCore:
         return self.inner.persistent
 
     def world(self) -> Tuple[int, int]:
-        """(rank, world size) without creating anything (no collective)."""
+        """(rank, world size) without creating anything (no collective): under a mesh, the data-parallel
+        replica's and the number of replicas."""
         return self.assembly.world()
+
+    @property
+    def exchange_factory(self) -> Optional[ExchangeFactory]:
+        """Where this loader's exchanges come from (None: a local loader)."""
+        return self.assembly.exchanges
 
     def stop(self) -> None:
         """End the previous iteration's background work, if any."""

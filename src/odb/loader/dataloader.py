@@ -14,13 +14,15 @@ from odb.config import CONFIG_FIELDS, ODBConfig
 from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler
 from odb.loader.user_batch import UserBatch
-from odb.loader.core import LoaderCore, exchange_factory
+from odb.loader.core import LoaderCore
+from odb.loader.exchanges import exchange_factory
 from odb.loader.sources import shuffles
 from odb.packed.collate import PackedCollate
 
 # The other arguments of ODBDataLoader (suggested for misspelt options).
 _LOADER_ARGS = tuple(inspect.signature(DataLoader.__init__).parameters)[1:] + ("config", "lengths",
-                                                                            "process_group", "exchange")
+                                                                            "process_group", "exchange",
+                                                                            "device_mesh", "peer_group")
 
 
 def make_config(config: Optional[ODBConfig], token_budget: Any, options: Dict[str, Any], who: str = "odb",
@@ -203,10 +205,14 @@ class ODBDataLoader(ODBLoaderMixin):
     options are ODBConfig fields, given as keyword arguments or as ``config=``. Each
     batch carries an ``ODBStepInfo`` (see ``odb.pop_step_info``).
 
-    Under torch.distributed the ranks exchange a few integers per window and step on a
-    gloo group of their own (``process_group``: on that group instead). ``exchange``, for
-    tests and custom transports, replaces torch.distributed with an exchange factory, e.g.
-    ``odb.comm.threads.ThreadRanks(2).exchanges(rank)`` for ranks that are threads.
+    Under torch.distributed the ranks exchange a few integers per window and step on gloo
+    groups of their own, over every rank (``process_group``: over that group's ranks). Under
+    tensor, context, sequence or pipeline parallelism pass ``device_mesh`` (a DeviceMesh with a
+    data-parallel dimension named "dp", or "dp_replicate" and "dp_shard"), or ``process_group``
+    (the data-parallel group) with ``peer_group`` (the other ranks of the replica): odb plans over
+    the replicas and every peer of one gets the same batches (docs/distributed.md, "Meshes").
+    ``exchange``, for tests and custom transports, replaces torch.distributed with an exchange
+    factory, e.g. ``odb.comm.threads.ThreadRanks(2).exchanges(rank)`` for ranks that are threads.
 
     Example:
         >>> import torch, odb
@@ -228,7 +234,7 @@ class ODBDataLoader(ODBLoaderMixin):
                  generator: Optional[torch.Generator] = None, prefetch_factor: Optional[int] = None,
                  persistent_workers: bool = False, pin_memory_device: str = "",
                  lengths: Optional[Sequence[int]] = None, process_group: Any = None,
-                 exchange: Optional[ExchangeFactory] = None,
+                 exchange: Optional[ExchangeFactory] = None, device_mesh: Any = None, peer_group: Any = None,
                  **options: Any) -> None:
         dl_options = {k: options.pop(k) for k in list(options) if k == "in_order"}
         given = dict(options)
@@ -239,7 +245,7 @@ class ODBDataLoader(ODBLoaderMixin):
             raise ValueError(f"ODBDataLoader got batch_sampler={batch_sampler!r}: odb cuts each optimizer step into "
                              f"micro-batches under token_budget itself. Fix: drop batch_sampler and pass its sampler "
                              f"and batch size (sampler=..., batch_size=B).")
-        exchanges = exchange_factory(cfg, process_group, exchange)
+        exchanges, cfg = exchange_factory(cfg, process_group, exchange, device_mesh, peer_group)
         if batch_size is not None:  # the user's batch: B x accumulation x world samples per optimizer step
             cfg = UserBatch(batch_size, "ODBDataLoader(batch_size=...)", "ODBDataLoader").keep(cfg, given, exchanges)
         iterable = isinstance(dataset, IterableDataset)
@@ -253,7 +259,8 @@ class ODBDataLoader(ODBLoaderMixin):
                              f"odb.ShardSampler with shuffle=True), or drop sampler.")
         seed = cfg.seed if cfg.seed is not None else draw_seed(generator, sampler)
         if collate_fn is None and cfg.layout == "packed":
-            collate_fn = PackedCollate(ignore_index=cfg.ignore_index)  # one padding-free row per batch
+            collate_fn = PackedCollate(ignore_index=cfg.ignore_index,  # one padding-free row per batch
+                                       sample_multiple=cfg.length_multiple if cfg.context_parallel > 1 else 1)
         own = None
         if shuffle and sampler is None and not iterable:
             own = sampler = EpochShuffleSampler(dataset, seed)

@@ -69,7 +69,7 @@ class PackedCollate:
     def __init__(self, *, ignore_index: int = -100, use_cache: Optional[bool] = False,
                  return_flash_attn_kwargs: bool = False, return_seq_idx: bool = False, position_ids_start: int = 0,
                  backend: Backend = "auto", rope_index: Optional[Callable[..., torch.Tensor]] = None,
-                 model: Optional[str] = None) -> None:
+                 model: Optional[str] = None, sample_multiple: int = 1, pad_token_id: int = 0) -> None:
         if backend not in ("auto", "transformers", "torch"):
             raise ValueError(f"PackedCollate(backend={backend!r}): must be 'auto', 'transformers' or 'torch'. "
                              f"Fix: pass backend='auto' (transformers' DataCollatorWithFlattening when installed).")
@@ -85,6 +85,16 @@ class PackedCollate:
                              f"match them. Fix: leave position_ids_start at 0.")
         self.rope_index = rope_index
         self.model = model  # the model class the collate was made for (PackedCollate.for_model)
+        if isinstance(sample_multiple, bool) or not isinstance(sample_multiple, int) or sample_multiple < 1:
+            raise ValueError(f"PackedCollate(sample_multiple={sample_multiple!r}): must be an int >= 1. Fix: pass 1 "
+                             f"(no padding), or the multiple context parallelism needs (2 x cp).")
+        if sample_multiple > 1 and rope_index is not None:
+            raise ValueError(f"PackedCollate(sample_multiple={sample_multiple}) with a model's 3-D rope index: odb "
+                             f"cannot pad a vision-language sample inside a packed row. Fix: layout='padded' under "
+                             f"context parallelism for this model.")
+        # each sample padded to a multiple (pad_token_id, labels ignore_index, positions running on): what a
+        # context-parallel sharding of packed rows needs, every sample split evenly (odb.packed.context)
+        self.sample_multiple, self.pad_token_id = int(sample_multiple), int(pad_token_id)
         self._flatten = _transformers_collator(self) if backend != "torch" else None
         if backend == "transformers" and self._flatten is None:
             raise ImportError("PackedCollate(backend='transformers') needs a transformers whose "
@@ -110,7 +120,7 @@ class PackedCollate:
         return cls(rope_index=rope_index_for(model), model=type(unwrap(model)).__name__, **options)
 
     def __call__(self, samples: Sequence[Any]) -> Dict[str, Any]:
-        features = [_feature(k, s) for k, s in enumerate(samples)]
+        features = [self._padded(_feature(k, s)) for k, s in enumerate(samples)]
         if not features:
             raise ValueError("PackedCollate got no samples: a packed row needs at least one. Fix: collate a "
                              "non-empty group (odb never emits an empty one).")
@@ -131,6 +141,17 @@ class PackedCollate:
         if self.use_cache is not None:
             batch["use_cache"] = self.use_cache
         return batch
+
+    def _padded(self, feature: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A sample padded to ``sample_multiple`` tokens (its labels, made from its input_ids where it has none,
+        with ``ignore_index``)."""
+        extra = -len(feature["input_ids"]) % self.sample_multiple
+        if not extra:
+            return feature
+        ids = feature["input_ids"]
+        labels = feature.get("labels", ids)
+        return {"input_ids": torch.cat((ids, torch.full((extra,), self.pad_token_id, dtype=ids.dtype))),
+                "labels": torch.cat((labels, torch.full((extra,), self.ignore_index, dtype=labels.dtype)))}
 
     def _torch(self, features: List[Dict[str, torch.Tensor]]) -> Dict[str, Any]:
         ids = torch.cat([f["input_ids"] for f in features])
@@ -188,3 +209,17 @@ def _feature(k: int, sample: Any) -> Dict[str, torch.Tensor]:
                          f"of shape {tuple(ids.shape)}; in a packed row each label sits under its token. Fix: give "
                          f"every sample one label per input id (ignore_index where unsupervised).")
     return out
+
+
+def check_context_collate(cfg: Any, collate: Any) -> None:
+    """Refuse a packed layout under context parallelism whose collate does not pad each sample of a row to the
+    multiple the sharding needs (``cfg.length_multiple``): the shards of a sample would not be even."""
+    if cfg.layout != "packed" or cfg.context_parallel == 1:
+        return
+    multiple = getattr(collate, "sample_multiple", None) if isinstance(collate, PackedCollate) else None
+    if multiple is None or multiple % cfg.length_multiple:
+        raise ValueError(f"odb got layout='packed' with context_parallel={cfg.context_parallel} and collate_fn="
+                         f"{collate!r}: a packed row is cut sample by sample over the CP ranks, so each sample's "
+                         f"length must be a multiple of {cfg.length_multiple}. Fix: leave collate_fn out (odb's "
+                         f"PackedCollate pads each sample), or pass odb.PackedCollate(sample_multiple="
+                         f"{cfg.length_multiple}, ...).")

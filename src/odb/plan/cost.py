@@ -121,9 +121,11 @@ class CostModel:
 
     @classmethod
     def from_config(cls, cfg: ODBConfig, costs: Optional[PlanCosts] = None) -> "CostModel":
-        """The model of ``cfg``'s options, priced by ``costs`` (default: the ones ``cfg`` sets)."""
+        """The model of ``cfg``'s options, priced by ``costs`` (default: the ones ``cfg`` sets). Lengths are
+        padded to ``cfg.length_multiple`` (``pad_to_multiple_of``, and what context parallelism needs), in
+        packed rows sample by sample."""
         costs = costs if costs is not None else PlanCosts.of(cfg)
-        return cls(costs.token_budgets, cfg.pad_to_multiple_of, costs.quadratic_length, cfg.max_batch_size,
+        return cls(costs.token_budgets, cfg.length_multiple, costs.quadratic_length, cfg.max_batch_size,
                    cfg.batch_size_multiple, cfg.max_image_patches, cfg.layout, cfg.shape_buckets,
                    costs.sample_cost, costs.image_patch_cost, costs.loss_token_cost)
 

@@ -37,8 +37,10 @@ class PlanCosts:
 
     @staticmethod
     def of(cfg: "ODBConfig") -> "PlanCosts":
-        """The costs the user's options set (``token_budget="auto"``: its start budget, see ODBConfig.token_budgets)."""
-        return PlanCosts(tuple(int(v) for v in cfg.token_budgets), cfg.quadratic_length, float(cfg.sample_cost),
+        """The costs the user's options set (``token_budget="auto"``: its start budget, see ODBConfig.token_budgets),
+        the budget as one replica's (``context_parallel`` x the per-GPU ``token_budget``)."""
+        budgets = cfg.replica_budget(tuple(int(v) for v in cfg.token_budgets))
+        return PlanCosts(tuple(budgets), cfg.quadratic_length, float(cfg.sample_cost),
                          float(cfg.loss_token_cost), float(cfg.image_patch_cost))
 
     @property

@@ -29,11 +29,15 @@ from odb.train.batch_split import BatchSplitter, PaddedBatchSplitter
 from odb.comm.dist import GroupExchanges, world
 from odb.comm.protocol import RankExchange
 from odb.train.loss import zero_loss
+from odb.train.oom_peers import PeerRound
 from odb.step_info import ODBStepInfo
 
 OOMPolicy = Literal["split", "skip"]
 SyncPass = Literal["last", "extra"]
 OOM_ERRORS: Tuple[type, ...] = (torch.OutOfMemoryError,)  # torch.cuda.OutOfMemoryError is the same class
+SYNCED_OOM = ("odb: out of memory inside a backward that synchronizes gradients across ranks; the other ranks are "
+              "already in that collective, so this cannot be recovered. Fix: pass sync_pass='extra' and "
+              "no_sync=model.no_sync (all work runs without sync, then a one-row pass syncs), or lower token_budget.")
 _EXCHANGE_TIMEOUT_S = 1800.0  # ODBConfig's default: the loader's metadata group, when it uses the default
 
 
@@ -52,6 +56,11 @@ class OOMCounters:
     skipped_micro_batches: int = 0  # micro-batches of which this rank dropped rows
     skipped_rows: int = 0
     inexact_micro_batches: int = 0  # micro-batches whose gradient could not be kept exact (any rank)
+    # A loader's counters (loader.odb_oom_counters): what the loader learns from an OOM (token_budget="auto"),
+    # and where the fallback's exchange comes from (the loader's ranks: a mesh's peers split alike). Not counters.
+    on_oom: Optional[Callable[[], None]] = dataclasses.field(default=None, repr=False, compare=False)
+    exchanges: Optional[Callable[[float], RankExchange]] = dataclasses.field(default=None, repr=False, compare=False)
+    made: Optional[RankExchange] = dataclasses.field(default=None, repr=False, compare=False)
 
     def add(self, outcome: "StepOutcome") -> None:
         """Count one call's outcome."""
@@ -64,7 +73,15 @@ class OOMCounters:
         self.inexact_micro_batches += not outcome.exact
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+
+    def exchange(self) -> Optional[RankExchange]:
+        """The exchange the fallback agrees on: a loader's counters (``loader.odb_oom_counters``) make one over the
+        loader's ranks the first time (a collective: every rank's first call) and keep it, so a mesh's peers
+        split alike; None elsewhere (the fallback then uses the default group's)."""
+        if self.made is None and self.exchanges is not None:
+            self.made = self.exchanges(_EXCHANGE_TIMEOUT_S)
+        return self.made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +162,15 @@ def train_step_with_oom_fallback(
                          f"overlap) or 'extra' (every OOM of the real work recoverable).")
     if no_sync is None and world()[1] > 1:
         no_sync = getattr(model, "no_sync", None)
+    if exchange is None and counters is not None:
+        exchange = counters.exchange()
     run = _Run(loss_fn, batch, info, model, policy, backward, no_sync,
                info.is_last_micro_step if sync is None else sync, sync_pass, exchange, splitter)
     outcome = run.execute()
     if counters is not None:
         counters.add(outcome)
-        hook = getattr(counters, "on_oom", None)  # a loader with token_budget="auto" learns of its batch's OOM
-        if hook is not None and outcome.local_ooms:
-            hook()
+        if counters.on_oom is not None and outcome.local_ooms:  # a loader with token_budget="auto" learns of it
+            counters.on_oom()
     return outcome
 
 
@@ -173,7 +191,10 @@ class _Run:
         self.no_sync, self.sync_step, self.sync_pass = no_sync, sync_step, sync_pass
         if exchange is None and world()[1] > 1:
             exchange = GroupExchanges()(_EXCHANGE_TIMEOUT_S)
-        self.exchange = exchange if exchange is not None and exchange.world_size > 1 else None
+        self.exchange = exchange if exchange is not None and exchange.processes > 1 else None
+        replicas = self.exchange.replicas if self.exchange is not None else None
+        # under a mesh the peers of a replica split alike (odb.train.oom_peers)
+        self.peers = replicas if replicas is not None and replicas.peers > 1 else None
         self.splitter = splitter or PaddedBatchSplitter()
         self.n_rows = self.splitter.rows(batch)
         if self.n_rows < 1:
@@ -189,12 +210,23 @@ class _Run:
         ghost = _Item((0,), frozenset(range(len(self.params))), ghost=True)
         while n:
             nxt: List[_Item] = []
+            peer_round = PeerRound(self.peers, self.exchange.process_rank, n) if self.peers is not None else None
+            outcomes: List[Tuple[_Item, Set[int], bool]] = []
             for j in range(n):
                 item = pending[j] if j < len(pending) else ghost
                 synced = self.no_sync is None or self.rearm or (self.sync_step and self.sync_pass == "last"
                                                                   and j == n - 1)
                 self.rearm, self.round = False, None
+                if peer_round is not None:
+                    failed, acc, again = self._peer_pass(item, synced)
+                    if not item.ghost:
+                        peer_round.record(j, failed=failed, holds=bool(item.masked | acc))
+                        outcomes.append((item, acc, again))
+                    continue
                 nxt += [x for x in self._pass(item, synced, len(nxt)) if not x.ghost]
+            if peer_round is not None:
+                n, pending = self._settle(peer_round, outcomes)
+                continue
             if self.exchange is None:
                 n = len(nxt)
             else:  # the round's outcome, unless the last pass's check before backward already told it
@@ -216,19 +248,8 @@ class _Run:
         """Run one piece; returns what is left to run of it (nothing, itself, or its halves)."""
         self.passes += 1
         acc: Set[int] = set()
-        oom, loss, scale, masked = False, None, 0.0, item.masked
         with self.no_sync() if self.no_sync is not None and not synced else contextlib.nullcontext():
-            try:
-                piece, scale, masked = self._piece(item)
-                loss = self.loss_fn(piece)
-            except OOM_ERRORS:
-                oom = True
-            piece = None
-            if oom:
-                release_memory()
-                if isinstance(self.model, DDP):  # as DDP's post-forward sets it on the ranks whose forward ended:
-                    # whether the next forward broadcasts buffers must match across ranks
-                    self.model.require_forward_param_sync = synced and torch.is_grad_enabled()
+            oom, loss, scale, masked = self._forward(item, synced)
             if synced and self.exchange is not None:  # nobody enters a syncing backward unless all forwards worked
                 # (with what the round needs next: if all worked, this backward completes or raises)
                 got = self.exchange.all_gather(np.array([oom, queued, self.local_ooms, self.inexact]),
@@ -243,45 +264,123 @@ class _Run:
                     return self._failed(item, acc) if oom else [item]
             elif oom:
                 return self._failed(item, acc)
-            handles = [self.params[i].register_hook(_zero_grad) for i in masked]
-            before = self._grad_state()
-            scaled = None
-            try:
-                # A piece that adds nothing (no supervised token, a ghost) may have a NaN mean: an exact zero instead.
-                scaled = zero_loss(loss) if scale == 0 else loss * scale
-                self.backward(scaled)
-                if not item.ghost:
-                    self.losses.append(scaled.detach())
-            except OOM_ERRORS:
-                oom = True
-                acc = self._accumulated(before)
-            finally:
-                for h in handles:
-                    h.remove()
-                del loss, scaled, before
+            oom, acc = self._backward(item, loss, scale, masked)
         if not oom:
             return []
         release_memory()
         if synced and self.exchange is not None:
-            raise ODBOOMError("odb: out of memory inside a backward that synchronizes gradients across ranks; the "
-                              "other ranks are already in that collective, so this cannot be recovered. Fix: pass "
-                              "sync_pass='extra' and no_sync=model.no_sync (all work runs without sync, then a "
-                              "one-row pass syncs), or lower token_budget.")
+            raise ODBOOMError(SYNCED_OOM)
         return self._failed(item, acc)
+
+    def _forward(self, item: _Item, synced: bool) -> Tuple[bool, Any, float, frozenset]:
+        """(out of memory, the loss, its scale, the masked parameters) of one piece's forward."""
+        oom, loss, scale, masked = False, None, 0.0, item.masked
+        try:
+            piece, scale, masked = self._piece(item)
+            loss = self.loss_fn(piece)
+        except OOM_ERRORS:
+            oom = True
+        piece = None
+        if oom:
+            release_memory()
+            if isinstance(self.model, DDP):  # as DDP's post-forward sets it on the ranks whose forward ended:
+                # whether the next forward broadcasts buffers must match across ranks
+                self.model.require_forward_param_sync = synced and torch.is_grad_enabled()
+        return oom, loss, scale, masked
+
+    def _backward(self, item: _Item, loss: Any, scale: float, masked: frozenset) -> Tuple[bool, Set[int]]:
+        """(out of memory, the parameters whose gradient the backward reached) of one piece's backward; masked
+        parameters get a zero gradient."""
+        handles = [self.params[i].register_hook(_zero_grad) for i in masked]
+        before = self._grad_state()
+        oom, scaled = False, None
+        try:
+            # A piece that adds nothing (no supervised token, a ghost) may have a NaN mean: an exact zero instead.
+            scaled = zero_loss(loss) if scale == 0 else loss * scale
+            self.backward(scaled)
+            if not item.ghost:
+                self.losses.append(scaled.detach())
+        except OOM_ERRORS:
+            oom = True
+        finally:
+            for h in handles:
+                h.remove()
+            acc = self._accumulated(before)
+            del loss, scaled, before
+        return oom, acc
+
+    def _peer_pass(self, item: _Item, synced: bool) -> Tuple[bool, Set[int], bool]:
+        """Under a mesh: run one piece; (it ran out of memory here or, at a syncing pass, on a peer of this
+        replica; the parameters whose gradient it reached here; run it again whole: another replica failed
+        before a syncing backward). What is left of it is decided for the whole replica (``_settle``)."""
+        self.passes += 1
+        acc: Set[int] = set()
+        with self.no_sync() if self.no_sync is not None and not synced else contextlib.nullcontext():
+            oom, loss, scale, masked = self._forward(item, synced)
+            self.local_ooms += oom
+            if synced:  # nobody enters a syncing backward unless every forward worked
+                got = self.exchange.all_gather(np.array([oom]), "an OOM check before backward", every_process=True)
+                if got.any():
+                    del loss
+                    self.rearm = True
+                    here = bool(got[[p for p, r in enumerate(self.peers.replica)
+                                     if r == self.peers.replica[self.exchange.process_rank]]].any())
+                    if item.ghost and oom:
+                        self._failed(item, acc)  # raises
+                    return here, acc, not here
+            elif oom:
+                if item.ghost:
+                    self._failed(item, acc)  # raises
+                return True, acc, False
+            oom, acc = self._backward(item, loss, scale, masked)
+            self.local_ooms += oom
+        if oom:
+            release_memory()
+            if synced:
+                raise ODBOOMError(SYNCED_OOM)
+            if item.ghost:
+                self._failed(item, acc)  # raises
+        return oom, acc, False
+
+    def _settle(self, peer_round: PeerRound, outcomes: List[Tuple[_Item, Set[int], bool]]) -> Tuple[int, List[_Item]]:
+        """Under a mesh, the round's end: every process's outcomes; an item that failed on a peer of this replica
+        is cut on every peer alike; (passes of the next round, its items)."""
+        rows = self.exchange.all_gather(peer_round.message(self.local_ooms, self.inexact), "an OOM round",
+                                        every_process=True)
+        peer_round.agree(rows)
+        self.any_oom = self.any_oom or peer_round.ooms > 0
+        self.inexact = self.inexact or peer_round.inexact
+        if not peer_round.anywhere:
+            return 0, []
+        nxt: List[_Item] = []
+        for j, (item, acc, again) in enumerate(outcomes):
+            if peer_round.failed[j]:
+                nxt += self._cut(item, acc, peer_round.held[j])
+            elif again:
+                nxt.append(item)
+        got = self.exchange.all_gather(np.array([len(nxt), self.inexact]), "an OOM round (its pieces)",
+                                       every_process=True)
+        self.inexact = bool(got[:, 1].any())
+        return int(got[:, 0].max()), nxt
+
+    def _cut(self, item: _Item, acc: Set[int], held: bool) -> List[_Item]:
+        """The pieces of an item that failed on some peer of this replica (the same on every peer: ``held``,
+        whether any peer's gradient holds part of it, decides whether it may be dropped)."""
+        masked = item.masked | acc
+        rows = item.rows if item.rows is not None else tuple(range(self.n_rows))
+        if (self.policy == "skip" and not held) or len(rows) == 1:
+            self.skipped += len(rows)
+            self.inexact = self.inexact or held
+            return []
+        self.split, half = True, len(rows) // 2
+        return [_Item(rows[:half], masked), _Item(rows[half:], masked)]
 
     def _failed(self, item: _Item, acc: Set[int]) -> List[_Item]:
         self.local_ooms += 1
         if item.ghost:
             raise ODBOOMError("odb: a one-row pass at zero weight, run only to keep the ranks' passes aligned, ran "
                               "out of memory. Fix: lower token_budget.")
-        masked = item.masked | acc
-        rows = item.rows if item.rows is not None else tuple(range(self.n_rows))
-        if (self.policy == "skip" and not masked) or len(rows) == 1:
-            self.skipped += len(rows)
-            self.inexact = self.inexact or bool(masked)  # its gradient already reached some parameters
-            return []
-        self.split, half = True, len(rows) // 2
-        return [_Item(rows[:half], masked), _Item(rows[half:], masked)]
+        return self._cut(item, acc, bool(item.masked | acc))
 
     def _piece(self, item: _Item) -> Tuple[Any, float, frozenset]:
         if item.rows is None:

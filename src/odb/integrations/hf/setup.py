@@ -135,13 +135,26 @@ def check_args(trainer: Trainer) -> None:
         problems.append(f"this process drives n_gpu={args.n_gpu} GPUs through torch.nn.DataParallel, which splits "
                         f"odb's batches (fix: one process per GPU, e.g. torchrun --nproc_per_node={args.n_gpu})")
     sizes = {"tensor": trainer.get_tp_size(), "context": trainer.get_cp_size(), "sequence": trainer.get_sp_size()}
-    problems += [f"{kind} parallelism of size {size} gives ranks the same batch, while odb gives every rank its "
-                 f"own (fix: data parallelism only: DDP, FSDP or DeepSpeed ZeRO)" for kind, size in sizes.items()
-                 if size > 1]
+    problems += [mesh_refusal(kind, size) for kind, size in sizes.items() if size > 1]
     if problems:
         raise ValueError("odb cannot train with these TrainingArguments: " + "; ".join(problems) +
                          ". odb.integrations.hf.configure_trainer(args) returns a copy without the batch-size "
                          "settings.")
+
+
+def mesh_refusal(kind: str, size: int) -> str:
+    """Why the Trainer integration refuses tensor, context or sequence parallelism, and what works instead."""
+    import accelerate
+
+    return (f"{kind} parallelism of size {size}: the Trainer (transformers {transformers.__version__}) runs it through "
+            f"Accelerate's ParallelismConfig, which accelerate {accelerate.__version__} builds only under FSDP2, "
+            f"DeepSpeed or several GPUs (it raises 'ParallelismConfig is only compatible DistributedType.FSDP "
+            f"(version 2) or DistributedType.Multi{{Device}} or DistributedType.DEEPSPEED' for CPU processes), so odb "
+            f"cannot test its Trainer integration with it (the Trainer's per-process batch size, checkpoints and loss "
+            f"count every process, not the data-parallel replicas) and refuses it rather than train unchecked (fix: "
+            f"a loop of your own, or Accelerate with configure_accelerator, over odb.ODBDataLoader(..., "
+            f"device_mesh=mesh), which gives every peer of a replica the same batches: docs/distributed.md, "
+            f"'Meshes'; or data parallelism only: DDP, FSDP or DeepSpeed ZeRO)")
 
 
 def check_loop_api() -> None:
