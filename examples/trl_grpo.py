@@ -75,7 +75,7 @@ def main() -> None:
         counts = odb.counts
         print(f"{counts.slices} training slices cut into {counts.micro_steps} micro-batches on rank 0; padded "
               f"tokens {counts.padded_tokens} (real {counts.real_tokens}), budget {odb.token_budget}, layout "
-              f"{odb.layout!r}")
+              f"{odb.forward.layout!r}")
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ class GlobalStep:
                                  f"plans every step from (sampler seed, epoch, world size, lengths), so they must be "
                                  f"equal on every rank. Fix: pass the same lengths= and sampler seed on every rank.")
             tables.checked = True
-            self.aligner.confirms = False  # no exchange on this thread from now on: the step exchange detects failures
+            self.aligner.due.confirms = False  # no exchange on this thread from now on: the step exchange detects failures
         tables.check_share(window_index, ids, final)
         unit = self.drops.unit
 

@@ -113,12 +113,15 @@ class HeaderMessage:
 
 @dataclasses.dataclass
 class DueExchanges:
-    """What this rank still owes the exchange: steps exchanged and not yet confirmed (made), and the shape of
+    """What this rank still owes the exchange: steps exchanged and not yet confirmed (made), the shape of
     the next exchange when it is neither a header nor a confirmation (``body``: the summaries due after a
-    header, a global step's table or move; None: a header's)."""
+    header, a global step's table or move; None: a header's), and whether made steps are confirmed through
+    the exchange at all (``confirms``; False: steps computed on every rank without an exchange,
+    odb.epoch.local_table, whose failures reach the others at the step exchange of known lengths)."""
 
     unconfirmed: int = 0
     body: Optional[Tuple[int, ...]] = None
+    confirms: bool = True
 
 
 class RankAligner:
@@ -148,9 +151,6 @@ class RankAligner:
         # how ranks pair their groups (balance): by the criterion's price in a window where it is ready on every
         # rank (a flag in the header), else by the planner's cost
         self.pairing = pairing if pairing is not None else TokenPairing()
-        # whether made steps are confirmed through the exchange (False: steps computed on every rank without an
-        # exchange, odb.epoch.local_table; failures then reach the others at the step exchange of known lengths)
-        self.confirms = True
 
     # ---- state (odb.resume) ------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -263,13 +263,13 @@ class RankAligner:
 
     def steps_exchanged(self, steps: int) -> None:
         """``steps`` steps were agreed outside ``align`` (a global step plan): they are confirmed once made."""
-        if self.confirms:
+        if self.due.confirms:
             self.due.unconfirmed += steps
 
     @property
     def confirm_every(self) -> int:
         """Batches to make before they are confirmed together (1: nothing to confirm, deliver at once)."""
-        return 1 if self.local_only or not self.confirms else CONFIRM_STEPS
+        return 1 if self.local_only or not self.due.confirms else CONFIRM_STEPS
 
     def confirm(self, steps: int, where: str, digest: int = 0) -> None:
         """Tell every rank this rank made its batches of the last ``steps`` steps (and learn that they
@@ -289,7 +289,7 @@ class RankAligner:
     def announce(self, error: Optional[BaseException]) -> None:
         """Join the next exchange with this rank's failure (``error``) or stop (None), so every rank raises
         at once; nothing when no exchange is left or the exchange already failed."""
-        if self.finished or not self.confirms:  # (not confirms: no exchange of this thread is left to meet at)
+        if self.finished or not self.due.confirms:  # (not confirms: no exchange of this thread is left to meet at)
             return
         shape = self.due.body if self.due.body is not None else (self.headers.size,)
         self.exchange.announce(shape, f"epoch {self.epoch}, after step {self._steps_done()}", error)

@@ -189,8 +189,10 @@ class BudgetCheck:
         cfg = self.options()
         if cfg.auto:
             return
-        # set_token_budget applies from the next window: batches planned before it may still come
-        self.limit = limit = max([self.limit, cfg.token_budgets[0]] + [b for _, b in cfg.budget_schedule or ()])
+        # set_token_budget applies from the next window: batches planned before it may still come. Under context
+        # parallelism the budget is per GPU and a replica's micro-batch holds context_parallel times it.
+        budgets = [cfg.token_budgets[0]] + [b for _, b in cfg.budget_schedule or ()]
+        self.limit = limit = max([self.limit] + [cfg.context_parallel * b for b in budgets])
         if tokens <= limit or (info.local_samples == 1 and cfg.oversize == "alone"):
             return
         raise BudgetExceededError(
