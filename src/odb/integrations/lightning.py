@@ -54,7 +54,8 @@ from odb.comm.dist import world
 from odb.loader.dataloader import ODBLoaderMixin
 from odb.train.loss import scale_loss as exact_scale
 from odb.step_info import ODBStepInfo, StepInfoNotPoppedWarning, pop_step_info
-from odb.integrations.checks import check_accumulation, check_odb_loader, check_sharding
+from odb.integrations.checks import check_odb_loader, check_sharding
+from odb.integrations.lightning_steps import StepControl
 from odb.integrations.memory import measure_auto_explicitly
 from odb.integrations.states import gather_states, restore_rank_state, saved_elsewhere
 
@@ -122,8 +123,10 @@ class ODBLightningLoader:
         batches = iter(self.loader)
         self._iterating = True
         for _ in range(replay):  # trained before the checkpoint, after its odb state was taken
-            if next(batches, _END) is _END:
+            batch = next(batches, _END)
+            if batch is _END:
                 break
+            pop_step_info(batch, key)  # dropped, as trained: the loader's check for a forgotten pop stays quiet
         while True:
             if self._fetched % self.snapshot_every == 0:
                 self._snapshots.append((self._fetched, self.loader.state_dict()))
@@ -233,7 +236,9 @@ class ODBCallback(pl.Callback):
 
     _EPOCH_SUMS = ("odb/real_tokens_per_s_epoch", "odb/ghost_steps")
 
-    def __init__(self, log_metrics: bool = True, sync_dist: bool = False, packed_attention: str = "odb_varlen") -> None:
+    def __init__(self, log_metrics: bool = True, sync_dist: bool = False, packed_attention: str = "odb_varlen",
+                 budget_filled_steps: bool = False) -> None:
+        self.steps = StepControl(budget_filled_steps)  # where Lightning steps the optimizer (lightning_steps)
         self.log_metrics = log_metrics
         self.sync_dist = sync_dist
         self.packed_attention = packed_attention
@@ -245,17 +250,7 @@ class ODBCallback(pl.Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.loader = _find_loader(trainer.train_dataloader)
-        check_accumulation(self.loader.loader, trainer.accumulate_grad_batches, "the Trainer")
-        g = self.loader.loader.odb_config.global_batch_size
-        if g is not None and pl_module.automatic_optimization:
-            raise ValueError(f"ODBCallback got a loader with global_batch_size={g} under automatic optimization: "
-                             f"Lightning then steps the optimizer every accumulate_grad_batches="
-                             f"{trainer.accumulate_grad_batches} batches, and odb's optimizer steps hold as many "
-                             f"micro-batches as their samples need. Fix: use manual optimization "
-                             f"(self.automatic_optimization = False; backward every batch with "
-                             f"self.manual_backward(scale_loss(self, loss)), opt.step() and opt.zero_grad() when "
-                             f"self.odb_step_info.is_last_micro_step), or build the loader without batch_size "
-                             f"and global_batch_size (budget-filled steps of accumulate_grad_batches batches).")
+        self.steps.setup(trainer, pl_module, self.loader.loader)
         check_sharding(self.loader.loader, trainer.world_size,
                        "build the loader inside train_dataloader() (torch.distributed is up there) with "
                        "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "
@@ -278,6 +273,7 @@ class ODBCallback(pl.Callback):
                                "Trainer.fit.")
         self.step_info = self.loader.next_step_info()
         pl_module.odb_step_info = self.step_info
+        self.steps.before_batch(trainer, pl_module, self.step_info, batch_idx)
         if self.loader.auto is not None:  # token_budget="auto": this batch's measurement starts
             self.loader.auto.begin(self.step_info.step, self.step_info.is_ghost)
 
@@ -285,6 +281,8 @@ class ODBCallback(pl.Callback):
         if self.loader is not None and self.loader.auto is not None:  # its forward, backward and step are done
             self.loader.auto.end()
         info, now = self.step_info, time.perf_counter()
+        if info is not None:
+            self.steps.after_batch(trainer, info)
         if info is not None and not self._warned_unscaled \
                 and getattr(pl_module, "_odb_scaled_step_info", None) is not info:
             self._warned_unscaled = True
@@ -308,6 +306,18 @@ class ODBCallback(pl.Callback):
         totals["real_tokens"] += info.real_tokens
         totals["all_samples"] += info.all_samples_this_step
         totals["seconds"] += elapsed
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.steps.restore(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.steps.restore(trainer)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.steps.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.steps.load_state_dict(state_dict)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         totals = self._epoch

@@ -56,6 +56,14 @@ class ODBRun:
         self.banner: Optional["BannerLines"] = None  # rewrites the Trainer's train-start banner (log_batching)
         self.auto: Any = None  # token_budget="auto": the loader's AutoControl, measured per micro-batch by training_step
 
+    @property
+    def schedules_by_samples(self) -> bool:
+        """Whether progress (the learning-rate schedule, ``state.max_steps``) follows the samples seen: only with
+        budget-filled steps (``global_batch_size=None``) bounded by ``num_train_epochs``, whose optimizer steps odb
+        cannot count in advance. With the user's batch the Trainer's steps are counted exactly and its schedule,
+        warmup and ``max_steps`` run unchanged."""
+        return self.cfg.global_batch_size is None and bool(self.progress.target_epochs)
+
 
 class ProgressCallback(TrainerCallback):
     """Sets ``state.epoch`` and ``state.max_steps`` from the samples seen (runs before the Trainer's own
@@ -72,7 +80,7 @@ class ProgressCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         progress = self.run.progress
         state.epoch = progress.epochs_done
-        if progress.target_epochs:
+        if self.run.schedules_by_samples:  # budget-filled steps: the step count is re-estimated as the data goes
             state.max_steps = state.global_step if progress.reached() else \
                 state.global_step + progress.steps_left_estimate()
 

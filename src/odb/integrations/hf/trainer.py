@@ -336,9 +336,10 @@ class ODBTrainerMixin:
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         created = self.lr_scheduler is None
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        progress = self._odb.progress
-        if created and progress.target_epochs and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-            scheduler.lr_lambdas = [schedule_by_samples(f, num_training_steps, progress)
+        # The user's batch (global_batch_size): the Trainer's steps, counted exactly, so its schedule runs as it is.
+        # Budget-filled steps: their number is an estimate, so the schedule reads the share of samples seen.
+        if created and self._odb.schedules_by_samples and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            scheduler.lr_lambdas = [schedule_by_samples(f, num_training_steps, self._odb.progress)
                                     for f in scheduler.lr_lambdas]
         return scheduler
 
