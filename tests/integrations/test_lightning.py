@@ -158,7 +158,9 @@ def test_global_batch_size_keeps_the_users_steps_under_automatic_and_manual_opti
     is_last_micro_step): steps of 6 samples in several micro-batches, each equal to one SGD step over them."""
     n = len(LENGTHS)
     for manual in (False, True):
-        module, trainer = fit_here(tmp_path / str(manual), global_batch=6, manual=manual)
+        out = tmp_path / ("manual" if manual else "automatic")
+        out.mkdir()
+        module, trainer = fit_here(out, global_batch=6, manual=manual)
         assert [len(s["ids"]) for s in module.steps] == [6] * (n // 6) + ([n % 6] if n % 6 else [])
         assert trainer.global_step == len(module.steps)
         assert any(m["last"] is False for m in module.micro)  # steps of several micro-batches

@@ -9,10 +9,17 @@ Three pieces, each one line in user code:
   otherwise cut the epoch at). It takes the ``ODBStepInfo`` off every batch before
   Lightning moves the batch to the device.
 - ``ODBCallback()``: in ``Trainer(callbacks=[...])``. It checks the setup (one odb
-  loader, sharded across ranks, planning the Trainer's ``accumulate_grad_batches``),
+  loader, sharded across ranks, planning the Trainer's optimizer step), makes Lightning's
+  automatic optimisation step where odb's optimizer steps end (``odb.integrations.lightning_steps``),
   sets odb's epoch, puts the current batch's step info on ``pl_module.odb_step_info``
   before ``training_step`` and logs ``odb/*`` metrics through ``pl_module.log``.
 - ``scale_loss(self, loss)``: in ``training_step``, the exact loss scaling.
+
+The loader keeps your batch: ``ODBDataLoader(batch_size=B, gradient_accumulation_steps=A)`` under
+``Trainer(accumulate_grad_batches=A)`` makes every optimizer step hold the B x A x world samples a plain
+``DataLoader(batch_size=B)`` gives it, cut into as many micro-batches as fit the token budget; the global
+step, ``interval="step"`` schedulers, gradient clipping, logging and checkpoints count optimizer steps.
+Budget-filled steps (a loader without ``batch_size``) only with ``ODBCallback(budget_filled_steps=True)``.
 
 Ghost steps (a rank with no data left while others still train) arrive as ordinary
 batches with ``loss_scale == 0``: ``training_step`` runs forward and backward on them as
@@ -27,13 +34,14 @@ Example::
     class LitLM(L.LightningModule):
         def train_dataloader(self):                   # here torch.distributed is initialised
             return ODBLightningLoader(odb.ODBDataLoader(
-                self.dataset, token_budget=16384, sampler=odb.ShardSampler(self.dataset),
-                collate_fn=collate_fn))
+                self.dataset, token_budget=16384, batch_size=8,
+                gradient_accumulation_steps=self.trainer.accumulate_grad_batches,
+                sampler=odb.ShardSampler(self.dataset), collate_fn=collate_fn))
 
         def training_step(self, batch, batch_idx):
             return scale_loss(self, self.model(**batch).loss)
 
-    L.Trainer(strategy="ddp", callbacks=[ODBCallback()]).fit(LitLM())
+    L.Trainer(strategy="ddp", accumulate_grad_batches=2, callbacks=[ODBCallback()]).fit(LitLM())
 """
 
 from __future__ import annotations
@@ -184,10 +192,10 @@ def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
     """The loss ``training_step`` returns: ``loss * odb_step_info.loss_scale * accumulate_grad_batches``.
 
     ``loss`` is the mean over this batch's supervised tokens. Lightning's automatic
-    optimisation divides the returned loss by ``accumulate_grad_batches``; odb's
-    ``loss_scale`` already spreads the optimizer step's token mean over its
-    micro-batches, so the factor cancels that division (it is 1 under manual
-    optimisation). A ghost batch, or one without supervised tokens (whose mean loss is
+    optimisation divides the returned loss by ``trainer.accumulate_grad_batches`` (which
+    ``ODBCallback`` sets per batch when odb plans the steps); odb's ``loss_scale`` already
+    spreads the optimizer step's token mean over its micro-batches, so the factor cancels
+    that division (it is 1 under manual optimisation). A ghost batch, or one without supervised tokens (whose mean loss is
     0 / 0 = NaN), gets an exact zero that still runs backward (``odb.scale_loss``), so the
     logged loss stays finite.
 
@@ -210,6 +218,16 @@ def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
 class ODBCallback(pl.Callback):
     """Connects an ``ODBLightningLoader`` to the Trainer; logs odb's metrics.
 
+    With a loader that keeps your batch (``batch_size=B``, or ``global_batch_size``) Lightning's
+    automatic optimisation steps where each of odb's optimizer steps ends, however many
+    micro-batches it has (``odb.integrations.lightning_steps.StepControl``: it sets
+    ``trainer.accumulate_grad_batches`` before each batch and gives the Trainer its own value back
+    when training ends); under manual optimisation your module steps at
+    ``self.odb_step_info.is_last_micro_step``, and a step anywhere else is refused.
+    ``budget_filled_steps=True`` asks for budget-filled steps (a loader without ``batch_size``:
+    ``gradient_accumulation_steps`` micro-batches filled to the budget, other updates than your
+    batch gives); without it such a loader is refused, with the fix.
+
     Every step, through ``pl_module.log`` (this rank's values, no collective unless
     ``sync_dist=True``): ``odb/padding_ratio``, ``odb/batch_size`` (samples in this rank's
     batch), ``odb/real_tokens_per_s`` (this rank), ``odb/samples_per_s`` (all ranks),
@@ -231,7 +249,7 @@ class ODBCallback(pl.Callback):
 
     Example::
 
-        trainer = L.Trainer(callbacks=[ODBCallback()])
+        trainer = L.Trainer(accumulate_grad_batches=2, callbacks=[ODBCallback()])
     """
 
     _EPOCH_SUMS = ("odb/real_tokens_per_s_epoch", "odb/ghost_steps")
