@@ -35,7 +35,8 @@ def compare(plain: dict, odb: dict) -> float:
 
 
 def both(tmp_path, **p) -> tuple:
-    return (S.run(0, 1, dict(p, out=str(tmp_path / "plain"))), S.run(0, 1, dict(p, odb=True, out=str(tmp_path / "odb"))))
+    plain = S.run(0, 1, dict(p, out=str(tmp_path / "plain")))
+    return plain, S.run(0, 1, dict(p, odb=True, out=str(tmp_path / "odb")))
 
 
 SCHEDULES = {"linear-warmup": dict(lr_scheduler_type="linear", warmup_steps=5),

@@ -213,8 +213,8 @@ def test_a_training_step_without_scale_loss_is_warned_once_with_the_fix(tmp_path
             pass  # LitLM's records need its training_step
 
     def run(module: Any) -> List[Any]:
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[ODBCallback(budget_filled_steps=True)],
-                             logger=False,
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2,
+                             callbacks=[ODBCallback(budget_filled_steps=True)], logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         recwarn.clear()
         trainer.fit(module)

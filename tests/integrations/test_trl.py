@@ -292,7 +292,8 @@ def test_trl_enable_odb_refuses_other_trainers(tmp_path):
 
     trainer = Trainer(model=W.H.llama(), args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"),
                       train_dataset=W.H.causal_dataset(4), data_collator=W.H.pad_collate)
-    with pytest.raises(TypeError, match="got Trainer, not a trl.SFTTrainer.*Fix: .*odb.integrations.hf.enable_odb"):
+    with pytest.raises(TypeError, match="got Trainer, not a trl.SFTTrainer, DPOTrainer, RewardTrainer, GRPOTrainer "
+                                        "or RLOOTrainer.*Fix: .*odb.integrations.hf.enable_odb"):
         enable_odb(trainer, token_budget=64)
 
 

@@ -195,9 +195,9 @@ def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
     optimisation divides the returned loss by ``trainer.accumulate_grad_batches`` (which
     ``ODBCallback`` sets per batch when odb plans the steps); odb's ``loss_scale`` already
     spreads the optimizer step's token mean over its micro-batches, so the factor cancels
-    that division (it is 1 under manual optimisation). A ghost batch, or one without supervised tokens (whose mean loss is
-    0 / 0 = NaN), gets an exact zero that still runs backward (``odb.scale_loss``), so the
-    logged loss stays finite.
+    that division (it is 1 under manual optimisation). A ghost batch, or one without
+    supervised tokens (whose mean loss is 0 / 0 = NaN), gets an exact zero that still runs
+    backward (``odb.scale_loss``), so the logged loss stays finite.
 
     Example::
 

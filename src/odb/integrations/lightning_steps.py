@@ -82,8 +82,8 @@ class StepControl:
         if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
             raise ValueError(f"ODBCallback got a GradientAccumulationScheduler, which changes accumulate_grad_batches "
                              f"from epoch to epoch, while the odb loader keeps global_batch_size={g} samples in every "
-                             f"optimizer step. Rule: one optimizer step, set on the loader. Fix: drop the scheduler and "
-                             f"keep Trainer(accumulate_grad_batches={accumulation}).")
+                             f"optimizer step. Rule: one optimizer step, set on the loader. Fix: drop the scheduler "
+                             f"and keep Trainer(accumulate_grad_batches={accumulation}).")
         self.steers, self.user_accumulation = True, accumulation
         if self.resumed_step_ended is not None:
             # A resumed epoch: Lightning counts the checkpoint's batch as an optimizer step (its logging step) when

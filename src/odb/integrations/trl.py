@@ -76,7 +76,7 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
         >>> enable_odb(object(), token_budget=4096)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        TypeError: odb.integrations.trl.enable_odb got object, not a trl.SFTTrainer, DPOTrainer or RewardTrainer. ...
+        TypeError: odb.integrations.trl.enable_odb got object, not a trl.SFTTrainer, DPOTrainer, RewardTrainer, ...
     """
     if is_rl_trainer(trainer):  # GRPO, RLOO: odb cuts the policy update; TRL keeps its sampler (trl_rl)
         extra = sorted(set(odb_options) - {"layout", "step_plan"})
@@ -91,8 +91,9 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
     sft = sys.modules.get(_SFT_MODULE)
     if (sft is None or not isinstance(trainer, sft.SFTTrainer)) and pair_trainer(trainer) is None:
         raise TypeError(f"odb.integrations.trl.enable_odb got {type(trainer).__name__}, not a trl.SFTTrainer, "
-                        f"DPOTrainer or RewardTrainer. Fix: pass that trainer instance, or use "
-                        f"odb.integrations.hf.enable_odb for other Trainers.")
+                        f"DPOTrainer, RewardTrainer, GRPOTrainer or RLOOTrainer (the TRL trainers odb trains). Fix: "
+                        f"pass one of those trainer instances, or use odb.integrations.hf.enable_odb for other "
+                        f"Trainers.")
     from odb.integrations.hf.trainer import enable_odb as enable
 
     return enable(trainer, token_budget, config=config, lengths=lengths, packed_attention=packed_attention,
