@@ -23,7 +23,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "support"))
@@ -102,6 +102,77 @@ def test_every_python_block_of_every_guide_is_run_and_every_mark_has_a_fixture()
     assert len(set(names)) == len(names) and set(names) == set(FIXTURES), (names, sorted(FIXTURES))
     for (path, first), why in NOT_RUN.items():
         print(f"NOT RUN: the python block of {path} starting {first!r}: {why}")
+
+
+# ---- versions: pinned in constraints*.txt, shown in docs/versions.md, linked from the guides ------------------------
+PACKAGES = {"transformers": "transformers", "accelerate": "accelerate", "lightning": "lightning", "trl": "trl",
+            "datasets": "datasets", "torch": "torch", "peft": "peft", "llama-factory": "llamafactory",
+            "llamafactory": "llamafactory"}
+VERSION = re.compile(r"\b(transformers|accelerate|lightning|trl|datasets|torch|peft|llama-factory|llamafactory)"
+                     r"(?:'s)?`?\s*(==|>=|<=|<|>)?\s*(\d+\.\d+(?:\.\d+)?)\b", re.IGNORECASE)
+# A transformers 5.x version wherever a guide names it (the package's name need not precede it).
+TRANSFORMERS = re.compile(r"(?<![\d.])5\.\d+(?:\.\d+)?(?![\d.]*e)(?!\d)")
+TESTED_WITH = re.compile(r"\btested (?:with|on|at)\s+[`\w]*\s*\d+\.\d+")  # a guide links versions.md instead
+# Versions a guide names that are no pin and no bound of odb's: what another package declares, or a fact about a
+# release, each with the reason it stays.
+OTHER_VERSIONS = {("transformers", "5.6.0"): "LLaMA-Factory's declared newest transformers, run by hand",
+                  ("transformers", "5.6"): "the same",
+                  ("transformers", "5.3.0"): "5.3.0-5.5.3 divide the loss twice: enable_odb refuses them",
+                  ("transformers", "5.5.3"): "the same", ("transformers", "5.5.4"): "the first without it",
+                  ("transformers", "5.17"): "5.5.4-5.17 cannot resume a checkpoint of several CPU processes"}
+
+
+def pins() -> Dict[str, set]:
+    """Every version of each package that odb pins (constraints*.txt) or declares (pyproject.toml)."""
+    found: Dict[str, set] = {}
+    for path in sorted(ROOT.glob("constraints*.txt")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            name, sep, version = line.split("#")[0].strip().partition("==")
+            if sep:
+                found.setdefault(name.strip().lower(), set()).add(version.strip())
+    for name, version in re.findall(r'"([a-z-]+)>=([\d.]+)', (ROOT / "pyproject.toml").read_text(encoding="utf-8")):
+        found.setdefault(name, set()).add(version)
+    return found
+
+
+def test_the_guides_name_only_pinned_or_declared_versions():
+    """A version a guide names for a package is a pin of constraints*.txt (the version tested, shown in
+    docs/versions.md), a bound pyproject.toml declares, a bound LLaMA-Factory declares (<=), or listed above."""
+    known, wrong = pins(), []
+
+    def named(package: str, version: str) -> bool:
+        return any(v == version or v.startswith(version + ".") for v in known.get(package, ())) or \
+            (package, version) in OTHER_VERSIONS
+
+    for path in GUIDES[1:]:
+        text = (ROOT / path).read_text(encoding="utf-8")
+        for n, line in enumerate(text.splitlines(), 1):
+            for name, op, version in VERSION.findall(line):
+                if not (named(PACKAGES[name.lower()], version) or op == "<="):
+                    wrong.append(f"{path}:{n}: {name} {op}{version}")
+            wrong += [f"{path}:{n}: transformers {v}" for v in TRANSFORMERS.findall(line)
+                      if not named("transformers", v) and "<=" + v not in line]
+        wrong += [f"{path}: {m!r} (link docs/versions.md instead)" for m in TESTED_WITH.findall(" ".join(text.split()))]
+    assert not wrong, f"versions that are no pin (constraints*.txt) and no declared bound: {wrong}"
+
+
+def test_versions_md_shows_the_pins():
+    """docs/versions.md's table: the floors column is constraints-min.txt, the newest column constraints.txt."""
+    table = {}
+    for line in (ROOT / "docs" / "versions.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 4:
+            table[cells[0].lower()] = cells
+    newest = {line.split("==")[0]: line.split("==")[1].strip() for line in
+              (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines() if "==" in line}
+    floors = {line.split("==")[0]: line.split("==")[1].strip() for line in
+              (ROOT / "constraints-min.txt").read_text(encoding="utf-8").splitlines() if "==" in line}
+    for name in ("torch", "transformers", "accelerate", "lightning", "datasets"):
+        assert table[name][2].startswith(floors[name]), (name, table[name], floors[name])
+        assert table[name][3].startswith(newest[name]), (name, table[name], newest[name])
+    assert table["trl"][3].startswith(newest["trl"])
+    lf = dict(line.split("==") for line in (ROOT / "constraints-llamafactory.txt").read_text().split() if "==" in line)
+    assert table["llama-factory"][3].startswith(lf["llamafactory"])
 
 
 def test_the_mark_must_sit_right_above_a_python_fence(tmp_path, monkeypatch):

@@ -166,7 +166,7 @@ def check_loop_api() -> None:
             f"odb.integrations.hf needs transformers>={MIN_TRANSFORMERS}: transformers {transformers.__version__} "
             f"divides the loss by gradient_accumulation_steps twice (in its Trainer and in its Accelerator), so "
             f"the gradient would not be odb's exact token mean. Fix: install transformers>={MIN_TRANSFORMERS} "
-            f"(make test-min tests 5.18, make test 5.24), or use odb.ODBDataLoader in your own training loop.")
+            f"(the versions tested: docs/versions.md), or use odb.ODBDataLoader in your own training loop.")
     for name, needed in _LOOP_API.items():
         method = getattr(Trainer, name, None)
         params = sorted(inspect.signature(method).parameters) if method is not None else []
@@ -175,7 +175,7 @@ def check_loop_api() -> None:
             raise RuntimeError(
                 f"odb.integrations.hf needs Trainer.{name}({', '.join(sorted(needed))}) of the transformers 5 "
                 f"training loop; transformers {transformers.__version__} has {found}. Fix: install "
-                f"transformers>={MIN_TRANSFORMERS} (make test-min tests 5.18, make test 5.24), or use "
+                f"transformers>={MIN_TRANSFORMERS} (the versions tested: docs/versions.md), or use "
                 f"odb.ODBDataLoader in your own training loop.")
 
 
