@@ -6,12 +6,14 @@ optimizer step holds 4 x 2 x world samples and each epoch ends with a partial st
 into micro-batches of its own under a budget of 60 tokens (2 to 6 where Lightning's DataLoader has 2). A
 learning rate that decays every optimizer step (``interval="step"``) and gradient clipping that clips
 ride along, so any count of micro-batches where Lightning counts optimizer steps shows up in the float64
-parameters, compared after every optimizer step; so do the global step and the logging step. A run
-checkpointed in the middle of its second epoch and resumed from it must continue to the same parameters.
+parameters, compared after every optimizer step; so do the global step, the logging step and the steps
+ModelCheckpoint(every_n_train_steps=3) saves at. A run checkpointed in the middle of its second epoch and
+resumed from it must continue to the same parameters.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List
 
 import pytest
@@ -69,8 +71,12 @@ def check(results: List[Dict[str, Any]], at: int, steps_per_epoch: int, what: st
 
 
 def test_one_process_trains_the_plain_dataloaders_updates(tmp_path):
-    results = L.suite(0, 1, {"runs": runs(str(tmp_path / "mid.ckpt"), at=7)})
+    plan = runs(str(tmp_path / "mid.ckpt"), at=7)
+    plan[1]["checkpoints"] = str(tmp_path / "every3")  # ModelCheckpoint(every_n_train_steps=3)
+    results = L.suite(0, 1, {"runs": plan})
     check(results, 7, 5, "1 process")
+    assert sorted(os.listdir(tmp_path / "every3")) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt",
+                                                       "epoch=1-step=9.ckpt"]
     plain, odb = results[:2]
     assert [r["ids"] for r in odb["records"]] == [r["ids"] for r in plain["records"]]  # the same samples per step
 

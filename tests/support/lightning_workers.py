@@ -140,12 +140,14 @@ def fit(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
     module, logger = BatchLM(p), StepLogger()
+    saves = [pl.callbacks.ModelCheckpoint(dirpath=p["checkpoints"], every_n_train_steps=3, save_top_k=-1)] \
+        if p.get("checkpoints") else []  # counts optimizer steps, as without odb
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
                          max_epochs=p["epochs"], max_steps=p.get("max_steps", -1),
                          accumulate_grad_batches=p["accumulation"], gradient_clip_val=p["clip"],
-                         callbacks=[ODBCallback(**p.get("callback", {}))] + p.get("callbacks", []) if p["odb"] else [],
-                         logger=logger, log_every_n_steps=1,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=([ODBCallback(**p.get("callback", {}))] + p.get("callbacks", []) if p["odb"] else [])
+                         + saves, logger=logger, log_every_n_steps=1,
+                         enable_checkpointing=bool(saves), enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     trainer.fit(module, ckpt_path=p.get("resume_from"))
     return {"records": module.records, "micro": module.micro, "global_step": trainer.global_step,
