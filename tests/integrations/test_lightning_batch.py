@@ -131,6 +131,14 @@ def test_settings_that_change_the_users_step_are_refused_with_the_fix(tmp_path, 
         L.fit(0, 1, p)
 
 
+def test_a_train_dataloader_reloaded_every_epoch_keeps_the_users_batch(tmp_path):
+    """reload_dataloaders_every_n_epochs=1: train_dataloader() runs again before each epoch and reads the Trainer's
+    own accumulate_grad_batches (given back at each epoch's end); the updates stay the plain run's."""
+    plain, odb = L.suite(0, 1, {"runs": [dict(BASE, odb=False), dict(BASE, odb=True, reload=True)]})
+    assert odb["global_step"] == plain["global_step"] == 10
+    assert update_error(plain["records"], odb["records"]) <= EXACT
+
+
 def test_budget_filled_steps_asked_for_by_name_step_every_accumulate_grad_batches(tmp_path):
     p = dict(BASE, odb=True, epochs=1, callback={"budget_filled_steps": True},
              loader={"batch_size": None, "gradient_accumulation_steps": 2})

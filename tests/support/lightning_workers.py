@@ -144,6 +144,7 @@ def fit(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
         if p.get("checkpoints") else []  # counts optimizer steps, as without odb
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
                          max_epochs=p["epochs"], max_steps=p.get("max_steps", -1),
+                         reload_dataloaders_every_n_epochs=1 if p.get("reload") else 0,
                          accumulate_grad_batches=p["accumulation"], gradient_clip_val=p["clip"],
                          callbacks=([ODBCallback(**p.get("callback", {}))] + p.get("callbacks", []) if p["odb"] else [])
                          + saves, logger=logger, log_every_n_steps=1,

@@ -147,19 +147,25 @@ class ODBCallback(pl.Callback):
         self._epoch: Dict[str, float] = collections.defaultdict(float)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.loader = _find_loader(trainer.train_dataloader)
-        self.steps.setup(trainer, pl_module, self.loader.loader)
-        check_sharding(self.loader.loader, trainer.world_size,
-                       "build the loader inside train_dataloader() (torch.distributed is up there) with "
-                       "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "
-                       "and rank=trainer.global_rank.")
+        self._connect(trainer, pl_module)
         if self.loader.loader.odb_config.layout == "packed":  # as the HF/TRL integrations do with the Trainer's model
             from odb.packed.models import prepare_packed_model
 
             for model in _transformers_models(pl_module):
                 prepare_packed_model(model, attention=self.packed_attention)
 
+    def _connect(self, trainer: Any, pl_module: Any) -> None:
+        """Find the train loader and check it against the Trainer (at the start, and for a reloaded one)."""
+        self.loader = _find_loader(trainer.train_dataloader)
+        self.steps.setup(trainer, pl_module, self.loader.loader)
+        check_sharding(self.loader.loader, trainer.world_size,
+                       "build the loader inside train_dataloader() (torch.distributed is up there) with "
+                       "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "
+                       "and rank=trainer.global_rank.")
+
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.loader is not None and _find_loader(trainer.train_dataloader) is not self.loader:
+            self._connect(trainer, pl_module)  # reload_dataloaders_every_n_epochs: a new loader this epoch
         if self.loader is not None:
             self.loader.set_epoch(trainer.current_epoch)  # Lightning only tells the samplers
         self._last_end = time.perf_counter()
@@ -218,6 +224,7 @@ class ODBCallback(pl.Callback):
         self.steps.load_state_dict(state_dict)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.steps.restore(trainer)  # between epochs (a reloaded train_dataloader reads it) the Trainer's own value
         totals = self._epoch
         if not self.log_metrics or not totals["steps"]:
             return

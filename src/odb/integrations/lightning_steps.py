@@ -12,7 +12,8 @@ a step's last micro-batch), the logging step and ``ModelCheckpoint(every_n_train
 gradients are zeroed before each step's first micro-batch through the module's ``optimizer_zero_grad``
 hook. After each batch it checks that Lightning stepped exactly where odb's step ends (a Lightning that
 counts batches otherwise is refused there, never trained silently wrong), and under manual optimisation
-that the module did. The Trainer's own value is restored when training ends.
+that the module did. The Trainer's own value is restored at each epoch's end (a train_dataloader() that
+Lightning reloads reads it) and when training ends.
 
 Budget-filled steps (a loader without ``batch_size``: ``gradient_accumulation_steps`` micro-batches filled
 to the budget, other updates than the user's batch) run only when asked for by name,
@@ -138,7 +139,7 @@ class StepControl:
             f"False, Trainer(accumulate_grad_batches=1), step when self.odb_step_info.is_last_micro_step).")
 
     def restore(self, trainer: Any) -> None:
-        """Give the Trainer back its own accumulate_grad_batches (training ended, or raised)."""
+        """Give the Trainer back its own accumulate_grad_batches (an epoch or training ended, or it raised)."""
         if self.user_accumulation is not None:
             trainer.accumulate_grad_batches = self.user_accumulation
 

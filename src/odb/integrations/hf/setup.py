@@ -66,8 +66,9 @@ class ODBRun:
 
 
 class ProgressCallback(TrainerCallback):
-    """Sets ``state.epoch`` and ``state.max_steps`` from the samples seen (runs before the Trainer's own
-    flow callback, which stops training once ``global_step`` reaches ``max_steps``)."""
+    """Sets ``state.epoch`` from the samples seen and, with budget-filled steps only (``ODBRun.schedules_by_samples``),
+    ``state.max_steps`` (runs before the Trainer's own flow callback, which stops training once ``global_step``
+    reaches ``max_steps``); with the user's batch ``max_steps`` is the Trainer's own."""
 
     def __init__(self, run: ODBRun) -> None:
         self.run = run
