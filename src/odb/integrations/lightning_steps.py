@@ -49,7 +49,7 @@ class StepControl:
         self.budget_filled_steps = bool(budget_filled_steps)
         self.steers = False  # automatic optimisation over odb's steps: accumulate_grad_batches set per batch
         self.manual = False
-        self.user_accumulation: Optional[int] = None  # the Trainer's value, restored when training ends
+        self.user_accumulation: Optional[int] = None  # the Trainer's value, restored after each epoch and at the end
         self.steps_before = 0
         self.step_ended = True  # whether the last trained batch ended an optimizer step (saved in checkpoints)
         self.resumed_step_ended: Optional[bool] = None
