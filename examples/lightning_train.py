@@ -5,7 +5,9 @@
     python examples/lightning_train.py --samples 61 --epochs 1  # a quick run
 
 The loader is built in ``train_dataloader()`` (torch.distributed is up there, so
-``odb.ShardSampler`` shards by rank), wrapped in ``ODBLightningLoader``; ``ODBCallback``
+``odb.ShardSampler`` shards by rank) with your batch (``batch_size=8``, accumulated as the Trainer's
+``accumulate_grad_batches``: odb cuts each optimizer step into micro-batches under the token budget),
+wrapped in ``ODBLightningLoader``; ``ODBCallback`` makes Lightning step where odb's steps end,
 hands each batch's step info to the module and logs ``odb/*`` metrics; ``scale_loss``
 scales the loss exactly, ghost batches included (they still run backward, no Join).
 A checkpoint is written every 5 optimizer steps to ``lightning_logs/``.
@@ -35,9 +37,10 @@ class LitLM(L.LightningModule):
 
     def train_dataloader(self) -> ODBLightningLoader:
         loader = odb.ODBDataLoader(self.data, token_budget=4096, sampler=odb.ShardSampler(self.data, seed=0),
+                                   batch_size=8,  # your batch: a step holds 8 x accumulation x processes samples
+                                   gradient_accumulation_steps=self.trainer.accumulate_grad_batches,
                                    num_workers=1, collate_fn=pad_collate, buffer_size=128, seed=0,
-                                   shift_labels=True,  # HF causal LMs shift labels inside
-                                   gradient_accumulation_steps=ACCUMULATION)  # = accumulate_grad_batches
+                                   shift_labels=True)  # HF causal LMs shift labels inside
         return ODBLightningLoader(loader)
 
     def training_step(self, batch, batch_idx):

@@ -155,7 +155,7 @@ def test_lightning_auto_one_process(tmp_path):
 
     p = dict(LM, budget="auto", accumulation=2, out=str(tmp_path))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=2,
-                         callbacks=[ODBCallback()], logger=False, enable_checkpointing=False,
+                         callbacks=[ODBCallback(budget_filled_steps=True)], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(iw.LitLM(p))
     import torch

@@ -123,7 +123,8 @@ def fit_here(tmp_path, trainer_accumulation: int = 1, callback: bool = True, **o
     p.update(overrides)
     module = iw.LitLM(p)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=trainer_accumulation,
-                         callbacks=[ODBCallback()] if callback else [], logger=False, enable_checkpointing=False,
+                         callbacks=[ODBCallback(budget_filled_steps=not p.get("global_batch"))] if callback else [],
+                         logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)
     return module, trainer
@@ -151,16 +152,22 @@ def test_misconfigurations_raise_with_a_fix(tmp_path):
         ODBLightningLoader(torch.utils.data.DataLoader(list(range(4))))
 
 
-def test_global_batch_size_needs_manual_optimization_and_then_keeps_the_users_steps(tmp_path):
-    with pytest.raises(ValueError, match="global_batch_size=6 under automatic optimization.*Fix: use manual"):
-        fit_here(tmp_path, global_batch=6)
-    module, trainer = fit_here(tmp_path, global_batch=6, manual=True)
+def test_global_batch_size_keeps_the_users_steps_under_automatic_and_manual_optimisation(tmp_path):
+    """A global_batch_size given alone (no batch_size) under automatic optimisation (Lightning steps where odb's
+    steps end: tests/integrations/test_lightning_batch.py) and under manual optimisation (the module steps at
+    is_last_micro_step): steps of 6 samples in several micro-batches, each equal to one SGD step over them."""
     n = len(LENGTHS)
-    assert [len(s["ids"]) for s in module.steps] == [6] * (n // 6) + ([n % 6] if n % 6 else [])
-    assert any(m["last"] is False for m in module.micro)  # steps of several micro-batches
-    reference = iw.reference_run(LENGTHS, [sorted(s["ids"]) for s in module.steps], 4, 0.5)
-    for got, ref in zip([s["params"] for s in module.steps], reference):
-        assert max(float((g - r).abs().max()) for g, r in zip(got, ref)) < 1e-9
+    for manual in (False, True):
+        out = tmp_path / ("manual" if manual else "automatic")
+        out.mkdir()
+        module, trainer = fit_here(out, global_batch=6, manual=manual)
+        assert [len(s["ids"]) for s in module.steps] == [6] * (n // 6) + ([n % 6] if n % 6 else [])
+        assert trainer.global_step == len(module.steps)
+        assert any(m["last"] is False for m in module.micro)  # steps of several micro-batches
+        assert [m["stepped"] for m in module.micro] == [m["last"] for m in module.micro]
+        reference = iw.reference_run(LENGTHS, [sorted(s["ids"]) for s in module.steps], 4, 0.5)
+        for got, ref in zip([s["params"] for s in module.steps], reference):
+            assert max(float((g - r).abs().max()) for g, r in zip(got, ref)) < 1e-9
 
 
 def test_loader_state_is_the_first_untrained_batch_while_one_batch_is_fetched_ahead():
@@ -206,7 +213,8 @@ def test_a_training_step_without_scale_loss_is_warned_once_with_the_fix(tmp_path
             pass  # LitLM's records need its training_step
 
     def run(module: Any) -> List[Any]:
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[ODBCallback()], logger=False,
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2,
+                             callbacks=[ODBCallback(budget_filled_steps=True)], logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         recwarn.clear()
         trainer.fit(module)
@@ -258,7 +266,8 @@ def test_packed_rows_switch_the_models_dense_mask_attention_to_odb_varlen(packed
     from odb.integrations.lightning import ODBCallback
 
     module = PackedLlama()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[ODBCallback(packed_attention=packed_attention)],
+    callback = ODBCallback(packed_attention=packed_attention, budget_filled_steps=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[callback],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     with caplog.at_level(logging.WARNING, logger="odb.packed.models"):

@@ -587,3 +587,55 @@ def test_warmup_ratio_becomes_warmup_steps_on_transformers_5():
         transformers5_args({"warmup_ratio": 0.1, "warmup_steps": 5})
     with pytest.raises(ValueError, match=r"warmup_ratio=2.*\[0, 1\)"):
         transformers5_args(["--warmup_ratio=2"])
+
+
+# ---- the Trainer's schedule, kept --------------------------------------------------------------------
+def schedule_run(setup: Dict[str, Any], name: str, with_odb: bool, resume: Optional[str] = None,
+                 **changes: Any) -> Dict[str, Any]:
+    """LLaMA-Factory's SFT trainer, with or without odb: 48 chats in order, steps of 5 x 2 (each epoch ends with a
+    step of 8), a cosine schedule with warmup, plain SGD; the learning rate after each step and the parameters."""
+    class Rates(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            rates.append(trainer.lr_scheduler.get_last_lr()[0])
+            if with_odb:
+                micro.append(len(trainer.odb_step_infos))
+
+    options = dict(per_device_train_batch_size=5, gradient_accumulation_steps=2, optim="sgd", learning_rate=0.05,
+                   weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="cosine", warmup_steps=2,
+                   disable_shuffling=True, train_sampling_strategy="sequential", logging_steps=100)
+    parts = build_sft(setup, name, **{**options, **changes})
+    trainer, rates, micro = make_trainer(parts), [], []
+    if with_odb:
+        odb_lf.enable_odb(trainer=trainer, token_budget=BUDGET, buffer_size=16)
+    trainer.add_callback(Rates())
+    before = {n: w.detach().clone() for n, w in trainer.model.named_parameters()}
+    trainer.train(resume_from_checkpoint=resume)
+    return {"rates": rates, "steps": trainer.state.global_step, "before": before,
+            "params": {n: w.detach().clone() for n, w in trainer.model.named_parameters()},
+            "micro": micro}
+
+
+def update_gap(plain: Dict[str, Any], other: Dict[str, Any]) -> float:
+    start = plain["before"]
+    ref = {n: plain["params"][n] - start[n] for n in start}
+    scale = max(float(d.abs().max()) for d in ref.values())
+    return max(float((other["params"][n] - start[n] - ref[n]).abs().max()) for n in ref) / scale
+
+
+def test_the_trainers_schedule_runs_unchanged_with_odb_and_across_a_resume(setup):
+    """With the user's batch odb keeps LLaMA-Factory's (the Trainer's) steps, so its cosine schedule with warmup
+    gives the same learning rate at every step and the same updates as without odb, an epoch's partial last
+    step included, and so does a run resumed from a checkpoint in the middle of the first epoch."""
+    plain = schedule_run(setup, "plain", False)
+    with_odb = schedule_run(setup, "odb", True, save_strategy="steps", save_steps=3)
+    assert plain["steps"] == with_odb["steps"] == 2 * 5
+    assert with_odb["rates"] == plain["rates"], "odb's learning rates are not the Trainer's"
+    assert any(m != 2 for m in with_odb["micro"]), "odb did not cut the steps into micro-batches of its own"
+    gap = update_gap(plain, with_odb)
+    checkpoint = os.path.join(setup["root"], "odb", "checkpoint-3")
+    resumed = schedule_run(setup, "resumed", True, resume=checkpoint)
+    assert resumed["rates"] == plain["rates"][3:]
+    resumed["before"] = plain["before"]
+    resumed_gap = update_gap(plain, resumed)
+    print(f"LLaMA-Factory: relative update gap {gap:.1e}, resumed at step 3 of 5: {resumed_gap:.1e}")
+    assert gap <= 1e-5 and resumed_gap <= 1e-5

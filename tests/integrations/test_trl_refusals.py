@@ -96,6 +96,7 @@ def test_trl_trainers_odb_does_not_train_exactly_are_refused_at_the_call(tmp_pat
     text = str(refused.value)
     assert text.startswith(f"odb cannot train TRL's {name} exactly: ") and REASONS[name] in text, text
     assert f"Fix: train this {name} without odb" in text and "SFTTrainer" in text.split("Rule:")[1]
+    assert "GRPOTrainer and RLOOTrainer" in text.split("Rule:")[1]  # what odb does train, all of it
     # Refused before anything changed: the trainer trains as TRL made it.
     assert type(trainer) is cls and trainer.data_collator is collator
     assert trainer.get_train_dataloader.__func__ is loader.__func__

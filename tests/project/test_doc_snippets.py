@@ -1,21 +1,21 @@
 """Every guide's snippet runs as written, on the pinned versions, offline, with a tiny model.
 
-A fenced ``python`` block right under the line ``<!-- odb-snippet: NAME -->`` in README.md or
-an integration guide is run unchanged: each in a fresh interpreter (this file, run as a
-script), in an empty working folder, after the fixture ``NAME`` below has put there the
-names the snippet assumes and does not build itself (``model``, ``tokenizer``, ``dataset``,
+Every fenced ``python`` block of README.md and of docs/integration-guides/*.md sits right under a
+line ``<!-- odb-snippet: NAME -->`` and is run unchanged: each in a fresh interpreter (this file, run as a
+script), in an empty working folder, after the fixture ``NAME`` (tests/support/snippet_fixtures.py) has
+put there the names the snippet assumes and does not build itself (``model``, ``tokenizer``, ``dataset``,
 ``collate_fn``, a ``my_sft.yaml``...: a tiny random Llama, a word-level tokenizer trained on
 generated sentences, no download). The fixture then checks what the snippet did (it trained:
 finite loss, parameters changed) and that odb raised none of its warnings about silent
 mistakes (a forgotten ``pop_step_info``, labels that need ``shift_labels``). Multi-process
-snippets run in one process here; tests/project/test_examples.py runs the examples on two.
+snippets run in one process here; tests/project/test_examples.py runs the examples on two. A block
+that is not run is listed in ``NOT_RUN`` with the reason, and the test says so.
 
     python tests/project/test_doc_snippets.py NAME FILE LINE   # what each test runs
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -26,9 +26,14 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
-GUIDES = ["README.md"] + [f"docs/integration-guides/{name}.md"
-                          for name in ("hf-trainer", "trl", "llamafactory", "accelerate", "lightning")]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+import snippet_fixtures  # noqa: E402
+
+GUIDES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "integration-guides").glob("*.md"))
 MARK = re.compile(r"^<!-- odb-snippet: ([\w-]+) -->\s*$")
+# Python blocks left unmarked on purpose, by (guide, the block's first code line), with the reason.
+NOT_RUN = {("docs/integration-guides/trl-rl.md", "from trl import GRPOConfig, GRPOTrainer"):
+           "GRPOConfig(...) elides the config; the GRPO/RLOO guide's own work makes it runnable"}
 
 
 @dataclass(frozen=True)
@@ -55,231 +60,7 @@ def snippets(path: str) -> List[Snippet]:
     return out
 
 
-# ---- the fixtures (run in the snippet's interpreter) --------------------------------------------------------------
-WORDS = ("the cat dog bird sees runs jumps over under a small large red blue green house tree river boat "
-         "quickly slowly today yesterday and but with near far old new happy sad").split()
-
-
-def texts(n: int = 48, seed: int = 0) -> List[str]:
-    import random
-
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(int(round(2 * 20 ** rng.random())))) for _ in range(n)]
-
-
-def tiny_tokenizer() -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>"]))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-
-
-def tiny_llama(tokenizer: Any) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-                                        eos_token_id=tokenizer.eos_token_id))
-
-
-def causal_samples(tokenizer: Any) -> List[Dict[str, Any]]:
-    """Tokenized causal-LM samples: labels are the input_ids (the model shifts them)."""
-    return [{"input_ids": ids, "labels": list(ids)} for ids in tokenizer(texts())["input_ids"]]
-
-
-def lm_world() -> Dict[str, Any]:
-    """model, tokenizer, dataset (tokenized, with labels), collate_fn (DataCollatorForSeq2Seq), optimizer."""
-    import torch
-    from transformers import DataCollatorForSeq2Seq
-
-    tokenizer = tiny_tokenizer()
-    model = tiny_llama(tokenizer)
-    return dict(tokenizer=tokenizer, model=model, dataset=causal_samples(tokenizer),
-                collate_fn=DataCollatorForSeq2Seq(tokenizer), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-
-
-def trained(before: List[Any], model: Any) -> None:
-    import torch
-
-    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
-    if not all(changed):
-        raise AssertionError(f"{changed.count(False)} of {len(changed)} parameters did not change: nothing trained")
-
-
-def snapshot(model: Any) -> List[Any]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def plain_loop() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
-    ns = lm_world()
-    before = snapshot(ns["model"])
-
-    def check(ns: Dict[str, Any]) -> None:
-        assert math.isfinite(float(ns["loss"])) and ns["info"].world_size == 1
-        assert ns["loader"].odb_stats["samples"] == len(ns["dataset"])
-        trained(before, ns["model"])
-
-    return ns, check
-
-
-def hf_trainer() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
-    world = lm_world()
-    ns = dict(model=world["model"], ds=world["dataset"], collator=world["collate_fn"])
-    before = snapshot(ns["model"])
-
-    def check(ns: Dict[str, Any]) -> None:
-        state = ns["trainer"].state
-        assert state.global_step > 0 and state.epoch == 2 and math.isfinite(state.log_history[-1]["train_loss"])
-        trained(before, ns["model"])
-
-    return ns, check
-
-
-def readme_trainer() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
-    """README's one call: ``trainer`` is a transformers Trainer built without odb."""
-    from transformers import Trainer, TrainingArguments
-
-    world = lm_world()
-    args = TrainingArguments("out", num_train_epochs=1, per_device_train_batch_size=4, use_cpu=True,
-                             report_to="none", disable_tqdm=True, save_strategy="no")
-    ns = dict(trainer=Trainer(model=world["model"], args=args, train_dataset=world["dataset"],
-                              data_collator=world["collate_fn"]))
-    before = snapshot(world["model"])
-
-    def check(ns: Dict[str, Any]) -> None:
-        state = ns["trainer"].state
-        assert state.global_step > 0 and math.isfinite(state.log_history[-1]["train_loss"])
-        assert ns["trainer"].odb_step_infos, "the trainer did not train on odb batches"
-        trained(before, world["model"])
-
-    return ns, check
-
-
-def trl_sft() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
-    from datasets import Dataset
-
-    tokenizer = tiny_tokenizer()
-    ns = dict(tokenizer=tokenizer, model=tiny_llama(tokenizer), dataset=Dataset.from_dict({"text": texts()}))
-    before = snapshot(ns["model"])
-
-    def check(ns: Dict[str, Any]) -> None:
-        state = ns["trainer"].state
-        assert state.global_step > 0 and state.epoch == 2 and math.isfinite(state.log_history[-1]["train_loss"])
-        assert ns["trainer"].odb_step_infos, "the trainer did not train on odb batches"
-        trained(before, ns["model"])
-
-    return ns, check
-
-
-def accelerate_loop() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
-    ns = lm_world()
-    ns["epochs"] = 2
-    before = snapshot(ns["model"])
-
-    def check(ns: Dict[str, Any]) -> None:
-        assert type(ns["loader"]).__name__ == "ODBAcceleratedLoader"
-        assert ns["loader"].odb_stats["samples"] == len(ns["dataset"])
-        trained(before, ns["model"])
-
-    return ns, check
-
-
-def lightning_fit() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
-    ns = lm_world()
-    before = snapshot(ns["model"])
-
-    def check(ns: Dict[str, Any]) -> None:
-        trainer = ns["trainer"]
-        assert trainer.current_epoch == 2 and trainer.global_step > 0
-        trained(before, ns["model"])
-
-    return ns, check
-
-
-def llamafactory_config() -> Dict[str, Any]:
-    """An SFT config as LLaMA-Factory's examples write them (warmup_ratio, gradient checkpointing on), offline."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from llamafactory_sft import write_demo
-
-    args = write_demo(os.getcwd())
-    for name in ("disable_gradient_checkpointing", "use_cpu", "disable_tqdm"):
-        args.pop(name)
-    args.update(lr_scheduler_type="cosine", warmup_ratio=0.1, output_dir="saves/tiny-llama/sft")
-    return args
-
-
-def llamafactory_run_exp() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
-    import json
-
-    import yaml
-
-    with open("my_sft.yaml", "w") as f:
-        yaml.safe_dump(llamafactory_config(), f)
-
-    def check(ns: Dict[str, Any]) -> None:
-        with open("saves/tiny-llama/sft/trainer_state.json") as f:
-            history = json.load(f)["log_history"]
-        losses = [h["loss"] for h in history if "loss" in h]
-        assert losses and all(math.isfinite(x) for x in losses)
-        assert all("odb_mean_batch_size" in h for h in history if "loss" in h)
-
-    return {}, check
-
-
-def llamafactory_parts() -> Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]:
-    """What LLaMA-Factory's run_sft builds before its trainer: model, training_args, collator, dataset_module..."""
-    import torch
-
-    from odb.integrations.llamafactory import import_llamafactory
-
-    import_llamafactory()  # before load_model: its gradient checkpointing (on here) needs the transformers 5 fix
-    from llamafactory.data import SFTDataCollatorWith4DAttentionMask, get_dataset, get_template_and_fix_tokenizer
-    from llamafactory.hparams import get_train_args
-    from llamafactory.model import load_model, load_tokenizer
-
-    config = {**llamafactory_config(), "use_cpu": True, "disable_tqdm": True}
-    config.pop("warmup_ratio")  # run_exp translates it; get_train_args is LLaMA-Factory's own parser
-    model_args, data_args, training_args, finetuning_args, _ = get_train_args(config)
-    tokenizer_module = load_tokenizer(model_args)
-    template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
-    dataset_module = get_dataset(template, model_args, data_args, training_args, stage="sft", **tokenizer_module)
-    model = load_model(tokenizer_module["tokenizer"], model_args, finetuning_args, training_args.do_train)
-    collator = SFTDataCollatorWith4DAttentionMask(template=template, model=model, pad_to_multiple_of=8,
-                                                  label_pad_token_id=-100, **tokenizer_module)
-    ns = dict(model=model, training_args=training_args, finetuning_args=finetuning_args, collator=collator,
-              dataset_module=dataset_module, tokenizer_module=tokenizer_module,
-              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    before = snapshot(model)
-
-    def check(ns: Dict[str, Any]) -> None:
-        if "trainer" in ns:
-            state = ns["trainer"].state
-            assert state.global_step > 0 and math.isfinite(state.log_history[-1]["train_loss"])
-            assert ns["trainer"].odb_step_infos, "the trainer did not train on odb batches"
-        else:
-            assert ns["handle"].loader.odb_stats["samples"] == len(dataset_module["train_dataset"])
-        trained(before, model)
-
-    return ns, check
-
-
-FIXTURES: Dict[str, Callable[[], Tuple[Dict[str, Any], Callable[[Dict[str, Any]], None]]]] = {
-    "readme-quickstart": plain_loop,
-    "readme-trainer": readme_trainer,
-    "hf-trainer": hf_trainer,
-    "trl-sft": trl_sft,
-    "llamafactory-run-exp": llamafactory_run_exp,
-    "llamafactory-trainer": llamafactory_parts,
-    "llamafactory-loop": llamafactory_parts,
-    "accelerate-loop": accelerate_loop,
-    "lightning-fit": lightning_fit,
-}
+FIXTURES = snippet_fixtures.FIXTURES  # tests/support/snippet_fixtures.py: what each snippet assumes
 
 
 def run(name: str, path: str, line: int) -> None:
@@ -298,14 +79,100 @@ def run(name: str, path: str, line: int) -> None:
     print(f"snippet {name} of {path}:{line} ran")
 
 
+def python_blocks(path: str) -> List[Tuple[int, str]]:
+    """Every ```python block of ``path``: (the line of its fence, its first code line)."""
+    lines = (ROOT / path).read_text(encoding="utf-8").splitlines()
+    return [(i + 1, lines[i + 1].strip() if i + 1 < len(lines) else "") for i, line in enumerate(lines)
+            if line.strip() == "```python"]
+
+
 # ---- the tests -----------------------------------------------------------------------------------------------
 ALL = [s for path in GUIDES for s in snippets(path)]
 
 
-def test_every_guide_has_a_runnable_snippet_and_every_mark_a_fixture():
-    assert {s.path for s in ALL} == set(GUIDES), "a guide without an <!-- odb-snippet: NAME --> block"
+def test_every_python_block_of_every_guide_is_run_and_every_mark_has_a_fixture():
+    marked = {(s.path, s.line - 1) for s in ALL}  # the line of each marked block's fence
+    unmarked = [(path, line, first) for path in GUIDES for line, first in python_blocks(path)
+                if (path, line) not in marked and (path, first) not in NOT_RUN]
+    assert not unmarked, ("python blocks no test runs (put <!-- odb-snippet: NAME --> right above each and a "
+                          f"fixture NAME in tests/support/snippet_fixtures.py): {unmarked}")
+    listed = {(path, first) for path in GUIDES for _, first in python_blocks(path)}
+    assert set(NOT_RUN) <= listed, f"NOT_RUN names blocks that are gone: {set(NOT_RUN) - listed}"
     names = [s.name for s in ALL]
     assert len(set(names)) == len(names) and set(names) == set(FIXTURES), (names, sorted(FIXTURES))
+    for (path, first), why in NOT_RUN.items():
+        print(f"NOT RUN: the python block of {path} starting {first!r}: {why}")
+
+
+# ---- versions: pinned in constraints*.txt, shown in docs/versions.md, linked from the guides ------------------------
+PACKAGES = {"transformers": "transformers", "accelerate": "accelerate", "lightning": "lightning", "trl": "trl",
+            "datasets": "datasets", "torch": "torch", "peft": "peft", "llama-factory": "llamafactory",
+            "llamafactory": "llamafactory"}
+VERSION = re.compile(r"\b(transformers|accelerate|lightning|trl|datasets|torch|peft|llama-factory|llamafactory)"
+                     r"(?:'s)?`?\s*(==|>=|<=|<|>)?\s*(\d+\.\d+(?:\.\d+)?)\b", re.IGNORECASE)
+# A transformers 5.x version wherever a guide names it (the package's name need not precede it).
+TRANSFORMERS = re.compile(r"(?<![\d.])5\.\d+(?:\.\d+)?(?![\d.]*e)(?!\d)")
+TESTED_WITH = re.compile(r"\btested (?:with|on|at)\s+[`\w]*\s*\d+\.\d+")  # a guide links versions.md instead
+# Versions a guide names that are no pin and no bound of odb's: what another package declares, or a fact about a
+# release, each with the reason it stays.
+OTHER_VERSIONS = {("transformers", "5.6.0"): "LLaMA-Factory's declared newest transformers, run by hand",
+                  ("transformers", "5.6"): "the same",
+                  ("transformers", "5.3.0"): "5.3.0-5.5.3 divide the loss twice: enable_odb refuses them",
+                  ("transformers", "5.5.3"): "the same", ("transformers", "5.5.4"): "the first without it",
+                  ("transformers", "5.17"): "5.5.4-5.17 cannot resume a checkpoint of several CPU processes"}
+
+
+def pins() -> Dict[str, set]:
+    """Every version of each package that odb pins (constraints*.txt) or declares (pyproject.toml)."""
+    found: Dict[str, set] = {}
+    for path in sorted(ROOT.glob("constraints*.txt")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            name, sep, version = line.split("#")[0].strip().partition("==")
+            if sep:
+                found.setdefault(name.strip().lower(), set()).add(version.strip())
+    for name, version in re.findall(r'"([a-z-]+)>=([\d.]+)', (ROOT / "pyproject.toml").read_text(encoding="utf-8")):
+        found.setdefault(name, set()).add(version)
+    return found
+
+
+def test_the_guides_name_only_pinned_or_declared_versions():
+    """A version a guide names for a package is a pin of constraints*.txt (the version tested, shown in
+    docs/versions.md), a bound pyproject.toml declares, a bound LLaMA-Factory declares (<=), or listed above."""
+    known, wrong = pins(), []
+
+    def named(package: str, version: str) -> bool:
+        return any(v == version or v.startswith(version + ".") for v in known.get(package, ())) or \
+            (package, version) in OTHER_VERSIONS
+
+    for path in GUIDES[1:]:
+        text = (ROOT / path).read_text(encoding="utf-8")
+        for n, line in enumerate(text.splitlines(), 1):
+            for name, op, version in VERSION.findall(line):
+                if not (named(PACKAGES[name.lower()], version) or op == "<="):
+                    wrong.append(f"{path}:{n}: {name} {op}{version}")
+            wrong += [f"{path}:{n}: transformers {v}" for v in TRANSFORMERS.findall(line)
+                      if not named("transformers", v) and "<=" + v not in line]
+        wrong += [f"{path}: {m!r} (link docs/versions.md instead)" for m in TESTED_WITH.findall(" ".join(text.split()))]
+    assert not wrong, f"versions that are no pin (constraints*.txt) and no declared bound: {wrong}"
+
+
+def test_versions_md_shows_the_pins():
+    """docs/versions.md's table: the floors column is constraints-min.txt, the newest column constraints.txt."""
+    table = {}
+    for line in (ROOT / "docs" / "versions.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 4:
+            table[cells[0].lower()] = cells
+    newest = {line.split("==")[0]: line.split("==")[1].strip() for line in
+              (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines() if "==" in line}
+    floors = {line.split("==")[0]: line.split("==")[1].strip() for line in
+              (ROOT / "constraints-min.txt").read_text(encoding="utf-8").splitlines() if "==" in line}
+    for name in ("torch", "transformers", "accelerate", "lightning", "datasets"):
+        assert table[name][2].startswith(floors[name]), (name, table[name], floors[name])
+        assert table[name][3].startswith(newest[name]), (name, table[name], newest[name])
+    assert table["trl"][3].startswith(newest["trl"])
+    lf = dict(line.split("==") for line in (ROOT / "constraints-llamafactory.txt").read_text().split() if "==" in line)
+    assert table["llama-factory"][3].startswith(lf["llamafactory"])
 
 
 def test_the_mark_must_sit_right_above_a_python_fence(tmp_path, monkeypatch):

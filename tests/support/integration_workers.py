@@ -182,7 +182,7 @@ class LitLM(pl.LightningModule if pl is not None else object):  # type: ignore[m
             budget.update(memory_cap_bytes=p["cap"], memory_meter=self.recording, auto_start_budget=p["start"])
         steps_of = {"global_batch_size": p["global_batch"]} if p.get("global_batch") else \
             {"gradient_accumulation_steps": p["accumulation"]}
-        if p.get("manual"):  # global_batch_size under Lightning: the module steps at odb's step ends
+        if p.get("manual"):  # manual optimisation: the module steps at odb's step ends
             self.automatic_optimization = False
         loader = odb.ODBDataLoader(data, buffer_size=p["buffer"], collate_fn=pad_collate, seed=0, **steps_of,
                                    **budget, **sharding)
@@ -237,6 +237,7 @@ def lightning_fit(p: Dict[str, Any]) -> None:
 
     trainer = pl.Trainer(accelerator="cpu", devices=p["world"], strategy="ddp_spawn", max_epochs=p["epochs"],
                          max_steps=p.get("max_steps", -1), accumulate_grad_batches=p["accumulation"],
-                         callbacks=[ODBCallback()], logger=False, enable_checkpointing=False,
+                         callbacks=[ODBCallback(budget_filled_steps=not p.get("global_batch"))], logger=False,
+                         enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(LitLM(p), ckpt_path=p.get("resume_from"))

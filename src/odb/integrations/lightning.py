@@ -2,17 +2,24 @@
 
 Three pieces, each one line in user code:
 
-- ``ODBLightningLoader(loader)``: what ``train_dataloader()`` returns. It is not a torch
-  DataLoader, so Lightning neither injects its DistributedSampler into it nor rebuilds
+- ``ODBLightningLoader(loader)`` (``odb.integrations.lightning_loader``): what ``train_dataloader()``
+  returns. It is not a torch DataLoader, so Lightning neither injects its DistributedSampler into it nor rebuilds
   it (whatever ``use_distributed_sampler``), and it has no ``len()``, so Lightning runs
   each epoch until odb's last batch (odb's length is an estimate that Lightning would
   otherwise cut the epoch at). It takes the ``ODBStepInfo`` off every batch before
   Lightning moves the batch to the device.
 - ``ODBCallback()``: in ``Trainer(callbacks=[...])``. It checks the setup (one odb
-  loader, sharded across ranks, planning the Trainer's ``accumulate_grad_batches``),
+  loader, sharded across ranks, planning the Trainer's optimizer step), makes Lightning's
+  automatic optimisation step where odb's optimizer steps end (``odb.integrations.lightning_steps``),
   sets odb's epoch, puts the current batch's step info on ``pl_module.odb_step_info``
   before ``training_step`` and logs ``odb/*`` metrics through ``pl_module.log``.
 - ``scale_loss(self, loss)``: in ``training_step``, the exact loss scaling.
+
+The loader keeps your batch: ``ODBDataLoader(batch_size=B, gradient_accumulation_steps=A)`` under
+``Trainer(accumulate_grad_batches=A)`` makes every optimizer step hold the B x A x world samples a plain
+``DataLoader(batch_size=B)`` gives it, cut into as many micro-batches as fit the token budget; the global
+step, ``interval="step"`` schedulers, gradient clipping, logging and checkpoints count optimizer steps.
+Budget-filled steps (a loader without ``batch_size``) only with ``ODBCallback(budget_filled_steps=True)``.
 
 Ghost steps (a rank with no data left while others still train) arrive as ordinary
 batches with ``loss_scale == 0``: ``training_step`` runs forward and backward on them as
@@ -27,13 +34,14 @@ Example::
     class LitLM(L.LightningModule):
         def train_dataloader(self):                   # here torch.distributed is initialised
             return ODBLightningLoader(odb.ODBDataLoader(
-                self.dataset, token_budget=16384, sampler=odb.ShardSampler(self.dataset),
-                collate_fn=collate_fn))
+                self.dataset, token_budget=16384, batch_size=8,
+                gradient_accumulation_steps=self.trainer.accumulate_grad_batches,
+                sampler=odb.ShardSampler(self.dataset), collate_fn=collate_fn))
 
         def training_step(self, batch, batch_idx):
             return scale_loss(self, self.model(**batch).loss)
 
-    L.Trainer(strategy="ddp", callbacks=[ODBCallback()]).fit(LitLM())
+    L.Trainer(strategy="ddp", accumulate_grad_batches=2, callbacks=[ODBCallback()]).fit(LitLM())
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -50,143 +58,26 @@ try:  # the unified package first; the standalone pytorch_lightning package othe
 except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl
 
-from odb.comm.dist import world
 from odb.loader.dataloader import ODBLoaderMixin
 from odb.train.loss import scale_loss as exact_scale
-from odb.step_info import ODBStepInfo, StepInfoNotPoppedWarning, pop_step_info
-from odb.integrations.checks import check_accumulation, check_odb_loader, check_sharding
-from odb.integrations.memory import measure_auto_explicitly
-from odb.integrations.states import gather_states, restore_rank_state, saved_elsewhere
-
-# token_budget="auto": the most batches Lightning holds fetched and not yet trained (the one training and the
-# one fetched ahead), so a window's plan never waits for a batch it has not trained
-LIGHTNING_LOOKAHEAD = 2
+from odb.step_info import ODBStepInfo, StepInfoNotPoppedWarning
+from odb.integrations.checks import check_sharding
+from odb.integrations.lightning_loader import ODBLightningLoader
+from odb.integrations.lightning_steps import StepControl
 
 __all__ = ["ODBCallback", "ODBLightningLoader", "scale_loss"]
-_END = object()
-
-
-class ODBLightningLoader:
-    """An odb loader as Lightning's train dataloader (see the module docstring for why a wrapper).
-
-    Batches are the odb loader's, without their step info, which waits in order until
-    ``ODBCallback`` hands it to the module for the batch being trained (Lightning fetches
-    one batch ahead). ``state_dict``/``load_state_dict`` make Lightning checkpoints resume
-    mid-epoch exactly, at the first batch not yet trained, and hold every rank's odb
-    state (only rank 0 writes the checkpoint). Because of the batch fetched ahead, the
-    wrapper keeps an odb state taken every ``snapshot_every`` batches and the number of
-    batches trained since; a resume restores it and replays (loads and drops) those
-    batches. ``snapshot_every=1`` replays nothing but takes ``loader.state_dict()`` (a
-    few ms for a large ``buffer_size``) before every batch; it is also what a checkpoint
-    needs to resume on another number of processes (elastic resume: the batches to replay
-    belong to the saved ranks' shares), which a mid-epoch checkpoint with a replay refuses.
-
-    Example::
-
-        def train_dataloader(self):
-            return ODBLightningLoader(odb.ODBDataLoader(ds, token_budget=8192,
-                                                        sampler=odb.ShardSampler(ds)))
-    """
-
-    def __init__(self, loader: ODBLoaderMixin, snapshot_every: int = 16) -> None:
-        self.loader = check_odb_loader(loader, "ODBLightningLoader")
-        # token_budget="auto": Lightning fetches each training batch one ahead of training it, so the loader's
-        # next() does not end a batch's step; ODBCallback measures each batch around its training instead.
-        self.auto = measure_auto_explicitly(loader, LIGHTNING_LOOKAHEAD)
-        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
-            raise ValueError(f"ODBLightningLoader got snapshot_every={snapshot_every!r}: it must be an int >= 1. "
-                             f"Fix: pass e.g. 16 (a resume replays fewer batches than this), or 1.")
-        self.snapshot_every = snapshot_every
-        self._pending: Deque[ODBStepInfo] = collections.deque()
-        self._snapshots: Deque[Tuple[int, Dict[str, Any]]] = collections.deque(maxlen=2)
-        self._fetched = 0
-        self._replay = 0
-        self._iterating = False  # between the first batch and the end of an epoch
-
-    @property
-    def odb_stats(self) -> Dict[str, Any]:
-        """The odb loader's counters of the current (or last) epoch on this rank."""
-        return self.loader.odb_stats
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the next iteration (ODBCallback calls it at every epoch start)."""
-        self.loader.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[Any]:
-        # A generator: Lightning calls iter() once just to check iterability; nothing runs until next().
-        self._pending.clear()  # step infos of an abandoned iteration
-        self._snapshots.clear()
-        self._fetched = 0
-        replay, self._replay = self._replay, 0
-        key = self.loader.odb_config.step_info_key
-        batches = iter(self.loader)
-        self._iterating = True
-        for _ in range(replay):  # trained before the checkpoint, after its odb state was taken
-            if next(batches, _END) is _END:
-                break
-        while True:
-            if self._fetched % self.snapshot_every == 0:
-                self._snapshots.append((self._fetched, self.loader.state_dict()))
-            try:
-                batch = next(batches)
-            except StopIteration:
-                self._iterating = False
-                return
-            self._fetched += 1
-            self._pending.append(pop_step_info(batch, key))
-            yield batch
-
-    def next_step_info(self) -> ODBStepInfo:
-        """The step info of the oldest batch handed out and not yet trained (ODBCallback calls it)."""
-        if not self._pending:
-            raise RuntimeError("ODBLightningLoader has no step info waiting: a batch is being trained that this "
-                               "loader has not yielded yet (training_step(self, dataloader_iter) fetches after "
-                               "on_train_batch_start), or next_step_info was called twice for one batch. Fix: "
-                               "take the batch as training_step(self, batch, batch_idx) and let only ODBCallback "
-                               "call next_step_info.")
-        return self._pending.popleft()
-
-    def state_dict(self) -> Dict[str, Any]:
-        """Every rank's odb state and the batches to replay after it (call on all ranks, as Lightning does)."""
-        trained = self._fetched - len(self._pending)
-        if not self._iterating:  # at an epoch's end (or before any batch): the loader's own position
-            local, replay = self.loader.state_dict(), 0
-        else:
-            usable = [(at, state) for at, state in self._snapshots if at <= trained]
-            if not usable:  # the trainer fetched more than snapshot_every batches ahead of training
-                raise RuntimeError(f"ODBLightningLoader cannot save a position {len(self._pending)} batches behind "
-                                   f"the last one fetched with snapshot_every={self.snapshot_every}. Fix: pass "
-                                   f"snapshot_every >= {len(self._pending)} (Lightning fetches 1 ahead).")
-            at, local = usable[-1]
-            replay = trained - at
-        return {"odb_rank_states": gather_states(local, self.loader), "replay": replay}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Give the odb loader this rank's entry of ``state_dict()``; the next iteration replays the rest."""
-        self._pending.clear()
-        states = state.get("odb_rank_states") if isinstance(state, dict) else None
-        replay = int(state.get("replay", 0)) if isinstance(state, dict) else 0
-        if replay and isinstance(states, list) and states and saved_elsewhere(states):
-            raise ValueError(f"ODBLightningLoader.load_state_dict got a checkpoint of {len(states)} processes whose "
-                             f"odb states were taken {replay} batch(es) before it (snapshot_every > 1): those "
-                             f"batches can be replayed only by as many processes as trained them, so it resumes "
-                             f"on {len(states)} processes, not {world()[1]}. Fix: resume with {len(states)} "
-                             f"processes, or save with ODBLightningLoader(loader, snapshot_every=1) to resume on "
-                             f"another number.")
-        restore_rank_state(self.loader, states, "ODBLightningLoader.load_state_dict")
-        self._replay = replay
 
 
 def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
     """The loss ``training_step`` returns: ``loss * odb_step_info.loss_scale * accumulate_grad_batches``.
 
     ``loss`` is the mean over this batch's supervised tokens. Lightning's automatic
-    optimisation divides the returned loss by ``accumulate_grad_batches``; odb's
-    ``loss_scale`` already spreads the optimizer step's token mean over its
-    micro-batches, so the factor cancels that division (it is 1 under manual
-    optimisation). A ghost batch, or one without supervised tokens (whose mean loss is
-    0 / 0 = NaN), gets an exact zero that still runs backward (``odb.scale_loss``), so the
-    logged loss stays finite.
+    optimisation divides the returned loss by ``trainer.accumulate_grad_batches`` (which
+    ``ODBCallback`` sets per batch when odb plans the steps); odb's ``loss_scale`` already
+    spreads the optimizer step's token mean over its micro-batches, so the factor cancels
+    that division (it is 1 under manual optimisation). A ghost batch, or one without
+    supervised tokens (whose mean loss is 0 / 0 = NaN), gets an exact zero that still runs
+    backward (``odb.scale_loss``), so the logged loss stays finite.
 
     Example::
 
@@ -206,6 +97,16 @@ def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
 
 class ODBCallback(pl.Callback):
     """Connects an ``ODBLightningLoader`` to the Trainer; logs odb's metrics.
+
+    With a loader that keeps your batch (``batch_size=B``, or ``global_batch_size``) Lightning's
+    automatic optimisation steps where each of odb's optimizer steps ends, however many
+    micro-batches it has (``odb.integrations.lightning_steps.StepControl``: it sets
+    ``trainer.accumulate_grad_batches`` before each batch and gives the Trainer its own value back
+    when training ends); under manual optimisation your module steps at
+    ``self.odb_step_info.is_last_micro_step``, and a step anywhere else is refused.
+    ``budget_filled_steps=True`` asks for budget-filled steps (a loader without ``batch_size``:
+    ``gradient_accumulation_steps`` micro-batches filled to the budget, other updates than your
+    batch gives); without it such a loader is refused, with the fix.
 
     Every step, through ``pl_module.log`` (this rank's values, no collective unless
     ``sync_dist=True``): ``odb/padding_ratio``, ``odb/batch_size`` (samples in this rank's
@@ -228,12 +129,14 @@ class ODBCallback(pl.Callback):
 
     Example::
 
-        trainer = L.Trainer(callbacks=[ODBCallback()])
+        trainer = L.Trainer(accumulate_grad_batches=2, callbacks=[ODBCallback()])
     """
 
     _EPOCH_SUMS = ("odb/real_tokens_per_s_epoch", "odb/ghost_steps")
 
-    def __init__(self, log_metrics: bool = True, sync_dist: bool = False, packed_attention: str = "odb_varlen") -> None:
+    def __init__(self, log_metrics: bool = True, sync_dist: bool = False, packed_attention: str = "odb_varlen",
+                 budget_filled_steps: bool = False) -> None:
+        self.steps = StepControl(budget_filled_steps)  # where Lightning steps the optimizer (lightning_steps)
         self.log_metrics = log_metrics
         self.sync_dist = sync_dist
         self.packed_attention = packed_attention
@@ -244,29 +147,25 @@ class ODBCallback(pl.Callback):
         self._epoch: Dict[str, float] = collections.defaultdict(float)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.loader = _find_loader(trainer.train_dataloader)
-        check_accumulation(self.loader.loader, trainer.accumulate_grad_batches, "the Trainer")
-        g = self.loader.loader.odb_config.global_batch_size
-        if g is not None and pl_module.automatic_optimization:
-            raise ValueError(f"ODBCallback got a loader with global_batch_size={g} under automatic optimization: "
-                             f"Lightning then steps the optimizer every accumulate_grad_batches="
-                             f"{trainer.accumulate_grad_batches} batches, and odb's optimizer steps hold as many "
-                             f"micro-batches as their samples need. Fix: use manual optimization "
-                             f"(self.automatic_optimization = False; backward every batch with "
-                             f"self.manual_backward(scale_loss(self, loss)), opt.step() and opt.zero_grad() when "
-                             f"self.odb_step_info.is_last_micro_step), or build the loader without batch_size "
-                             f"and global_batch_size (budget-filled steps of accumulate_grad_batches batches).")
-        check_sharding(self.loader.loader, trainer.world_size,
-                       "build the loader inside train_dataloader() (torch.distributed is up there) with "
-                       "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "
-                       "and rank=trainer.global_rank.")
+        self._connect(trainer, pl_module)
         if self.loader.loader.odb_config.layout == "packed":  # as the HF/TRL integrations do with the Trainer's model
             from odb.packed.models import prepare_packed_model
 
             for model in _transformers_models(pl_module):
                 prepare_packed_model(model, attention=self.packed_attention)
 
+    def _connect(self, trainer: Any, pl_module: Any) -> None:
+        """Find the train loader and check it against the Trainer (at the start, and for a reloaded one)."""
+        self.loader = _find_loader(trainer.train_dataloader)
+        self.steps.setup(trainer, pl_module, self.loader.loader)
+        check_sharding(self.loader.loader, trainer.world_size,
+                       "build the loader inside train_dataloader() (torch.distributed is up there) with "
+                       "sampler=odb.ShardSampler(dataset), or give the sampler num_replicas=trainer.world_size "
+                       "and rank=trainer.global_rank.")
+
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.loader is not None and _find_loader(trainer.train_dataloader) is not self.loader:
+            self._connect(trainer, pl_module)  # reload_dataloaders_every_n_epochs: a new loader this epoch
         if self.loader is not None:
             self.loader.set_epoch(trainer.current_epoch)  # Lightning only tells the samplers
         self._last_end = time.perf_counter()
@@ -278,6 +177,7 @@ class ODBCallback(pl.Callback):
                                "Trainer.fit.")
         self.step_info = self.loader.next_step_info()
         pl_module.odb_step_info = self.step_info
+        self.steps.before_batch(trainer, pl_module, self.step_info, batch_idx)
         if self.loader.auto is not None:  # token_budget="auto": this batch's measurement starts
             self.loader.auto.begin(self.step_info.step, self.step_info.is_ghost)
 
@@ -285,6 +185,8 @@ class ODBCallback(pl.Callback):
         if self.loader is not None and self.loader.auto is not None:  # its forward, backward and step are done
             self.loader.auto.end()
         info, now = self.step_info, time.perf_counter()
+        if info is not None:
+            self.steps.after_batch(trainer, info)
         if info is not None and not self._warned_unscaled \
                 and getattr(pl_module, "_odb_scaled_step_info", None) is not info:
             self._warned_unscaled = True
@@ -309,7 +211,20 @@ class ODBCallback(pl.Callback):
         totals["all_samples"] += info.all_samples_this_step
         totals["seconds"] += elapsed
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.steps.restore(trainer)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.steps.restore(trainer)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.steps.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.steps.load_state_dict(state_dict)
+
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.steps.restore(trainer)  # between epochs (a reloaded train_dataloader reads it) the Trainer's own value
         totals = self._epoch
         if not self.log_metrics or not totals["steps"]:
             return

@@ -62,8 +62,9 @@ def import_llamafactory() -> bool:
                     raise
                 warnings.warn(f"odb: LLaMA-Factory refused this environment at import ({str(err).splitlines()[0]}); "
                               f"odb imports it with DISABLE_VERSION_CHECK=1 (LLaMA-Factory's documented switch; "
-                              f"odb's tests run its SFT path on transformers 5.24). Fix, to silence this: install "
-                              f"the versions LLaMA-Factory declares, or set DISABLE_VERSION_CHECK=1 yourself.",
+                              f"odb's tests run its SFT path on the transformers docs/versions.md names). Fix, to "
+                              f"silence this: install the versions LLaMA-Factory declares, or set "
+                              f"DISABLE_VERSION_CHECK=1 yourself.",
                               stacklevel=2)
                 _skipped_version_check = True
                 with version_check_skipped(True):

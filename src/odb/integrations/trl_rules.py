@@ -76,8 +76,9 @@ def check_trl_trainer(trainer: Any) -> None:
     name = trl_class.__name__
     why = _WHY.get(name, _OTHER).format(name=name)
     raise TypeError(f"odb cannot train TRL's {name} exactly: {why}. Rule: enable_odb takes a transformers Trainer "
-                    f"whose loss is a token mean (Trainer, Seq2SeqTrainer, your subclasses), TRL's SFTTrainer, or "
-                    f"TRL's DPOTrainer or RewardTrainer (a mean per pair). Fix: "
+                    f"whose loss is a token mean (Trainer, Seq2SeqTrainer, your subclasses), TRL's SFTTrainer, "
+                    f"TRL's DPOTrainer or RewardTrainer (a mean per pair), and odb.integrations.trl.enable_odb "
+                    f"takes TRL's GRPOTrainer and RLOOTrainer too (their policy update cut by tokens). Fix: "
                     + (_RL_FIX if _WHY.get(name) is _RL else f"train this {name} without odb (drop the enable_odb "
                        f"call), or fine-tune with SFTTrainer (preferences: DPOTrainer, RewardTrainer)") + ".")
 

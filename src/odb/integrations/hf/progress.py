@@ -1,9 +1,11 @@
 """Training progress counted in samples, for the HF Trainer integration (no transformers import).
 
-The Trainer counts progress in optimizer steps, which odb does not fix in advance: a
-step holds as many samples as the token budget allows. ``SampleProgress`` counts the
-samples of all ranks (``ODBStepInfo.all_samples_this_step``, the same number on every
-rank) so that epochs, the learning-rate schedule and stopping follow the data.
+The Trainer counts progress in optimizer steps. With the user's batch (``global_batch_size``,
+the default) odb keeps them, counted exactly, and the Trainer's schedule runs as it is. With
+budget-filled steps (``global_batch_size=None``) odb does not fix them in advance: a step holds
+as many samples as the token budget allows. ``SampleProgress`` counts the samples of all ranks
+(``ODBStepInfo.all_samples_this_step``, the same number on every rank): ``state.epoch`` always,
+and for budget-filled steps the learning-rate schedule (``schedule_by_samples``) and stopping.
 ``WindowMetrics`` sums what odb adds to the Trainer's logs between two log lines.
 """
 

@@ -50,10 +50,19 @@ class ODBRun:
         self.banner: Optional["BannerLines"] = None  # rewrites the Trainer's train-start banner (log_batching)
         self.auto: Any = None  # token_budget="auto": the loader's AutoControl, measured per micro-batch by training_step
 
+    @property
+    def schedules_by_samples(self) -> bool:
+        """Whether progress (the learning-rate schedule, ``state.max_steps``) follows the samples seen: only with
+        budget-filled steps (``global_batch_size=None``) bounded by ``num_train_epochs``, whose optimizer steps odb
+        cannot count in advance. With the user's batch the Trainer's steps are counted exactly and its schedule,
+        warmup and ``max_steps`` run unchanged."""
+        return self.cfg.global_batch_size is None and bool(self.progress.target_epochs)
+
 
 class ProgressCallback(TrainerCallback):
-    """Sets ``state.epoch`` and ``state.max_steps`` from the samples seen (runs before the Trainer's own
-    flow callback, which stops training once ``global_step`` reaches ``max_steps``)."""
+    """Sets ``state.epoch`` from the samples seen and, with budget-filled steps only (``ODBRun.schedules_by_samples``),
+    ``state.max_steps`` (runs before the Trainer's own flow callback, which stops training once ``global_step``
+    reaches ``max_steps``); with the user's batch ``max_steps`` is the Trainer's own."""
 
     def __init__(self, run: ODBRun) -> None:
         self.run = run
@@ -66,7 +75,7 @@ class ProgressCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         progress = self.run.progress
         state.epoch = progress.epochs_done
-        if progress.target_epochs:
+        if self.run.schedules_by_samples:  # budget-filled steps: the step count is re-estimated as the data goes
             state.max_steps = state.global_step if progress.reached() else \
                 state.global_step + progress.steps_left_estimate()
 
@@ -165,7 +174,7 @@ def check_loop_api() -> None:
             f"odb.integrations.hf needs transformers>={MIN_TRANSFORMERS}: transformers {transformers.__version__} "
             f"divides the loss by gradient_accumulation_steps twice (in its Trainer and in its Accelerator), so "
             f"the gradient would not be odb's exact token mean. Fix: install transformers>={MIN_TRANSFORMERS} "
-            f"(make test-min tests 5.18, make test 5.24), or use odb.ODBDataLoader in your own training loop.")
+            f"(the versions tested: docs/versions.md), or use odb.ODBDataLoader in your own training loop.")
     # The Trainer methods odb overrides or calls, listed with TRL's in odb.integrations.private_api.
     check_classes("Trainer", Trainer)
 

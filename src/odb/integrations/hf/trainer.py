@@ -1,4 +1,4 @@
-"""odb in the HuggingFace ``transformers`` Trainer: token-budget batches, exact loss, progress in samples.
+"""odb in the HuggingFace ``transformers`` Trainer: token-budget micro-batches, exact loss, the Trainer's steps.
 
 Example:
     >>> from odb.integrations.hf import ODBTrainer, enable_odb      # doctest: +SKIP
@@ -16,9 +16,13 @@ What changes in the Trainer (training only; evaluation and prediction are untouc
   ``ODBStepInfo.loss_scale``: the gradient is the exact token mean over all ranks and
   micro-batches of the optimizer step, whether or not the model reads
   ``num_items_in_batch`` and whatever ``average_tokens_across_devices`` says;
-- ``num_train_epochs`` means passes over the data: epochs end when the data does, the
-  learning-rate schedule (warmup and decay) runs on the share of samples seen and ends
-  with the last step; ``max_steps`` (when set) still counts optimizer steps;
+- with the user's batch (``global_batch_size``, the default: the Trainer's
+  ``per_device_train_batch_size x gradient_accumulation_steps x world size`` samples per
+  optimizer step) the steps are the Trainer's, counted exactly, so its learning-rate
+  schedule, warmup, ``num_train_epochs`` and ``max_steps`` run unchanged; with budget-filled
+  steps (``global_batch_size=None``, asked for by name) ``num_train_epochs`` means passes over
+  the data and the schedule (warmup and decay) runs on the share of samples seen
+  (``ODBRun.schedules_by_samples``); ``max_steps`` (when set) counts optimizer steps either way;
 - the Trainer's logs gain ``odb_padding_ratio``, ``odb_real_tokens_per_second``,
   ``odb_samples_per_second``, ``odb_mean_batch_size`` and ``odb_ghost_steps``;
 - checkpoints hold ``odb_state_rank{R}.json``; ``train(resume_from_checkpoint=...)``
@@ -336,9 +340,10 @@ class ODBTrainerMixin:
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         created = self.lr_scheduler is None
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        progress = self._odb.progress
-        if created and progress.target_epochs and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-            scheduler.lr_lambdas = [schedule_by_samples(f, num_training_steps, progress)
+        # The user's batch (global_batch_size): the Trainer's steps, counted exactly, so its schedule runs as it is.
+        # Budget-filled steps: their number is an estimate, so the schedule reads the share of samples seen.
+        if created and self._odb.schedules_by_samples and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            scheduler.lr_lambdas = [schedule_by_samples(f, num_training_steps, self._odb.progress)
                                     for f in scheduler.lr_lambdas]
         return scheduler
 
