@@ -21,7 +21,7 @@ per shape keeps compiling for shapes not seen yet). Token efficiency is real / p
 of the first epoch, from the step infos: the padding the option costs.
 
 Planning only (no model): distinct (B, L) shapes and token efficiency of one epoch of the
-benchmark workloads (odb.plan.window.plan_stream, as the loader plans), without the option, with
+benchmark workloads (odb.plan.windows.window.plan_stream, as the loader plans), without the option, with
 shape_buckets=8, and with a grid fitted to the epoch's lengths (odb.fit_buckets, 6 lengths).
 
 No GPU here: CUDA graphs (mode="reduce-overhead") are not measured.
@@ -130,8 +130,8 @@ def run_arm(lengths: List[int], mode: Optional[str], dynamic: Optional[bool], bu
 def planning_rows(quick: bool) -> List[str]:
     """Distinct shapes, steps and token efficiency of one planned epoch per workload and grid."""
     from odb.bench.workloads import lognormal_lengths, pareto_lengths
-    from odb.plan.cost import CostModel
-    from odb.plan.window import flatten, plan_stream
+    from odb.plan.costs.cost import CostModel
+    from odb.plan.windows.window import flatten, plan_stream
 
     n = 600 if quick else 2000
     workloads = {

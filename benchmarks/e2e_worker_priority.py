@@ -19,7 +19,7 @@ import os
 import odb
 from odb.bench.e2e import COMPUTE_RATIO, BusyDataset, GilStep, data_cpu_s, make_loaders, run_epoch, run_setting
 from odb.bench.workloads import lognormal_lengths
-from odb.plan.window import plan_stream
+from odb.plan.windows.window import plan_stream
 
 
 def lower_priority(_worker_id: int) -> None:

@@ -1,11 +1,11 @@
-"""Time odb.plan.global_plan.plan_global_step on one step of W ranks x S samples, and score its plans.
+"""Time odb.plan.steps.global_plan.plan_global_step on one step of W ranks x S samples, and score its plans.
 
 Each step's lengths are heavy-tailed: log-normal with median 128 and sigma 1.0, rounded and clipped to
 [8, 1024] (mean ~205 tokens). The cost model is ``token_budget=4096``; a micro-batch costs ``overhead=256``
 tokens more. The figures are the median wall and CPU time of one plan_global_step call over --runs steps
 (different lengths each), on one core (plain numpy, no threads of its own), with the step's DDP and FSDP
-efficiency (odb.plan.global_plan.step_efficiency) averaged over the steps, next to the per-rank plan's: each
-rank cutting its own S consecutive samples with odb.plan.step_cut.plan_step_share, M = the most
+efficiency (odb.plan.steps.global_plan.step_efficiency) averaged over the steps, next to the per-rank plan's: each
+rank cutting its own S consecutive samples with odb.plan.steps.step_cut.plan_step_share, M = the most
 micro-batches of any rank, ghosts filling the rest. slowest/bound: the global plan's slowest rank over the
 plan's lower bound (GlobalStepPlan.bound), averaged.
 
@@ -21,9 +21,9 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from odb.plan.cost import CostModel
-from odb.plan.global_plan import GlobalStepPlan, plan_global_step, step_efficiency
-from odb.plan.step_cut import plan_step_share
+from odb.plan.costs.cost import CostModel
+from odb.plan.steps.global_plan import GlobalStepPlan, plan_global_step, step_efficiency
+from odb.plan.steps.step_cut import plan_step_share
 
 BUDGET = 4096
 OVERHEAD = 256.0

@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/len_estimate.py
 
 20,000 samples of each benchmark workload (ShareGPT: all 17,545), budget 16,384, default
-options, no lengths given: len() reads a probe of the dataset (odb.plan.estimate) in the workers.
+options, no lengths given: len() reads a probe of the dataset (odb.plan.windows.estimate) in the workers.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ its own shuffle, seeds 0-19). Beside it, the same batches in a random order: wha
 batches. A mean far from 0 is a drift; a spread wider than the random order's means that batches of one window
 (shuffled among themselves) differ in length from those of the next.
 
-A second table shows where the encoder-decoder epoch's batches come from: ``odb.plan.window.plan_stream`` (the
+A second table shows where the encoder-decoder epoch's batches come from: ``odb.plan.windows.window.plan_stream`` (the
 loader's planning, which the benchmark checks plans the loader's batches) over one seeded shuffle (seed 0) of the
 20,000 pairs, window by window: new samples, batches emitted, their mean length.
 """
@@ -21,7 +21,7 @@ import numpy as np
 import odb
 from odb.bench.planning import _subsample, load_workloads, odb_loader_run, spearman
 from odb.bench.report import order_rho_max
-from odb.plan.window import plan_stream
+from odb.plan.windows.window import plan_stream
 
 BUDGET = 16384
 SEEDS = range(20)

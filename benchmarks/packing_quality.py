@@ -2,10 +2,10 @@
 
 For every benchmark workload (``odb.bench.planning.load_workloads``: the synthetic
 length distributions and the committed real ones) this plans the whole epoch as the
-loader does, window by window (``odb.plan.window.plan_stream`` under
+loader does, window by window (``odb.plan.windows.window.plan_stream`` under
 ``ODBConfig(token_budget, layout="packed")`` and the other options at their defaults),
 and packs the same lengths offline in one go (all lengths known, best-fit decreasing
-into rows of the same budget, ``odb.plan.window.oracle_groups``). Two length dimensions
+into rows of the same budget, ``odb.plan.windows.window.oracle_groups``). Two length dimensions
 (source and target of a pair) count as one sequence of their sum.
 
     useful fill = real tokens / (rows x budget)        (rows = steps; 1.0 = no row wasted)
@@ -29,7 +29,7 @@ import numpy as np
 
 from odb import ODBConfig
 from odb.bench.planning import load_workloads
-from odb.plan.window import flatten, oracle_groups, plan_stream
+from odb.plan.windows.window import flatten, oracle_groups, plan_stream
 
 
 def measure(lengths: np.ndarray, cfg: ODBConfig) -> Dict[str, float]:

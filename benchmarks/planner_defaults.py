@@ -20,7 +20,7 @@ import numpy as np
 from odb import ODBConfig
 from odb.bench.planning import _subsample, fixed_batch_size, length_grouped_batches, load_workloads
 from odb.bench.workloads import lognormal_lengths
-from odb.plan.window import plan_stream
+from odb.plan.windows.window import plan_stream
 
 BUDGET = 16384
 ROWS = [("lognormal-cv0.29", 600), ("lognormal-cv0.29", 2000), ("lognormal-cv1.00", 2000), ("sharegpt-gpt2", 2000),

@@ -24,9 +24,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from odb.bench.workloads import LOGNORMAL, MAX_LEN, encoder_decoder_lengths, lognormal_lengths
-from odb.plan.cost import CostModel
-from odb.plan.planner import plan_window, sort_order
-from odb.plan.pool_plan import PoolPlan
+from odb.plan.costs.cost import CostModel
+from odb.plan.windows.planner import plan_window, sort_order
+from odb.plan.windows.pool_plan import PoolPlan
 
 BUDGET = 16384
 

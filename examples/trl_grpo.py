@@ -8,7 +8,7 @@
 
 TRL samples prompts, generates completions, scores them and computes advantages as it
 always does. Each training step TRL hands its slice of the generation batch to the loss;
-``enable_odb`` (odb.integrations.trl_rl) cuts that slice into micro-batches of at most
+``enable_odb`` (odb.integrations.trl.rl) cuts that slice into micro-batches of at most
 ``--token-budget`` tokens, runs each row without the gap TRL leaves between a short prompt
 and its completion (rows right-padded to the micro-batch's longest, or packed into one row
 with ``--packed``), and runs TRL's own loss and a backward pass on each: the gradient is

@@ -15,8 +15,8 @@ import numpy as np  # noqa: E402
 
 from odb.bench.workloads import lognormal_lengths  # noqa: E402
 from odb.config import ODBConfig  # noqa: E402
-from odb.plan.cost import CostModel  # noqa: E402
-from odb.plan.planner import plan_window  # noqa: E402
+from odb.plan.costs.cost import CostModel  # noqa: E402
+from odb.plan.windows.planner import plan_window  # noqa: E402
 
 
 def main() -> None:

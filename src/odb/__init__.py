@@ -11,7 +11,7 @@ Example:
 
 from odb.loader.apply import ODBHandle, apply
 from odb.data.bucket_collate import PadToBucket
-from odb.plan.buckets import bucket_length, fit_buckets, geometric_buckets
+from odb.plan.costs.buckets import bucket_length, fit_buckets, geometric_buckets
 from odb.config import ODBConfig
 from odb.data.lengths import count_loss_tokens, default_length, seq2seq_lengths
 from odb.loader.dataloader import ODBDataLoader
@@ -21,7 +21,7 @@ from odb.packed.context import context_shard
 from odb.packed.models import PackedLayoutError, check_packed_model
 from odb.data.sampling import ShardSampler
 from odb.data.batch_shard import BatchShardSampler
-from odb.plan.schedule import linear_budget_ramp
+from odb.plan.costs.schedule import linear_budget_ramp
 from odb.step_info import ODBStepInfo, attach_step_info, pop_step_info
 from odb.integrations.enable import enable_odb
 from odb.packed.attention import register_varlen_attention, varlen_causal_attention

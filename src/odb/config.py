@@ -33,7 +33,7 @@ class ODBConfig:
             step's peak memory (``memory_meter``) and seconds, fits a model of them from
             the batches' shapes, and plans each window under the largest budget whose
             predicted peak stays under the memory cap (``memory_cap_bytes`` or
-            ``memory_fraction``) with ``auto_margin`` to spare (odb.plan.auto_budget;
+            ``memory_fraction``) with ``auto_margin`` to spare (odb.plan.auto.auto_budget;
             docs/options.md). One length dimension; no ``shape_buckets``, no
             ``budget_schedule``, no ``lengths=`` (known lengths).
         window_budgets: a planning window closes once it holds this many budgets'
@@ -146,13 +146,13 @@ class ODBConfig:
             torch.distributed (docs/distributed.md says what it costs). "rank": each rank cuts only its
             own ``global_batch_size / world_size`` samples (no sample crosses ranks).
         composition: with ``global_batch_size``, which samples form each optimizer step
-            (odb.plan.composition). "sampler" (default): the sampler's order, the steps your own loader
+            (odb.plan.steps.composition). "sampler" (default): the sampler's order, the steps your own loader
             gives (any sampler, e.g. transformers' ``LengthGroupedSampler``, keeps its steps exactly).
             "length_grouped": each step made of length-similar samples of a block of
             ``composition_block_steps`` steps, the block's steps in a shuffled order (the same on every
             rank), so adjacent steps' lengths do not follow each other; it changes which samples share a
             step, as group_by_length does (docs/algorithm.md). A name registered with
-            ``odb.plan.composition.register_composition`` is accepted too.
+            ``odb.plan.steps.composition.register_composition`` is accepted too.
         composition_block_steps: optimizer steps whose samples a composition reads and composes
             together (each rank holds their samples meanwhile); more steps make them more alike.
         composition_warmup_steps: the first optimizer steps of the run (epoch 0) that
@@ -202,7 +202,7 @@ class ODBConfig:
         balance: how ranks pair their batches in a step (several ranks): "tokens" (default: by
             the planner's cost) or "time" (by predicted step seconds, once the step-time model is
             fitted; needs ``token_budget="auto"``), or a criterion registered with
-            ``odb.plan.pairing.register_pairing``. Under the global step plan the micro-batches the
+            ``odb.plan.ranks.pairing.register_pairing``. Under the global step plan the micro-batches the
             cost model cut are dealt to ranks by the criterion's price.
         context_parallel: the context (or sequence) parallel degree cp of each data-parallel replica: a
             micro-batch's sequences are split over cp ranks, so a micro-batch of T tokens costs T / cp on
@@ -351,7 +351,7 @@ class ODBConfig:
         carry of up to a full window, odb's token efficiency is above length-grouped fixed
         batches' on full epochs (docs/algorithm.md). With the default, a window that would emit
         less than 55% of its new samples at 0.99 adds its best carried batches that reach 0.95
-        (odb.plan.window.FEED_SHARE).
+        (odb.plan.windows.window.FEED_SHARE).
         Packed rows reach 0.95 of the budget with nothing padded; waiting for fuller rows only
         holds samples back. With ``shape_buckets`` the planner counts each sample as its bucket's
         length, so 1.0 means a full batch of one bucket: the one shape that bucket has.

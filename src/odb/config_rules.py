@@ -18,7 +18,7 @@ import math
 import numbers
 from typing import TYPE_CHECKING, Any
 
-from odb.plan.composition import COMPOSITIONS
+from odb.plan.steps.composition import COMPOSITIONS
 
 if TYPE_CHECKING:
     from odb.config import ODBConfig
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _OVERSIZE = ("error", "alone", "skip")
 _LOSS_SCALING = ("exact", "approx", "sample", "none")
 _LAYOUTS = ("padded", "packed")
-AUTO = "auto"  # token_budget="auto": the loader sets the budget from measured steps (odb.plan.auto_budget)
+AUTO = "auto"  # token_budget="auto": the loader sets the budget from measured steps (odb.plan.auto.auto_budget)
 
 
 def _fail(name: str, value: Any, rule: str, fix: str, exc: type = ValueError) -> None:
@@ -106,7 +106,7 @@ def validate(cfg: "ODBConfig") -> None:
               "pass True (causal LM) or False (every label counts)", TypeError)
     _check_int("ignore_index", cfg.ignore_index, -(2**62), "pass an int such as -100")
     if cfg.budget_schedule is not None:
-        from odb.plan.schedule import check_schedule
+        from odb.plan.costs.schedule import check_schedule
 
         if isinstance(cfg.token_budget, tuple):
             _fail("budget_schedule", cfg.budget_schedule, "needs an int token_budget, not per-dimension budgets",
@@ -137,11 +137,11 @@ def _check_auto(cfg: "ODBConfig") -> None:
         _fail("image_patch_cost", cfg.image_patch_cost, "prices image patches, which odb reads from "
               "image_patches_key (None here)", "set image_patches_key (and max_image_patches), or "
               "image_patch_cost=0.0")
-    from odb.plan.pairing import PAIRINGS
+    from odb.plan.ranks.pairing import PAIRINGS
 
     if cfg.balance not in PAIRINGS:
         _fail("balance", cfg.balance, f"must be one of {tuple(PAIRINGS)}",
-              'use "tokens" (default) or "time" (or register a criterion: odb.plan.pairing.register_pairing)')
+              'use "tokens" (default) or "time" (or register a criterion: odb.plan.ranks.pairing.register_pairing)')
     if isinstance(cfg.token_budget, str) and cfg.token_budget != AUTO:
         _fail("token_budget", cfg.token_budget, 'must be an int, a tuple of ints or "auto"',
               'pass e.g. token_budget=16384, or token_budget="auto" with a memory cap', TypeError)
@@ -192,7 +192,7 @@ def _check_global_batch(cfg: "ODBConfig") -> None:
     if cfg.composition not in COMPOSITIONS:
         _fail("composition", cfg.composition, f"names no step composition ({sorted(COMPOSITIONS)})",
               'pass composition="sampler" (the default: your sampler\'s steps) or "length_grouped", or register '
-              "yours with odb.plan.composition.register_composition first")
+              "yours with odb.plan.steps.composition.register_composition first")
     _check_int("composition_block_steps", cfg.composition_block_steps, 1,
                "pass the optimizer steps composed together, e.g. 16")
     _check_int("composition_warmup_steps", cfg.composition_warmup_steps, 0,
@@ -220,7 +220,7 @@ def _check_shape_buckets(cfg: "ODBConfig") -> None:
     if isinstance(value, numbers.Integral):
         if value < 2:
             _fail("shape_buckets", value, "must be >= 2 (one bucket pads every batch to the budget)", fix)
-        from odb.plan.buckets import halving_buckets
+        from odb.plan.costs.buckets import halving_buckets
 
         budgets = list(cfg.token_budgets) + [int(b) for _, b in cfg.budget_schedule or ()]
         object.__setattr__(cfg, "shape_buckets", halving_buckets(max(budgets), int(value), cfg.pad_to_multiple_of))

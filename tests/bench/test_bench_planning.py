@@ -116,7 +116,7 @@ def test_odb_defaults_plan_as_well_as_length_grouping_and_near_the_oracle(worklo
     # Useful fill against the oracle's, the benchmark's goal of 0.97 (0.95 for heavy tails); measured 0.984-0.994
     # with one length, 1.078 / 1.091 with two
     assert d["ratio_to_oracle"] >= (0.95 if name.startswith(HEAVY_TAILED) else 0.97)
-    if x.shape[1] == 2:  # the banded order of two lengths (odb.plan.planner.sort_order) beats the sort by the total
+    if x.shape[1] == 2:  # the banded order of two lengths (odb.plan.windows.planner.sort_order) beats the sort by the total
         assert d["ratio_to_oracle"] >= 1.03
     # The emitted order follows length no more than a random order of as many batches would at 3 sigma, and no
     # more than 0.1 on long epochs: |rho| <= max(0.1, 3 / sqrt(steps - 1)) (docs/algorithm.md, "Order"; measured

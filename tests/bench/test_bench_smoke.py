@@ -177,7 +177,7 @@ def test_planning_invariants(bench):
             assert m["plan_stream_same_batches"], where
             assert methods["fixed"]["useful_fill"] < m["useful_fill"], where
             # one length: the greedy sorted cut makes the fewest steps; with two, odb's banded order
-            # (odb.plan.planner.sort_order) can make fewer than the oracle's sort by the total
+            # (odb.plan.windows.planner.sort_order) can make fewer than the oracle's sort by the total
             assert 0.2 < m["ratio_to_oracle"] <= (1.02 if w["dims"] == 1 else 1.15), where
             # odb shuffles the batches of a window: a sample leaves away from its arrival position
             assert m["mean_abs_displacement"] > 0.0, where
@@ -192,7 +192,7 @@ def test_planning_invariants(bench):
                                      encoder_decoder_lengths(3000)], ids=["lognormal", "pareto", "encdec"])
 @pytest.mark.parametrize("config", ["odb-512", "odb-default"])
 def test_planning_path_emits_the_loaders_batches(lengths, config):
-    """odb.plan.window.plan_stream (the benchmark's planner timing) plans exactly the batches ODBDataLoader emits."""
+    """odb.plan.windows.window.plan_stream (the benchmark's planner timing) plans exactly the batches ODBDataLoader emits."""
     cfg = odb_configs(16384, (512,))[config]
     lengths = np.asarray(lengths).reshape(len(lengths), -1)
     run = odb_loader_run(lengths, cfg, seed=0, sequential=True)

@@ -293,7 +293,7 @@ def test_len_is_close_to_the_real_step_count_and_computed_once(known):
 def test_first_window_emits_a_batch_and_windows_ramp_down_at_the_end():
     import numpy as np
 
-    from odb.plan.window import plan_stream
+    from odb.plan.windows.window import plan_stream
 
     cfg = odb.ODBConfig(token_budget=100, first_window_size=4, pack_efficiency=1.0, window_budgets=2)
     lengths = np.array([61, 47, 33, 29] + [20] * 200)
@@ -301,6 +301,6 @@ def test_first_window_emits_a_batch_and_windows_ramp_down_at_the_end():
     assert windows[0].groups, "a first window holding a budget's worth must emit a batch"
     sizes = [sum(len(g) for g in w.groups) for w in windows]
     assert sum(sizes) == len(lengths)
-    from odb.plan.window import window_limits
+    from odb.plan.windows.window import window_limits
 
     assert window_limits(cfg, 20, remaining=30) == (15, 200) and window_limits(cfg, 20, remaining=3) == (4, 200)

@@ -11,7 +11,7 @@ from odb.epoch.pool import SamplePool
 from odb.epoch.run import EpochRun
 from odb.epoch.run_state import RUN_KEYS, retained_positions
 from odb.epoch.stats import EpochStats
-from odb.plan.window import WindowPlanner
+from odb.plan.windows.window import WindowPlanner
 from odb.step_info import pop_step_info
 
 LENGTHS = [50, 50, 10, 10, 30, 70, 20, 20, 60, 5, 45, 15]

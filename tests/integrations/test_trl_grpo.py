@@ -1,5 +1,5 @@
 """TRL's GRPOTrainer and RLOOTrainer with odb cutting the policy update by tokens
-(odb.integrations.trl_rl): every optimizer step's gradient is TRL's own, for every loss_type, and so is
+(odb.integrations.trl.rl): every optimizer step's gradient is TRL's own, for every loss_type, and so is
 every metric TRL logs.
 
 Each case trains TRL alone, then TRL with odb, in one process from one seed: the two arms
@@ -25,7 +25,7 @@ from dist_harness import run_ranks
 
 from odb.integrations import hf as odb_hf
 from odb.integrations import trl as odb_trl
-from odb.integrations.trl_rl import enable_odb_rl
+from odb.integrations.trl.rl import enable_odb_rl
 
 pytestmark = pytest.mark.trl
 
@@ -209,7 +209,7 @@ def test_two_ranks_move_rows_and_get_trls_gradient(tmp_path):
 def test_moved_rows_keep_their_values_dtypes_and_shapes():
     import torch
 
-    from odb.integrations.trl_rl_move import micro_batch, pack_rows, unpack_rows
+    from odb.integrations.trl.rl_move import micro_batch, pack_rows, unpack_rows
 
     def slice_(prompt, completion, width_p, width_c):
         n = len(prompt)

@@ -21,7 +21,7 @@ from dist_harness import run_ranks
 from test_trl_grpo import BUDGET, check_moved, check_pair, mixed_micro_batches
 
 from odb.integrations import trl as odb_trl
-from odb.integrations.trl_rl_rows import COMPLETION, ROW
+from odb.integrations.trl.rl_rows import COMPLETION, ROW
 
 pytestmark = pytest.mark.trl
 

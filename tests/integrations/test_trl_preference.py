@@ -22,7 +22,7 @@ from dist_harness import run_ranks
 
 from odb import ODBConfig
 from odb.integrations.hf import enable_odb
-from odb.integrations.trl_pairs import PairLength, PairUnits
+from odb.integrations.trl.pairs import PairLength, PairUnits
 
 pytestmark = pytest.mark.trl
 

@@ -80,7 +80,7 @@ def build(name, tmp_path):
     raise ValueError(name)
 
 
-# GRPO and RLOO: every enable_odb door takes them down odb.integrations.trl_rl (the loader path, ODBTrainerMixin,
+# GRPO and RLOO: every enable_odb door takes them down odb.integrations.trl.rl (the loader path, ODBTrainerMixin,
 # refuses them with that fix); their tests are tests/integrations/test_trl_grpo*.py.
 REASONS = {"CPOTrainer": "averages its loss per pair", "ORPOTrainer": "averages its loss per pair",
            "KTOTrainer": "its loss and batching"}

@@ -1,4 +1,4 @@
-"""The layouts odb runs an RL trainer's micro-batch in (odb.integrations.trl_rl_forward.layout_rows): every token
+"""The layouts odb runs an RL trainer's micro-batch in (odb.integrations.trl.rl_forward.layout_rows): every token
 TRL scores is predicted from the same preceding tokens of its own rollout, and nothing else is scored."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odb.integrations.trl_rl_forward import RolloutForward, layout_rows
+from odb.integrations.trl.rl_forward import RolloutForward, layout_rows
 
 
 def rollouts(seed: int, rows: int, width_p: int, width_c: int):

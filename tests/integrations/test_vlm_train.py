@@ -82,7 +82,7 @@ def test_trl_sft_trainer_trains_a_vlm_exactly(tmp_path):
     import datasets
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-    from odb.integrations.trl_vision import vision_samples
+    from odb.integrations.trl.vision import vision_samples
 
     p = dict(QWEN, trl=True, ga=2)
     run = VW.trl_train(0, 1, dict(p, out=str(tmp_path)))

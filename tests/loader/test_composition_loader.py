@@ -117,8 +117,8 @@ def test_adjacent_steps_do_not_follow_each_other() -> None:
     """The block's steps come shuffled: adjacent steps' mean lengths correlate far less than sorted ones would."""
     steps = step_samples(epochs(1, "known", "padded", count=1)[0])
     means = [float(np.mean([LENGTHS[i] for i in s])) for s in steps]
-    assert odb.plan.composition.adjacent_correlation(means) < 0.5
-    assert odb.plan.composition.adjacent_correlation(sorted(means)) > 0.9
+    assert odb.plan.steps.composition.adjacent_correlation(means) < 0.5
+    assert odb.plan.steps.composition.adjacent_correlation(sorted(means)) > 0.9
 
 
 @pytest.mark.parametrize("source", ["online", "known"])

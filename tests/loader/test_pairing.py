@@ -1,4 +1,4 @@
-"""balance criteria are classes (odb.plan.pairing): a new one is one class and one registered name.
+"""balance criteria are classes (odb.plan.ranks.pairing): a new one is one class and one registered name.
 
 Shown with a criterion of the test's own: pairing by sample count. Ranks rank their groups by the
 criterion's price and step k pairs the k-th priciest group of each rank (shuffle=False keeps the
@@ -15,7 +15,7 @@ import pytest
 
 import odb
 from helpers import LengthDataset, known_lengths, pad_collate
-from odb.plan.pairing import PAIRINGS, register_pairing
+from odb.plan.ranks.pairing import PAIRINGS, register_pairing
 from test_thread_ranks import ok, run_ranks
 
 LENGTHS = known_lengths(96, 2, 60, seed=21)

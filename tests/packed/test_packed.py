@@ -23,13 +23,13 @@ from helpers import IGNORE, LengthDataset, StreamDataset, known_lengths, make_sa
 from roundtrip import read, round_trip
 from odb.bench.planning import load_workloads
 from odb.config import ODBConfig
-from odb.plan.cost import CostModel
+from odb.plan.costs.cost import CostModel
 from odb.packed.collate import PackedCollate
-from odb.plan.packing import balanced_rows, best_fit_decreasing, plan_packed_window
-from odb.plan.planner import balanced_partition, plan_window
+from odb.plan.windows.packing import balanced_rows, best_fit_decreasing, plan_packed_window
+from odb.plan.windows.planner import balanced_partition, plan_window
 from odb.epoch.simulate import simulate_ranks
 from odb.data.source import SampleMeter
-from odb.plan.window import WindowPlanner, flatten, oracle_groups, plan_stream
+from odb.plan.windows.window import WindowPlanner, flatten, oracle_groups, plan_stream
 
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -217,7 +217,7 @@ def test_oversize_samples_are_reported_and_the_rest_packed() -> None:
 def test_balanced_rows_spread_a_last_window_over_the_steps() -> None:
     cm = CostModel((100,), layout="packed")
     lengths = np.array([30, 30, 30, 10, 10, 10, 5, 5])
-    rows = balanced_partition(lengths, np.arange(8), cm, 4)  # the planner hands packed pools to odb.plan.packing
+    rows = balanced_partition(lengths, np.arange(8), cm, 4)  # the planner hands packed pools to odb.plan.windows.packing
     assert len(rows) == 4 and sorted(int(i) for r in rows for i in r) == list(range(8))
     assert max(lengths[r].sum() for r in rows) <= 35  # 130 tokens over 4 rows: 32.5 at best
     assert len(balanced_rows(lengths, np.arange(8), cm, 1)) == 2  # 130 tokens never fit one row of 100

@@ -1,4 +1,4 @@
-"""Rank alignment: the pure functions of odb.plan.align, and N simulated ranks (odb.epoch.simulate).
+"""Rank alignment: the pure functions of odb.plan.ranks.align, and N simulated ranks (odb.epoch.simulate).
 
 The simulation runs the real EpochRun of every rank in a thread, exchanging metadata
 through a barrier, so the whole distributed protocol (defer, split, ghost, join,
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import odb.epoch.run
 import odb.epoch.simulate
-from odb.plan.align import (StepPlan, decide_steps, global_steps, local_steps, shared_step_order,
+from odb.plan.ranks.align import (StepPlan, decide_steps, global_steps, local_steps, shared_step_order,
                        step_imbalance)
 from odb.bench.workloads import LOGNORMAL, lognormal_lengths
 from odb.config import ODBConfig

@@ -1,7 +1,7 @@
 """AutoBudget (token_budget="auto"): planner settings from a memory model fitted on the run.
 
 Ground truth is a synthetic step: peak memory = a * tokens + b * square_tokens + c * samples + d
-(``odb.plan.step_model.shape_features``). The planner runs as in a real epoch (``plan_window`` /
+(``odb.plan.auto.step_model.shape_features``). The planner runs as in a real epoch (``plan_window`` /
 ``plan_packed_window`` under the proposal's ``CostModel``), each step's memory is measured from the
 ground truth and fed back, and the best fixed budget is found by brute force, independently.
 """
@@ -15,13 +15,13 @@ import math
 import numpy as np
 import pytest
 
-from odb.plan.auto_budget import AutoBudget, BudgetPlan, agree
+from odb.plan.auto.auto_budget import AutoBudget, BudgetPlan, agree
 from odb.config import ODBConfig
-from odb.plan.cost import CostModel
-from odb.plan.plan_costs import PlanCosts
-from odb.plan.packing import plan_packed_window
-from odb.plan.planner import plan_window
-from odb.plan.step_model import shape_features
+from odb.plan.costs.cost import CostModel
+from odb.plan.costs.plan_costs import PlanCosts
+from odb.plan.windows.packing import plan_packed_window
+from odb.plan.windows.planner import plan_window
+from odb.plan.auto.step_model import shape_features
 
 CAP = 80e9
 EAGER = np.array([1e6, 2e3, 5e6, 20e9, 0.0, 0.0])  # attention scores: 2e3 bytes per token x length

@@ -1,4 +1,4 @@
-"""Step compositions (odb.plan.composition), pure: every sample of a block in exactly one step, full steps of the
+"""Step compositions (odb.plan.steps.composition), pure: every sample of a block in exactly one step, full steps of the
 given size with the rest last, the same answer on every call, and length-similar steps in an order whose adjacent
 lengths do not follow each other (against sorted megabatches, what group_by_length runs)."""
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odb.plan.composition import (COMPOSITIONS, LengthGrouped, SamplerOrder, adjacent_correlation, make_composition,
+from odb.plan.steps.composition import (COMPOSITIONS, LengthGrouped, SamplerOrder, adjacent_correlation, make_composition,
                                   register_composition)
 
 

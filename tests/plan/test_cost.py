@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from odb.config import ODBConfig
-from odb.plan.cost import CostModel
+from odb.plan.costs.cost import CostModel
 
 INT_MAX = np.iinfo(np.int64).max
 

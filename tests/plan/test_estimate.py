@@ -1,4 +1,4 @@
-"""How close odb.plan.estimate.estimate_steps comes to the steps the loader really runs.
+"""How close odb.plan.windows.estimate.estimate_steps comes to the steps the loader really runs.
 
 The real count is the number of batches ``odb.ODBDataLoader`` itself emits over one
 shuffled epoch of 20,000 samples (oversize samples alone, one step each): not the
@@ -14,13 +14,13 @@ from typing import Dict, List
 import numpy as np
 import pytest
 
-import odb.plan.estimate as est
+import odb.plan.windows.estimate as est
 from odb.bench.planning import odb_loader_run
 from odb.bench.realdata import load_real_lengths
 from odb.bench.workloads import encoder_decoder_lengths, lognormal_lengths, pareto_lengths
 from odb.config import ODBConfig
-from odb.plan.estimate import DEFAULT_PROBE, estimate_steps, probe_size
-from odb.plan.window import flatten, oracle_groups, plan_stream
+from odb.plan.windows.estimate import DEFAULT_PROBE, estimate_steps, probe_size
+from odb.plan.windows.window import flatten, oracle_groups, plan_stream
 
 N = 20_000
 BUDGETS = (16384, 4096)

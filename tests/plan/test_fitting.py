@@ -1,8 +1,8 @@
-"""The rank fit's decisions (odb.plan.fitting) on literal arrays, computed by hand."""
+"""The rank fit's decisions (odb.plan.ranks.fitting) on literal arrays, computed by hand."""
 
 import numpy as np
 
-from odb.plan.fitting import (SplitDecision, WindowDecision, cost_rank_order, decide_splits, decide_trim,
+from odb.plan.ranks.fitting import (SplitDecision, WindowDecision, cost_rank_order, decide_splits, decide_trim,
                               decide_window, must_emit)
 
 

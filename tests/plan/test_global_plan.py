@@ -1,4 +1,4 @@
-"""The global step planner (odb.plan.global_plan): properties, brute force on small steps, the per-rank plan.
+"""The global step planner (odb.plan.steps.global_plan): properties, brute force on small steps, the per-rank plan.
 
 Feasibility is re-checked from the cost model's definitions (``CostModel.per_sample_cost_ok`` of a batch's
 longest weights, the packed row capacity, ``max_batch_size``, the image patch cap, ``batch_size_multiple``);
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odb.plan.cost import CostModel, split_side
-from odb.plan.global_plan import GlobalStepPlan, plan_global_step, step_efficiency
-from odb.plan.planner import SortedPool, _max_counts_sorted
-from odb.plan.step_cut import plan_step_share
+from odb.plan.costs.cost import CostModel, split_side
+from odb.plan.steps.global_plan import GlobalStepPlan, plan_global_step, step_efficiency
+from odb.plan.windows.planner import SortedPool, _max_counts_sorted
+from odb.plan.steps.step_cut import plan_step_share
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

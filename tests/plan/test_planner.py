@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from odb.bench.workloads import LOGNORMAL, lognormal_lengths
 from odb.config import ODBConfig
-from odb.plan.cost import CostModel
-from odb.plan.planner import _dp_segments, _max_counts_sorted, greedy_segments, plan_window, sort_order
-from odb.plan.window import WindowPlanner, flatten, oracle_groups, plan_stream
+from odb.plan.costs.cost import CostModel
+from odb.plan.windows.planner import _dp_segments, _max_counts_sorted, greedy_segments, plan_window, sort_order
+from odb.plan.windows.window import WindowPlanner, flatten, oracle_groups, plan_stream
 
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -619,7 +619,7 @@ def test_deferred_groups_come_back_exactly_once(stream: Stream, data) -> None:
 def test_ramp_up_window_adds_its_best_carried_runs_until_it_emits_enough() -> None:
     """At the default pack_efficiency a window that would emit under FEED_SHARE of its new samples at 0.99 adds
     carried runs that reach 0.95, best first; an explicit pack_efficiency is taken as given."""
-    from odb.plan.window import FEED_SHARE, feed_runs
+    from odb.plan.windows.window import FEED_SHARE, feed_runs
 
     # Sorted 50, 47, 46, 43, 30, 30, 10 x 9: no run reaches 0.99 of a full batch; at 0.95 the DP prefers
     # (47, 46) (93 / 94) to (50, 47) + (46, 43); the 30s and 10s reach neither.

@@ -1,4 +1,4 @@
-"""odb.plan.price_deal: a global step plan's micro-batches dealt to ranks again by another price
+"""odb.plan.steps.price_deal: a global step plan's micro-batches dealt to ranks again by another price
 (balance="time"'s predicted seconds), keeping every micro-batch and the micro-step count."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from odb.plan.global_plan import GlobalStepPlan
-from odb.plan.price_deal import deal_by_price, planned_groups
+from odb.plan.steps.global_plan import GlobalStepPlan
+from odb.plan.steps.price_deal import deal_by_price, planned_groups
 
 GHOST = np.empty(0, dtype=np.int64)
 

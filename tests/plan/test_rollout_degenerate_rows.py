@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from odb.plan.rollout_global import plan_rollout_global
-from odb.plan.rollout_plan import plan_rollout_steps
+from odb.plan.rollouts.across_ranks import plan_rollout_global
+from odb.plan.rollouts.per_rank import plan_rollout_steps
 
 BUDGET = 64
 

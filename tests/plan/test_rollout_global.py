@@ -1,4 +1,4 @@
-"""One step of rollouts planned over all ranks, rows moving (odb.plan.rollout_global), checked against the cost
+"""One step of rollouts planned over all ranks, rows moving (odb.plan.rollouts.across_ranks), checked against the cost
 recomputed here from the lengths: every row once, within the budget, the same micro-step count on every rank and
 no empty micro-batch."""
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odb.plan.rollout_global import fill_empty, keep_home, plan_rollout_global, split_group
-from odb.plan.rollout_plan import plan_rollout_steps
+from odb.plan.rollouts.across_ranks import fill_empty, keep_home, plan_rollout_global, split_group
+from odb.plan.rollouts.per_rank import plan_rollout_steps
 
 
 def padded(length: int, multiple: int) -> int:
@@ -18,7 +18,7 @@ def padded(length: int, multiple: int) -> int:
 
 
 def cost(prompt, completion, rows, multiple, layout="padded") -> int:
-    """The tokens odb.integrations.trl_rl_forward runs for these flat rows (as tests/plan/test_rollout_plan.py)."""
+    """The tokens odb.integrations.trl.rl_forward runs for these flat rows (as tests/plan/test_rollout_plan.py)."""
     if layout == "packed":
         return sum(int(prompt[r]) + int(completion[r]) for r in rows)
     return len(rows) * max(padded(int(prompt[r]) + int(completion[r]), multiple) for r in rows)

@@ -1,4 +1,4 @@
-"""The micro-steps of one training step of rollouts on every rank (odb.plan.rollout_plan), checked against the
+"""The micro-steps of one training step of rollouts on every rank (odb.plan.rollouts.per_rank), checked against the
 cost recomputed here from the lengths: every row once, within the budget, the same row counts on every rank."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odb.plan.rollout_plan import plan_rollout_steps
+from odb.plan.rollouts.per_rank import plan_rollout_steps
 
 
 def padded(length: int, multiple: int) -> int:
@@ -16,7 +16,7 @@ def padded(length: int, multiple: int) -> int:
 
 
 def cost(prompt, completion, rows, multiple, layout="padded") -> int:
-    """The tokens odb.integrations.trl_rl_forward runs for these rows: each row's prompt and completion without
+    """The tokens odb.integrations.trl.rl_forward runs for these rows: each row's prompt and completion without
     the gap between them, right-padded to the longest (rounded up), or packed in one row."""
     if layout == "packed":
         return sum(int(prompt[r]) + int(completion[r]) for r in rows)

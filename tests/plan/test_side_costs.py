@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from odb.config import ODBConfig
-from odb.plan.auto_budget import AutoBudget
-from odb.plan.cost import CostModel
-from odb.plan.packing import plan_packed_window
-from odb.plan.planner import _max_counts_sorted, balanced_partition, plan_window
-from odb.plan.step_cut import plan_step_share
-from odb.plan.step_model import StepModel, shape_features
+from odb.plan.auto.auto_budget import AutoBudget
+from odb.plan.costs.cost import CostModel
+from odb.plan.windows.packing import plan_packed_window
+from odb.plan.windows.planner import _max_counts_sorted, balanced_partition, plan_window
+from odb.plan.steps.step_cut import plan_step_share
+from odb.plan.auto.step_model import StepModel, shape_features
 
 CAP = 80e9
 ACT, LOGITS, CHUNK, PATCH, SAMPLE, CONST = 1.1e6, 1.3e6, 5.2e5, 4.0e5, 5e6, 20e9

@@ -1,4 +1,4 @@
-"""The least-cost cut of one optimizer step's samples (odb.plan.step_cut): against brute force."""
+"""The least-cost cut of one optimizer step's samples (odb.plan.steps.step_cut): against brute force."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odb.plan.cost import CostModel
-from odb.plan.step_cut import plan_step_share
+from odb.plan.costs.cost import CostModel
+from odb.plan.steps.step_cut import plan_step_share
 
 
 def total_cost(groups, lengths, cost: CostModel, overhead: float) -> float:

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from odb.plan.nnls import nnls
-from odb.plan.step_model import FEATURES, StepModel, shape_features, window_features
+from odb.plan.auto.nnls import nnls
+from odb.plan.auto.step_model import FEATURES, StepModel, shape_features, window_features
 
 # bytes per token, per token x length, per sample, constant; none per supervised token or image patch
 TRUE = np.array([2.0e5, 150.0, 3.0e6, 4.0e9, 0.0, 0.0])

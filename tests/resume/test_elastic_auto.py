@@ -1,6 +1,6 @@
 """Elastic resume with token_budget="auto": a mid-epoch state of W ranks continues on W' ranks.
 
-The rule (odb.resume.elastic, odb.epoch.auto.merged_state, odb.plan.auto_budget.merge_states): every
+The rule (odb.resume.elastic, odb.epoch.auto.merged_state, odb.plan.auto.auto_budget.merge_states): every
 new rank starts from the AutoBudget of the most conservative old rank (the least next proposal), with
 every rank's out-of-memory knowledge; the frozen window plans of the interrupted epoch are dropped and the
 re-partitioned epoch plans its remaining samples from that model, the new ranks agreeing through their
@@ -31,8 +31,8 @@ from dist_harness import run_ranks as run_processes
 from helpers import LengthDataset, known_lengths, pad_collate
 from odb.comm.threads import ThreadRanks
 from odb.epoch.budget import AutoWindows
-from odb.plan.auto_budget import AutoBudget, merge_states
-from odb.plan.step_model import shape_features
+from odb.plan.auto.auto_budget import AutoBudget, merge_states
+from odb.plan.auto.step_model import shape_features
 from odb.train.memory import ActivationMeter
 
 BYTES_PER_TOKEN = 136

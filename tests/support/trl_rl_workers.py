@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from odb.integrations.trl_rl import RolloutCounts
+from odb.integrations.trl.rl import RolloutCounts
 
 import trl_workers as W
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from odb.plan.auto_budget import AutoBudget
-from odb.plan.planner import plan_window
-from odb.plan.step_model import shape_features
+from odb.plan.auto.auto_budget import AutoBudget
+from odb.plan.windows.planner import plan_window
+from odb.plan.auto.step_model import shape_features
 from odb.train.memory import ActivationMeter
 
 from hf_workers import pad_collate

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import odb
-from odb.plan.buckets import bucket_length
+from odb.plan.costs.buckets import bucket_length
 from odb.config import ODBConfig
-from odb.plan.cost import CostModel
-from odb.plan.window import flatten, plan_stream
+from odb.plan.costs.cost import CostModel
+from odb.plan.windows.window import flatten, plan_stream
 
 from helpers import IGNORE, LengthDataset, StreamDataset, epoch
 

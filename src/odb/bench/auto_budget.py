@@ -27,12 +27,12 @@ Arms, all under that cap, all trained the same way (a fresh model from one seed,
   shuffled order. No user has it: it needs every length and a measurement of every shape.
 * ``users_rule``: what a user does by trying the worst case: the largest B such that B copies
   of the longest sample fit the cap (measured), then ``token_budget = B x max_len``, planned
-  by odb (``odb.plan.window.plan_stream``, as ``ODBDataLoader(token_budget=...)`` plans).
+  by odb (``odb.plan.windows.window.plan_stream``, as ``ODBDataLoader(token_budget=...)`` plans).
 * ``odb_at_oracle``: odb's planner at the oracle's budget (does odb's online plan at that
   budget stay under the cap?).
 * ``auto``: odb's ``token_budget="auto"``: ``ODBDataLoader(..., token_budget="auto",
   memory_cap_bytes=cap, memory_meter=ActivationMeter(model))`` at its defaults (``--auto-mode manual``:
-  ``odb.plan.auto_budget.AutoBudget`` driven by this script between the windows odb's planner plans,
+  ``odb.plan.auto.auto_budget.AutoBudget`` driven by this script between the windows odb's planner plans,
   propose -> plan the next window -> train, measure -> observe: the model without the loader's threads).
 
 Reported per workload x attention: real and padded tokens per step (over the epoch, and real
@@ -65,8 +65,8 @@ import torch
 from odb.bench.planning import oracle_batches
 from odb.bench.workloads import lognormal_lengths
 from odb.config import ODBConfig
-from odb.plan.plan_costs import PlanCosts
-from odb.plan.window import WindowPlanner, plan_stream, window_cut, window_limits
+from odb.plan.costs.plan_costs import PlanCosts
+from odb.plan.windows.window import WindowPlanner, plan_stream, window_cut, window_limits
 
 MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, use_cache=False)
@@ -287,8 +287,8 @@ class ManualAuto:
     """AutoBudget driven by hand between odb's windows (the loader's "auto" wiring, reproduced)."""
 
     def __init__(self, cap: float, start_budget: int) -> None:
-        from odb.plan.auto_budget import AutoBudget
-        from odb.plan.step_model import shape_features
+        from odb.plan.auto.auto_budget import AutoBudget
+        from odb.plan.auto.step_model import shape_features
         self.ab = AutoBudget(cap, start_budget)
         self.features = shape_features
         self.budget = float(start_budget)

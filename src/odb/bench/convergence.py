@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import odb
 
 from odb.bench.verdict import paired_spread, straddles
-from odb.plan.composition import adjacent_correlation
+from odb.plan.steps.composition import adjacent_correlation
 from odb.bench.text_data import PAD_ID, TextSamples, held_out_batch, pad_collate, workload_lengths
 from odb.bench.training_arms import PACKED_ATTN, fixed_batch_size, trl_rows
 from odb.bench.training_run import _autocast, _counts, _reduce, build_model, wrap

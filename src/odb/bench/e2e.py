@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import odb
 from odb.loader.batch_checks import ShiftLabelsWarning
-from odb.plan.window import plan_stream
+from odb.plan.windows.window import plan_stream
 
 from odb.bench.loader_speed import pad_collate
 from odb.bench.workloads import lognormal_lengths

@@ -16,7 +16,7 @@ greedily under the budget.
 The odb rows come from ``odb.ODBDataLoader`` itself: it iterates a dataset whose items
 carry only their lengths (``num_workers=0``, a collate that returns nothing), and the
 batches are read from each batch's ``ODBStepInfo``. The planner alone
-(``odb.plan.window.plan_stream`` over the same arrival order) is timed separately, and
+(``odb.plan.windows.window.plan_stream`` over the same arrival order) is timed separately, and
 whether it plans the same batches as the loader is recorded beside the figures.
 """
 
@@ -31,7 +31,7 @@ import torch
 
 import odb
 from odb import ODBConfig
-from odb.plan.window import plan_stream
+from odb.plan.windows.window import plan_stream
 
 from odb.bench.workloads import encoder_decoder_lengths, synthetic_workloads
 
@@ -237,7 +237,7 @@ def window_settings(cfg: ODBConfig) -> Dict[str, Any]:
     if hasattr(cfg, "emit_efficiency"):  # pack_efficiency=None: the layout's default
         out["pack_efficiency"] = cfg.emit_efficiency
         if cfg.pack_efficiency is None and cfg.layout == "padded":
-            from odb.plan.window import FEED_EFFICIENCY, FEED_SHARE
+            from odb.plan.windows.window import FEED_EFFICIENCY, FEED_SHARE
             out["ramp_up_rule"] = f"under {FEED_SHARE:.0%} of a window's new samples emitted: add runs >= {FEED_EFFICIENCY}"
     tokens = getattr(cfg, "window_tokens", None)
     if tokens is not None and not callable(tokens):
@@ -296,7 +296,7 @@ def odb_loader_run(lengths: np.ndarray, cfg: ODBConfig, seed: int, sequential: b
 
 def time_planner(lengths: np.ndarray, cfg: ODBConfig,
                  cpu_times: Optional[List[float]] = None) -> Tuple[List[np.ndarray], List[float]]:
-    """``odb.plan.window.plan_stream`` over lengths in arrival order: its groups (arrival positions) and
+    """``odb.plan.windows.window.plan_stream`` over lengths in arrival order: its groups (arrival positions) and
     the seconds spent planning each window (wall clock); ``cpu_times``, when given, receives this
     thread's CPU seconds per window (what planning costs, whatever else shares the machine)."""
     groups: List[np.ndarray] = []

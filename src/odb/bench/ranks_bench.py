@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict
 
 import numpy as np
 
-from odb.plan.align import decide_steps, global_steps, shared_step_order, step_imbalance
+from odb.plan.ranks.align import decide_steps, global_steps, shared_step_order, step_imbalance
 from odb.config import ODBConfig
 from odb.epoch.simulate import simulate_ranks
 

@@ -132,7 +132,7 @@ def summary_table(planning: Dict[str, Any], buffers: Sequence[str] = SUMMARY_ODB
     same = {name: all(m.get("plan_stream_same_batches", True) for k, m in w["methods"].items()
                       if k.startswith("odb-")) for name, w in planning["workloads"].items()}
     differ = [n for n, ok in same.items() if not ok]
-    text += ("\nodb rows: batches of ODBDataLoader itself; odb.plan.window.plan_stream planned the same batches "
+    text += ("\nodb rows: batches of ODBDataLoader itself; odb.plan.windows.window.plan_stream planned the same batches "
              + ("on every workload" if not differ else f"EXCEPT on {', '.join(differ)}"))
     return text
 

@@ -154,7 +154,7 @@ def loss_type_plans(worlds: Dict[str, Any]) -> Dict[str, Any]:
         >>> loss_type_plans({"8": cell})["8"]["bnpo"]["step_plan"]
         'global'
     """
-    from odb.integrations.trl_rl import resolve_step_plan
+    from odb.integrations.trl.rl import resolve_step_plan
 
     out: Dict[str, Any] = {}
     for w, cell in worlds.items():

@@ -4,7 +4,7 @@ simulated ranks, planned by each arm under one token budget (no model, pure nump
 A rollout row is a prompt and its completion. TRL pads a micro-batch of rows to ``rows x (longest prompt +
 longest completion)`` tokens; odb runs a row's prompt and completion without the gap between them, so its
 padded micro-batch costs ``rows x longest (prompt + completion)`` and a packed one its real tokens
-(``odb.integrations.trl_rl_forward``); every micro-batch also costs a fixed
+(``odb.integrations.trl.rl_forward``); every micro-batch also costs a fixed
 ``overhead`` (a forward and backward pass over the weights). Figures as odb.bench.scale defines them
 (``odb.bench.scale.step_efficiency``): DDP step efficiency = (real tokens / W + overhead) / max over ranks of
 (the rank's padded tokens + its micro-batches x overhead).
@@ -21,11 +21,11 @@ Arms (``PLAN_ARMS``):
   rank fits the budget; packed (a micro-batch costs its real tokens).
 * ``odb_rollout`` / ``odb_rollout_packed``: what ``odb.integrations.trl.enable_odb`` runs (``layout="padded"``
   / ``"packed"``) with ``step_plan="rank"`` (the default's choice on one process):
-  ``odb.plan.rollout_plan.plan_rollout_steps`` over every rank's rows (rows stay on their rank, the same row
+  ``odb.plan.rollouts.per_rank.plan_rollout_steps`` over every rank's rows (rows stay on their rank, the same row
   count per micro-step on every rank).
 * ``odb_global`` / ``odb_global_packed``: what ``enable_odb`` runs on several ranks with ``step_plan="auto"``
   for every loss_type, the entropy bonus too (each row weighted by its own slice's normaliser):
-  ``odb.plan.rollout_global.plan_rollout_global`` (``odb.plan.global_plan.plan_global_step`` over all ranks'
+  ``odb.plan.rollouts.across_ranks.plan_rollout_global`` (``odb.plan.steps.global_plan.plan_global_step`` over all ranks'
   rows, each row's prompt + completion as one length, then no empty micro-batch, rows kept home where it costs
   nothing, the rank-local plan where it costs no more), which moves rows between ranks.
 
@@ -197,7 +197,7 @@ def verl_plan(rows: Rows, budget: int) -> Planned:
 
 def odb_rollout(rows: Rows, budget: int, packed: bool = False) -> Planned:
     """odb's rollout plan: every rank computes it from every rank's lengths; rows stay on their rank."""
-    from odb.plan.rollout_plan import plan_rollout_steps
+    from odb.plan.rollouts.per_rank import plan_rollout_steps
 
     prompt, completion = rows
     world, n = prompt.shape
@@ -213,7 +213,7 @@ def odb_global(rows: Rows, budget: int, packed: bool, micro_batch_cost: Optional
     """odb's global rollout plan (``plan_rollout_global``, what the trainer runs with ``step_plan="global"``, at its
     default ``micro_batch_cost`` unless given): every rank computes it from every rank's lengths; rows move between
     ranks."""
-    from odb.plan.rollout_global import plan_rollout_global
+    from odb.plan.rollouts.across_ranks import plan_rollout_global
 
     prompt, completion = rows
     p, c = prompt.ravel(), completion.ravel()

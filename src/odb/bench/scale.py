@@ -266,7 +266,7 @@ def has_step_plan() -> bool:
 
 def _global_planner() -> Optional[Callable[..., Any]]:
     try:
-        from odb.plan.global_plan import plan_global_step
+        from odb.plan.steps.global_plan import plan_global_step
     except ImportError:
         return None
     return plan_global_step
@@ -367,7 +367,7 @@ def global_direct_steps(lengths: np.ndarray, world: int, share: int, layout: str
     rank, each rank's next ``share`` of its DistributedSampler order, with the loader's cost model and overhead
     (what every rank of ``ODBDataLoader(step_plan="global")`` computes, the same on each; known lengths move no
     sample). ``times`` receives (wall, CPU) seconds per plan."""
-    from odb.plan.cost import CostModel
+    from odb.plan.costs.cost import CostModel
 
     plan_global_step = _global_planner()
     if plan_global_step is None:
@@ -677,7 +677,7 @@ def notes(result: Dict[str, Any]) -> List[str]:
                    "computed once, as every rank of the loader computes it identically (with known lengths no "
                    "sample moves): running it through W thread ranks costs W plans per step in one process.")
     else:
-        out.append(f"odb global arms: {NOT_AVAILABLE} (no step_plan option or no odb.plan.global_plan).")
+        out.append(f"odb global arms: {NOT_AVAILABLE} (no step_plan option or no odb.plan.steps.global_plan).")
     left = []
     for name, w in result["workloads"].items():
         for cell in w["cells"].values():

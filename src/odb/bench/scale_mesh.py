@@ -181,8 +181,8 @@ def mesh_step(lengths: np.ndarray, replicas: int, cp: int, cap: int, overhead: f
     (odb.bench.scale.MicroBatch: a replica's tokens / cp)."""
     import odb
     from odb.bench.step_figures import MicroBatch
-    from odb.plan.cost import CostModel
-    from odb.plan.global_plan import plan_global_step
+    from odb.plan.costs.cost import CostModel
+    from odb.plan.steps.global_plan import plan_global_step
 
     cfg = odb.ODBConfig(token_budget=cap, context_parallel=cp, micro_batch_cost=overhead)
     cost = CostModel.from_config(cfg)

@@ -1,5 +1,5 @@
 """The one way odb moves Python objects between ranks: processed samples of a step planned across ranks
-(odb.epoch.global_step) and rollout rows of an RL step (odb.integrations.trl_rl_move) alike.
+(odb.epoch.global_step) and rollout rows of an RL step (odb.integrations.trl.rl_move) alike.
 
 ``move_objects`` pickles each rank's outgoing object (``dumps``), moves the bytes through the exchange
 (``RankExchange.move``: one gather of sizes, one all-to-all of bytes), unpickles what arrives, and says what

@@ -1,6 +1,6 @@
 """PadToBucket: a collated batch padded on to its shape bucket (``ODBConfig(shape_buckets=...)``).
 
-odb plans each batch at a bucket length (odb.plan.buckets), but the collate_fn pads: a
+odb plans each batch at a bucket length (odb.plan.costs.buckets), but the collate_fn pads: a
 collator pads to the batch's longest sample (rounded to its ``pad_to_multiple_of``)
 and takes no per-batch length. So with ``shape_buckets`` the loader wraps the
 collate_fn in ``PadToBucket``, which pads the collated batch's sequence tensors on
@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from odb.plan.buckets import bucket_length
+from odb.plan.costs.buckets import bucket_length
 
 _ID_KEYS = ("input_ids", "decoder_input_ids")
 _LABEL_KEYS = ("labels",)

@@ -1,6 +1,6 @@
 """token_budget="auto" of one loader's epochs: measurements in, planner settings out (see AutoControl).
 
-The model and its proposals are odb.plan.auto_budget's (pure); this module holds what runs on the
+The model and its proposals are odb.plan.auto.auto_budget's (pure); this module holds what runs on the
 loader's two threads: the training thread feeds each handed-out batch's measurements, the batch
 thread reads the plan of the next window, frozen at a step mark so that planning does not depend on
 how far it has read ahead (a resumed run plans the same windows). AutoControl keeps two parts:
@@ -20,7 +20,7 @@ import numpy as np
 
 from odb.config import ODBConfig
 from odb.epoch.budget import AutoWindows
-from odb.plan.plan_costs import PlanCosts
+from odb.plan.costs.plan_costs import PlanCosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +43,8 @@ class AutoSettings:
     time_balance: bool = False
 
     def new_budget(self, start: int) -> Any:
-        """A new AutoBudget (odb.plan.auto_budget) whose first proposal is ``start`` tokens."""
-        from odb.plan.auto_budget import AutoBudget
+        """A new AutoBudget (odb.plan.auto.auto_budget) whose first proposal is ``start`` tokens."""
+        from odb.plan.auto.auto_budget import AutoBudget
 
         return AutoBudget(self.cap, int(start), packed=self.packed, margin=self.margin)
 
@@ -124,7 +124,7 @@ class FrozenPlans:
                         freeze: Callable[[], Tuple[Any, Any]]) -> None:
         """Continue from ``state_dict``'s output (in a loader state's "budget"): ``model(state)`` makes a frozen
         AutoBudget copy; no entry (a re-partitioned epoch, ``merged_state``): its windows plan from now on."""
-        from odb.plan.auto_budget import BudgetPlan
+        from odb.plan.auto.auto_budget import BudgetPlan
 
         self.observed = int(state["observed"])
         self.marks = set(int(m) for m in state["marks"])
@@ -142,7 +142,7 @@ def needed(mark: int, lookahead: int) -> int:
 
 
 class AutoControl:
-    """``token_budget="auto"`` of one loader: the AutoBudget (odb.plan.auto_budget) fed by the training
+    """``token_budget="auto"`` of one loader: the AutoBudget (odb.plan.auto.auto_budget) fed by the training
     thread, read by the batch thread, behind one lock.
 
     Measuring (training thread): when the loop asks for the next batch, the batch handed out before
@@ -174,7 +174,7 @@ class AutoControl:
         self.settings = AutoSettings(cap=cap, meter=meter, packed=packed, margin=margin, time_balance=time_balance)
         self.options = options  # the user's (None: a control made by hand, e.g. in a test: the defaults)
         self.resumed_state = False  # a mid-epoch state gave this control its place in the epoch
-        self.budget: Any = None  # odb.plan.auto_budget.AutoBudget, made by start()
+        self.budget: Any = None  # odb.plan.auto.auto_budget.AutoBudget, made by start()
         self.start_budget: Optional[int] = None
         self.lock = threading.Condition()
         self.clock: Callable[[], float] = time.perf_counter
@@ -282,7 +282,7 @@ class AutoControl:
     def planned(self, step: int, lengths: np.ndarray, supervised: Any = None, patches: Any = None) -> None:
         """Step ``step`` was made from samples of (n, D) padded ``lengths``, with these supervised tokens and
         image patches per sample (not for ghosts)."""
-        from odb.plan.step_model import shape_features
+        from odb.plan.auto.step_model import shape_features
 
         lengths = np.asarray(lengths)
         features = shape_features(lengths.sum(axis=1) if lengths.ndim == 2 else lengths, self.settings.packed,
@@ -467,11 +467,11 @@ def start_budget(peek: Callable[[int], Any], first_window_size: int) -> int:
 def merged_state(states: List[Optional[Dict[str, Any]]], step: int) -> Optional[Dict[str, Any]]:
     """The loader state's "budget" entry that every new rank of an elastic resume loads (odb.resume.elastic),
     from every old rank's (None where a rank had none): the AutoBudgets merged
-    (odb.plan.auto_budget.merge_states: the most conservative rank's, with every rank's OOMs),
+    (odb.plan.auto.auto_budget.merge_states: the most conservative rank's, with every rank's OOMs),
     the least start budget, ``step`` steps of the epoch observed, and no frozen proposal: the re-partitioned
     epoch plans its remaining windows from the merged model (its first window under the merged state's
     proposal, the same on every new rank), and the ranks agree again through their exchange."""
-    from odb.plan.auto_budget import merge_states
+    from odb.plan.auto.auto_budget import merge_states
 
     started = [s for s in states if s is not None and s.get("start") is not None]
     if not started:  # no rank had started: nothing learned yet

@@ -1,7 +1,7 @@
 """The window budget: what prices the next window, in one seam.
 
 An epoch run asks its window budget, before each window, for the planner's prices
-(``PlanCosts``: odb.plan.plan_costs), and tells it about the steps it makes. Three
+(``PlanCosts``: odb.plan.costs.plan_costs), and tells it about the steps it makes. Three
 implementations, chosen once from the user's options (odb.loader.budgets.make_budget):
 
 - ``FixedBudget``: the ``token_budget`` the user set (or set later with ``set_token_budget``);
@@ -28,8 +28,8 @@ from typing import Any, Dict, Optional, Protocol, Sequence
 import numpy as np
 
 from odb.config import ODBConfig
-from odb.plan.plan_costs import PlanCosts
-from odb.plan.schedule import budget_at
+from odb.plan.costs.plan_costs import PlanCosts
+from odb.plan.costs.schedule import budget_at
 
 
 class WindowBudget(Protocol):
@@ -37,7 +37,7 @@ class WindowBudget(Protocol):
 
     costs: PlanCosts  # the prices of the last window asked for
 
-    time_model: Any  # what balance="time" prices with (odb.plan.pairing; None: no step-time model)
+    time_model: Any  # what balance="time" prices with (odb.plan.ranks.pairing; None: no step-time model)
 
     def next_window(self, *, step: int, window_index: int, planned: int, alone: bool = False) -> PlanCosts:
         """The prices of the next window: ``step`` steps made so far, ``window_index`` windows planned,
@@ -188,7 +188,7 @@ class AutoWindows:
 
     @property
     def time_model(self) -> Any:
-        """What ``balance="time"`` prices with (odb.plan.pairing.TimePairing)."""
+        """What ``balance="time"`` prices with (odb.plan.ranks.pairing.TimePairing)."""
         return self.control
 
     def _apply(self, plan: Any) -> None:
@@ -240,7 +240,7 @@ class AutoWindows:
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
         if state is None:
             return
-        from odb.plan.auto_budget import BudgetPlan
+        from odb.plan.auto.auto_budget import BudgetPlan
 
         self.mark = None if state["mark"] is None else int(state["mark"])
         self.agreed_plan = None if state["agreed"] is None else BudgetPlan.decode(state["agreed"])

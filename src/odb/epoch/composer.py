@@ -2,13 +2,13 @@
 
 With the user's batch (``global_batch_size``) an epoch's windows are its optimizer steps. ``StepComposer``
 reads the source a block of its composition's ``block_steps`` steps' shares at a time, has the block composed
-(odb.plan.composition: pure), and hands out one composed step at a time (``next_step``). Its state is the run
+(odb.plan.steps.composition: pure), and hands out one composed step at a time (``next_step``). Its state is the run
 state's ``position["composed"]`` (odb.epoch.run_state): the steps composed and not handed out yet (their
 positions: samples the run holds, which a resume reads again), the blocks read and whether the data ended.
 
 Example:
     >>> from odb.data.source import SampleSource
-    >>> from odb.plan.composition import make_composition
+    >>> from odb.plan.steps.composition import make_composition
     >>> records = [[(p, p, f"s{p}", ((n,), n, 0)) for p, n in enumerate([5, 40, 6, 41])]]
     >>> source = SampleSource(records, cap_samples=8, cap_tokens=None, threaded=False)
     >>> composer = StepComposer(make_composition("length_grouped", block_steps=2), 2, seed=0, epoch=0)
@@ -28,7 +28,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import numpy as np
 
 from odb.data.source import Record, SampleSource
-from odb.plan.composition import Composition
+from odb.plan.steps.composition import Composition
 
 
 def fresh_composed() -> Dict[str, Any]:
@@ -37,7 +37,7 @@ def fresh_composed() -> Dict[str, Any]:
 
 
 class StepComposer:
-    """Composes this rank's optimizer steps by ``composition`` (odb.plan.composition), ``step_samples`` samples
+    """Composes this rank's optimizer steps by ``composition`` (odb.plan.steps.composition), ``step_samples`` samples
     each (this rank's share), its random draws from ``seed`` and ``epoch`` (the same on every rank)."""
 
     def __init__(self, composition: Composition, step_samples: int, *, seed: int, epoch: int) -> None:

@@ -19,7 +19,7 @@ from odb.epoch.pipeline import LazyBatch
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import Step
 from odb.epoch.run_state import step_from_row, step_row
-from odb.plan.align import StepPlan
+from odb.plan.ranks.align import StepPlan
 from odb.step_info import ODBStepInfo, attach_step_info
 
 Ghost = Tuple[int, Any, Any, int]  # (position, sample copy, meta, dataset index)

@@ -6,7 +6,7 @@ its sampler's order, as the per-rank plan does: the step holds the plain loader'
 1. the header: every rank's share size, its samples' length dimensions and whether its data ended (and
    the options check, odb.epoch.ranks.RankAligner.header);
 2. the step table: every rank's samples as rows of one int64 message (``StepTable``);
-3. the plan: odb.plan.global_plan.plan_global_step over the union of the step's samples, the same on
+3. the plan: odb.plan.steps.global_plan.plan_global_step over the union of the step's samples, the same on
    every rank (pure), so that the slowest rank costs least;
 4. the move: with online lengths, each rank sends the processed samples it planned for other ranks,
    pickled, through the exchange's byte move (odb.comm.protocol.RankExchange.move); with known lengths a
@@ -34,10 +34,10 @@ from odb.epoch.drop_last import DropLast
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.stats import EpochStats
-from odb.plan.align import StepPlan
-from odb.plan.global_plan import GlobalStepPlan, plan_global_step
-from odb.plan.price_deal import deal_by_price, planned_groups
-from odb.plan.window import WindowPlanner
+from odb.plan.ranks.align import StepPlan
+from odb.plan.steps.global_plan import GlobalStepPlan, plan_global_step
+from odb.plan.steps.price_deal import deal_by_price, planned_groups
+from odb.plan.windows.window import WindowPlanner
 
 SLOT_BITS = 24  # a step's samples, all ranks together, are fewer than 2 ** 24
 
@@ -238,7 +238,7 @@ class GlobalStep:
 
     def _deal_by_price(self, table: StepTable, planned: GlobalStepPlan, where: str) -> GlobalStepPlan:
         """``planned``'s micro-batches dealt again by the pairing criterion's prices (balance="time": predicted
-        seconds), the mean of every process's price for each, so every rank deals alike (odb.plan.price_deal);
+        seconds), the mean of every process's price for each, so every rank deals alike (odb.plan.steps.price_deal);
         the plan as it is where any rank's model gives no price for one of them."""
         groups = planned_groups(planned)
         cost = self.planner.cost

@@ -63,7 +63,7 @@ class SamplePool:
 
     def side(self, ids: Iterable[int], needed: bool = True) -> Optional[np.ndarray]:
         """(n, 2) image patches and supervised tokens of these samples: the planner's side counts
-        (odb.plan.cost.split_side); None when not ``needed`` (no patch cap, no side cost).
+        (odb.plan.costs.cost.split_side); None when not ``needed`` (no patch cap, no side cost).
 
         Example:
             >>> pool = SamplePool(); pool.add(0, "s", ((5,), 4, 16), index=0); pool.side([0]).tolist()

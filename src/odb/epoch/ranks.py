@@ -1,7 +1,7 @@
 """How one rank fits its planned groups to the steps all ranks agreed on.
 
 Exchange the window header; the decisions are pure functions of the exchanged integers
-(odb.plan.fitting, odb.plan.align): the step count, then what to defer, what to draw
+(odb.plan.ranks.fitting, odb.plan.ranks.align): the step count, then what to defer, what to draw
 from the carry, whether to re-balance the last window, what to split, how many ghosts.
 The aligner applies them through the window planner's methods (its carry), reads the
 sample pool (lengths, loss tokens), exchanges per-step summaries and orders the steps
@@ -13,8 +13,8 @@ step; ``announce`` joins the next exchange with a failure or a stop. The header 
 confirmation have the same layout and size (``HeaderMessage``: status, 4 header fields, the plan options'
 fingerprint), so a rank that fails anywhere but between a header and its summaries knows
 the shape the others expect (``DueExchanges``: what this rank still owes). The header also
-carries this rank's encoded budget proposal (odb.plan.auto_budget.BudgetPlan, 3 ints; zeros without
-token_budget="auto") and whether its pairing criterion (``pairing``, odb.plan.pairing: ``balance``)
+carries this rank's encoded budget proposal (odb.plan.auto.auto_budget.BudgetPlan, 3 ints; zeros without
+token_budget="auto") and whether its pairing criterion (``pairing``, odb.plan.ranks.pairing: ``balance``)
 prices this window (1 int; zeros in a confirmation). Where the window budget proposes (``align``'s
 ``proposal``: token_budget="auto"), ``agreed_plan`` is the most conservative of every rank's proposals
 (``agree``), which the window budget applies to the next window; the ranks pair by the criterion's price only in a window where every rank's is ready (else
@@ -31,15 +31,15 @@ import numpy as np
 from odb.comm.agreement import agreed_values, check_agreement, fingerprint
 from odb.comm.protocol import ODBOptionMismatch
 from odb.epoch.pool import SamplePool, side_needed
-from odb.plan.align import StepPlan, global_steps, local_steps, shared_step_order
-from odb.plan.budget_plan import PLAN_FIELDS, agree
-from odb.plan.fitting import cost_rank_order, decide_splits, decide_trim, decide_window, must_emit
-from odb.plan.pairing import Pairing, TokenPairing
-from odb.plan.planner import balanced_partition
-from odb.plan.window import WindowPlanner
+from odb.plan.ranks.align import StepPlan, global_steps, local_steps, shared_step_order
+from odb.plan.auto.budget_plan import PLAN_FIELDS, agree
+from odb.plan.ranks.fitting import cost_rank_order, decide_splits, decide_trim, decide_window, must_emit
+from odb.plan.ranks.pairing import Pairing, TokenPairing
+from odb.plan.windows.planner import balanced_partition
+from odb.plan.windows.window import WindowPlanner
 
 Step = Tuple[StepPlan, Optional[np.ndarray]]
-PLAN_SIZE = PLAN_FIELDS  # int64 of an encoded BudgetPlan (odb.plan.budget_plan.BudgetPlan.encode)
+PLAN_SIZE = PLAN_FIELDS  # int64 of an encoded BudgetPlan (odb.plan.auto.budget_plan.BudgetPlan.encode)
 AUTO_SIZE = PLAN_SIZE + 1  # the header's auto part: the encoded plan, and whether this rank's time model predicts
 CONFIRM_STEPS = 4  # steps confirmed by one exchange (the same on every rank: it shapes the protocol)
 BODY_FIELDS = 4  # per step of a window's body: pair cost, samples, supervised tokens, longest sample (probe)
@@ -127,7 +127,7 @@ class DueExchanges:
 class RankAligner:
     """One rank's side of the per-window alignment (``exchange`` is None on a single process).
 
-    It decides nothing itself (odb.plan.fitting does, over exchanged integers): it exchanges,
+    It decides nothing itself (odb.plan.ranks.fitting does, over exchanged integers): it exchanges,
     then applies the decisions through the window planner's methods (defer, take from the carry).
     It reads the pool, and leaves the epoch's counters to the epoch run: ``last_fit`` says what the
     last window's fit did. ``steps_done`` tells it the steps emitted so far (for its messages).
@@ -324,7 +324,7 @@ class RankAligner:
                          cfg.buffer_size - len(carried), room_tokens)
 
     def _fit(self, groups: List[np.ndarray], n_steps: int, planned_final: bool) -> List[Optional[np.ndarray]]:
-        """Exactly n_steps groups (odb.plan.fitting decides): defer the least costly to the carry; or
+        """Exactly n_steps groups (odb.plan.ranks.fitting decides): defer the least costly to the carry; or
         re-cut the last window, take groups from the carry, split the largest, then add ghosts (None)."""
         trim = decide_trim([self.cost(g) for g in groups], n_steps, planned_final or self.whole_windows)
         for k in trim.defer.tolist():

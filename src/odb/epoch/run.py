@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
-from odb.plan.align import StepPlan
+from odb.plan.ranks.align import StepPlan
 from odb.config import ODBConfig
 from odb.epoch.drop_last import DropLast
 from odb.epoch.emission import BatchCollate, StepEmission
@@ -28,12 +28,12 @@ from odb.epoch.cursor import Cursor
 from odb.epoch.composer import StepComposer
 from odb.epoch.run_state import composed_positions, retained_positions
 from odb.epoch.windows import WindowGroups, window_strategy
-from odb.plan.composition import make_composition
-from odb.plan.pairing import make_pairing
+from odb.plan.steps.composition import make_composition
+from odb.plan.ranks.pairing import make_pairing
 from odb.data.source import SampleSource
 from odb.epoch.stats import EpochStats
 from odb.step_info import ODBStepInfo, loss_scale
-from odb.plan.window import WindowPlanner
+from odb.plan.windows.window import WindowPlanner
 from odb.epoch.budget import FixedBudget, WindowBudget
 
 

@@ -1,7 +1,7 @@
 """The layout of an epoch run's state (``EpochRun.state_dict``): plain data, one part per unit.
 
 ``RUN_KEYS`` names the parts: ``position`` (the run's own place in the epoch: ``POSITION_KEYS``),
-``planner`` (odb.plan.window.WindowPlanner's), ``aligner`` (odb.epoch.ranks.RankAligner's),
+``planner`` (odb.plan.windows.window.WindowPlanner's), ``aligner`` (odb.epoch.ranks.RankAligner's),
 ``stats`` (odb.epoch.stats.EpochStats') and ``budget`` (the window budget's, odb.epoch.budget; None for a
 fixed budget). Planned steps are rows ``[sample positions or None (a ghost), global samples, global loss
 tokens, local loss tokens, local samples, imbalance]``. ``odb.resume.state`` validates and versions the
@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from odb.epoch.stats import EpochStats
-from odb.plan.align import StepPlan
+from odb.plan.ranks.align import StepPlan
 
 RUN_KEYS = frozenset({"position", "planner", "aligner", "stats", "budget"})
 POSITION_KEYS = frozenset({"arrived", "planned_final", "window_index", "step", "optimizer_step", "pending", "micro",

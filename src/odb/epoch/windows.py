@@ -4,11 +4,11 @@
 for the window's steps; ``micro_steps`` says how many micro-batches make an optimizer step. The strategies:
 
 * ``BudgetWindows``: windows filled to the window limits (the ramp up from ``first_window_size``, the
-  window's tokens, ``buffer_size``; odb.plan.window.window_limits), planned by the window planner with its
+  window's tokens, ``buffer_size``; odb.plan.windows.window.window_limits), planned by the window planner with its
   carry; ``gradient_accumulation_steps`` micro-batches make an optimizer step; at the end ``drop_last``
   drops the last window's groups that fill less than half a batch.
 * ``StepWindows`` (``global_batch_size``): a window is exactly the next optimizer step's samples on this
-  rank (fewer at the end), planned whole (odb.plan.step_cut); all of a window's steps make one optimizer
+  rank (fewer at the end), planned whole (odb.plan.steps.step_cut); all of a window's steps make one optimizer
   step; at the end ``drop_last`` drops a partial last step, or its part past the user's whole batches
   (odb.epoch.drop_last).
 * ``GlobalStepWindows`` (``global_batch_size`` with ``step_plan="global"`` on several ranks): the same
@@ -36,8 +36,8 @@ from odb.epoch.global_step import GlobalStep
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.stats import EpochStats
-from odb.plan.buckets import oversize_message
-from odb.plan.window import PlannedWindow, WindowPlanner, window_limits
+from odb.plan.costs.buckets import oversize_message
+from odb.plan.windows.window import PlannedWindow, WindowPlanner, window_limits
 
 ONE_LENGTH_MIN = 32  # samples of one length in a first window before odb says there is nothing to group
 

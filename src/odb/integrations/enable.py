@@ -7,7 +7,7 @@ then (``import odb`` imports no training framework):
 - TRL's ``SFTTrainer``, ``DPOTrainer``, ``RewardTrainer``: the same, with TRL's labels, padding-free rows and
   preference pairs (``odb.integrations.trl``);
 - TRL's ``GRPOTrainer``, ``RLOOTrainer``: the policy update cut into token-budget micro-batches, TRL's sampler
-  and generation left alone (``odb.integrations.trl_rl``);
+  and generation left alone (``odb.integrations.trl.rl``);
 - LLaMA-Factory's trainers (``CustomSeq2SeqTrainer``): odb's loader, with the settings read from
   LLaMA-Factory's collator and arguments (``odb.integrations.llamafactory``).
 
@@ -41,7 +41,7 @@ def enable_odb(trainer: Any, token_budget: Any = None, *, config: Optional[ODBCo
 
     ``token_budget``: the most padded tokens per micro-batch (``"auto"`` where the trainer's path supports it).
     Every other keyword is an ``odb.ODBConfig`` field (``config`` holds them all), except for TRL's GRPO and RLOO,
-    which take ``layout`` and ``step_plan`` only (``odb.integrations.trl_rl.enable_odb_rl``). ``lengths``: the
+    which take ``layout`` and ``step_plan`` only (``odb.integrations.trl.rl.enable_odb_rl``). ``lengths``: the
     samples' lengths when known; ``packed_attention``: ``"odb_varlen"`` switches an sdpa/eager model to odb's
     per-sample attention for packed rows, ``"model"`` keeps its own.
 

@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader
 
 from odb.loader.apply import ODBHandle, apply
 from odb.config import ODBConfig
-from odb.plan.cost import CostModel
+from odb.plan.costs.cost import CostModel
 from odb.loader.dataloader import make_config
 from odb.packed.collate import PackedCollate
 from odb.integrations.llamafactory_compat import import_llamafactory, swapped, transformers5_args, version_check_skipped

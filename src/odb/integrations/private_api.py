@@ -84,16 +84,16 @@ NAMES: Tuple[FrameworkName, ...] = (
     _trainer("_get_collator_with_removed_columns", "call", "odb.integrations.hf.data: the collator that drops "
              "them", "data_collator", "description"),
     _trainer("_get_output_dir", "call", f"{_LOOP}: where the checkpoint's loader states go", "trial"),
-    *(FrameworkName(owner, "_compute_loss", "method", "read", "odb.integrations.trl_rl_loss: the loss odb cuts into "
+    *(FrameworkName(owner, "_compute_loss", "method", "read", "odb.integrations.trl.rl_loss: the loss odb cuts into "
                     "micro-batches (a subclass's own is refused)", ("model", "inputs")) for owner in _RL),
     *(FrameworkName(owner, "_get_per_token_logps_and_entropies", "method", "stand-in", "odb.integrations."
-                    "trl_rl_forward: odb's rollout layout stands in for it inside odb's loss calls", _FORWARD)
+                    "odb.integrations.trl.rl_forward: odb's rollout layout stands in for it inside odb's loss calls", _FORWARD)
       for owner in _RL),
-    *(FrameworkName(owner, "_metrics", "attribute", "rewrite", "odb.integrations.trl_rl_metrics: TRL's metrics of "
+    *(FrameworkName(owner, "_metrics", "attribute", "rewrite", "odb.integrations.trl.rl_metrics: TRL's metrics of "
                     "a slice, recombined from odb's micro-batches", types=(dict,)) for owner in _RL),
-    *(FrameworkName(owner, "_is_vlm", "attribute", "read", "odb.integrations.trl_rl_loss: vision-language "
+    *(FrameworkName(owner, "_is_vlm", "attribute", "read", "odb.integrations.trl.rl_loss: vision-language "
                     "rollouts are refused", types=(bool,)) for owner in _RL),
-    FrameworkName("GRPOTrainer", "_entropy_bonus_enabled", "attribute", "read", "odb.integrations.trl_rl_loss: "
+    FrameworkName("GRPOTrainer", "_entropy_bonus_enabled", "attribute", "read", "odb.integrations.trl.rl_loss: "
                   "the entropy bonus's own per-token normaliser", types=(bool,)),
 )
 

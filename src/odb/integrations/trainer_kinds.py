@@ -3,7 +3,7 @@
 Three paths, tried in this order:
 
 - ``"rl"``: TRL's ``GRPOTrainer`` or ``RLOOTrainer`` (or a subclass): odb cuts the policy update into
-  token-budget micro-batches and leaves TRL's sampler, generation and rewards alone (``odb.integrations.trl_rl``);
+  token-budget micro-batches and leaves TRL's sampler, generation and rewards alone (``odb.integrations.trl.rl``);
 - ``"llamafactory"``: a trainer LLaMA-Factory built (a class of the ``llamafactory`` package in its hierarchy):
   odb reads LLaMA-Factory's collator and arguments (``odb.integrations.llamafactory``);
 - ``"hf"``: any other transformers ``Trainer`` (``Seq2SeqTrainer``, TRL's ``SFTTrainer``, ``DPOTrainer``,
@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence
 from odb.config import ODBConfig
 
 KINDS = ("rl", "llamafactory", "hf")
-# What odb.integrations.trl_rl.enable_odb_rl takes besides token_budget and packed_attention.
+# What odb.integrations.trl.rl.enable_odb_rl takes besides token_budget and packed_attention.
 RL_OPTIONS = ("layout", "step_plan")
 
 
@@ -65,7 +65,7 @@ def trainer_kind(trainer: Any) -> str:
                         f"DPOTrainer, RewardTrainer, GRPOTrainer or RLOOTrainer, LLaMA-Factory's trainers, or a "
                         f"subclass of one. Fix: pass the trainer instance; for a loader of your own loop use "
                         f"odb.ODBDataLoader or odb.apply(loader, token_budget=...).")
-    from odb.integrations.trl_rl import is_rl_trainer
+    from odb.integrations.trl.rl import is_rl_trainer
 
     if is_rl_trainer(trainer):
         return "rl"
@@ -74,9 +74,9 @@ def trainer_kind(trainer: Any) -> str:
 
 def enable_rl(trainer: Any, token_budget: Any, config: Optional[ODBConfig], lengths: Optional[Sequence[int]],
               packed_attention: str, options: Dict[str, Any]) -> Any:
-    """The ``"rl"`` path: ``odb.integrations.trl_rl.enable_odb_rl`` after refusing what it does not take (odb cuts the
+    """The ``"rl"`` path: ``odb.integrations.trl.rl.enable_odb_rl`` after refusing what it does not take (odb cuts the
     policy update, not a loader: loader options, ``config`` and ``lengths`` have nothing to act on)."""
-    from odb.integrations.trl_rl import enable_odb_rl
+    from odb.integrations.trl.rl import enable_odb_rl
 
     extra = sorted(set(options) - set(RL_OPTIONS))
     extra += [k for k, v in (("config", config), ("lengths", lengths)) if v is not None]

@@ -49,7 +49,7 @@ from odb.loader.epoch_state import EpochCounts, EpochUnderWay
 from odb.loader.inner import InnerLoaders
 from odb.loader.length_probe import check_probed_fit, probe_lengths
 from odb.loader.sources import EpochSources
-from odb.plan.estimate import estimate_steps
+from odb.plan.windows.estimate import estimate_steps
 from odb.resume.loader_state import PlanOptions, loader_fields, saved_state, state_to_resume
 
 
@@ -299,7 +299,7 @@ class LoaderCore:
                              self.iterable)
 
     def _estimate_steps(self) -> int:
-        """Steps per epoch, from known lengths or a probe of the dataset read once (odb.plan.estimate)."""
+        """Steps per epoch, from known lengths or a probe of the dataset read once (odb.plan.windows.estimate)."""
         cfg, dataset, sampler = self.cfg, self.loader.dataset, self.loader.sampler
         if self.iterable:
             raise TypeError("len() of an odb loader over an IterableDataset is known only after one epoch. "

@@ -1,6 +1,6 @@
 """Lengths of a map-style dataset read before the epoch: the probe behind ``len(loader)``.
 
-``len()`` of an odb loader is a step estimate (``odb.plan.estimate``) from the samples'
+``len()`` of an odb loader is a step estimate (``odb.plan.windows.estimate``) from the samples'
 lengths. Without ``lengths=`` (or a ``length`` column), odb reads evenly spaced
 samples, as many as their spread asks for (``probe_size``), through the loader's own
 sample processing and, where it has any, in its own worker processes. A length seen
@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from odb.plan.buckets import oversize_message
+from odb.plan.costs.buckets import oversize_message
 from odb.config import ODBConfig
-from odb.plan.cost import CostModel
-from odb.plan.estimate import DEFAULT_PROBE, probe_size
+from odb.plan.costs.cost import CostModel
+from odb.plan.windows.estimate import DEFAULT_PROBE, probe_size
 from odb.data.sampling import IndexedDataset
 from odb.data.source import ChunkCollate, SampleMeter
 

@@ -29,7 +29,7 @@ from odb.data.worker_deaths import WorkerWatch
 from odb.data.stream_state import StreamMarks
 from odb.epoch.known import known_records
 from odb.loader.inner import InnerLoaders
-from odb.plan.estimate import DEFAULT_PROBE, probe_size
+from odb.plan.windows.estimate import DEFAULT_PROBE, probe_size
 
 
 class EpochSources:

@@ -1,12 +1,13 @@
-"""Planning: pure numpy decisions over sample lengths, no torch.
+"""Planning: pure numpy decisions over sample lengths, no torch, grouped by what each part decides.
 
-The cost of a group of samples (``cost``), the padded and packed planners of one window
-(``planner``, ``packing``, their shared answer ``pool_plan``), the window sizes and the stream
-of windows with its carry (``window``), the steps every rank agrees on (``align``) and how
-each rank fits its groups to them (``fitting``), the steps of an epoch estimated
-from a sample of lengths (``estimate``), shape buckets (``buckets``) and budget schedules
-(``schedule``); for ``token_budget="auto"``, a batch's features (``step_features``), the step
-model fitted on them (``step_model``), the planner settings it gives (``budget_plan``) and how
-it proposes them (``auto_budget``). Nothing here imports torch: it can be tested, benchmarked and reasoned
-about on integer arrays alone.
+* ``costs``: what a batch costs (the cost model, a window's prices, shape buckets, budget schedules);
+* ``windows``: how a window of samples is grouped into batches (the padded and packed planners, the carry,
+  step estimates);
+* ``steps``: optimizer steps (which samples form each, the cut of a step into micro-batches, a step planned
+  across ranks, the deal by predicted seconds);
+* ``ranks``: how ranks run together (the agreed step counts, fitting a rank's groups, pairing them);
+* ``rollouts``: an RL trainer's rollout rows cut into micro-steps, per rank or across ranks;
+* ``auto``: ``token_budget="auto"``'s fitted step model and the plans it proposes.
+
+Nothing here imports torch: it can be tested, benchmarked and reasoned about on integer arrays alone.
 """

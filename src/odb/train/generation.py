@@ -20,7 +20,7 @@ import torch
 
 from odb.config import ODBConfig
 from odb.train.oom import OOM_ERRORS, ODBOOMError, PaddedBatchSplitter, release_memory
-from odb.plan.window import oracle_groups
+from odb.plan.windows.window import oracle_groups
 
 GenerationInput = Union[Sequence[int], torch.Tensor, Mapping]
 _ROWS = PaddedBatchSplitter(mask_keys=())  # selects rows of every row-first value, trims nothing

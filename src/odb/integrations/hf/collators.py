@@ -44,7 +44,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from odb.config import ODBConfig
-from odb.integrations.trl_rules import check_layout
+from odb.integrations.trl.rules import check_layout
 
 __all__ = ["CollatorRules", "FlattenedTokens", "InputTokens", "LabelTokens", "collator_options", "collator_rules"]
 

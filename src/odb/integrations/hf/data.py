@@ -21,7 +21,7 @@ from odb.config import ODBConfig
 from odb.loader.length_probe import first_oversize
 from odb.loader.dataloader import ODBDataLoader
 from odb.data.sampling import ShardSampler
-from odb.integrations.trl_vision import vision_samples
+from odb.integrations.trl.vision import vision_samples
 from odb.integrations.vlm import imageless_guard
 
 STATE_VERSION = 1

@@ -46,7 +46,7 @@ class ODBRun:
         # The collator's supervised tokens exist only once it has run (masked LM, left padding): counted then.
         self.count_after_collate = False
         self.collator_name = ""
-        self.pairs = False  # TRL's DPOTrainer or RewardTrainer: a loss averaged per pair (trl_pairs)
+        self.pairs = False  # TRL's DPOTrainer or RewardTrainer: a loss averaged per pair (odb.integrations.trl.pairs)
         self.banner: Optional["BannerLines"] = None  # rewrites the Trainer's train-start banner (log_batching)
         self.auto: Any = None  # token_budget="auto": the loader's AutoControl, measured per micro-batch by training_step
 

@@ -57,8 +57,8 @@ from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, che
                        loss_shifts_labels, prepare_packed_rows)
 from odb.integrations.hf.steps import (SampleView, StepBundle, StepFiller, check_loss_tokens, next_step, pad_step,
                                        recount_loss_tokens, trainer_steps)
-from odb.integrations.trl_pairs import check_pairs_fit, pair_options, pair_trainer, ragged_gather
-from odb.integrations.trl_rules import check_trl_trainer, sft_computes_loss, sft_options
+from odb.integrations.trl.pairs import check_pairs_fit, pair_options, pair_trainer, ragged_gather
+from odb.integrations.trl.rules import check_trl_trainer, sft_computes_loss, sft_options
 
 __all__ = ["ODBTrainer", "ODBTrainerMixin", "collator_options", "configure_trainer", "enable_odb"]
 
@@ -315,7 +315,7 @@ class ODBTrainerMixin:
             # TRL >= 1.15 computes the loss itself (fused LM head, no logits): asking for its outputs costs a
             # FutureWarning and an extra forward; its loss is finite without supervised tokens, so zero_loss needs none.
             # SFT's cross-rank factor applies whenever average_tokens_across_devices (odb always passes the count);
-            # DPO and the reward trainer average per pair on each rank, with no such factor (integrations.trl_pairs).
+            # DPO and the reward trainer average per pair on each rank, with no such factor (odb.integrations.trl.pairs).
             with ragged_gather(self.accelerator) if pairs else contextlib.nullcontext():  # per-pair metrics
                 got = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                            num_items_in_batch=num_items_in_batch)
