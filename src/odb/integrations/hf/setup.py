@@ -116,10 +116,9 @@ def configure_trainer(args: TrainingArguments, **changes: Any) -> TrainingArgume
 
 
 def loss_shifts_labels(trainer: Trainer) -> bool:
-    """Whether the model's loss drops each row's first label (causal LM), as the Trainer decides it."""
-    known = getattr(trainer, "_loss_shifts_labels", None)  # transformers >= 5.2x computes it
-    if known is not None:
-        return bool(known)
+    """Whether the model's loss drops each row's first label (causal LM): its ``loss_type`` maps to transformers'
+    causal-LM loss and it is no encoder-decoder (the Trainer's own rule, read from the model's public attributes:
+    odb's step counts must follow the model's loss, and odb replaces the Trainer's counting)."""
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
     model = trainer.model  # a PEFT wrapper forwards these attributes to the model it wraps
