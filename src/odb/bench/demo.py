@@ -4,8 +4,8 @@
 same code, model, data, cap and learning rate, and says what it left out:
 
 - convergence (time to a model at the user's settings, 2 gloo DDP ranks, A = 1 and A = 8): the arms a user
-  picks between (fixed, group_by_length, TRL packing, odb padded, odb packed), one round (the full run: every arm,
-  3 interleaved rounds and their spread);
+  picks between (fixed, group_by_length, TRL packing, odb padded, odb packed) and odb's own length-grouped steps,
+  packed, one round (the full run: every arm, 3 interleaved rounds and their spread);
 - scale (step efficiency from 2 to 1,024 simulated ranks): ShareGPT lengths at 4 and 16 samples per rank, odb's
   global step plan against fixed, group_by_length and BatchRebalance (the full run: gettext lengths and 1 sample
   per rank too, and odb's per-rank plan).
@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List
 DEMO_CONVERGENCE: Dict[str, Any] = {
     "size": {"workload": "heavy-tailed", "samples": 384, "epochs": 2, "evals": 6, "rounds": 1,
              "accumulations": [1, 8], "extra_epochs": 1},
-    "arms": ("fixed", "group_by_length", "trl_packing", "odb_padded", "odb_packed"),
+    "arms": ("fixed", "group_by_length", "trl_packing", "odb_padded", "odb_packed", "odb_length_grouped_packed"),
 }
 DEMO_SCALE: Dict[str, Any] = {
     "workloads": ("sharegpt",), "worlds": (2, 8, 32, 128, 1024), "shares": (4, 16),
@@ -36,8 +36,9 @@ DEMO_SCALE: Dict[str, Any] = {
     "plan_repeats": 3,
 }
 LEFT_OUT = {
-    "convergence": "make bench: 8 arms (also BatchRebalance, odb budget-filled, odb's per-rank plan), 3 interleaved "
-                   "rounds with their min-max",
+    "convergence": "make bench: 12 arms (also BatchRebalance, odb budget-filled, odb's per-rank plan, odb on "
+                   "group_by_length's steps padded and packed, odb length_grouped padded), 3 interleaved rounds "
+                   "with their min-max",
     "scale": "make bench: gettext lengths too, 1 sample per rank, odb's per-rank arms, BatchRebalance at 1,024 x 16",
     "sections": "make bench also runs planner quality, ranks, loader cost, training speed, packed layout, "
                 "token_budget='auto', vision-language training, the GRPO policy update and end to end",

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from odb.bench.convergence import LABELS
 from odb.bench.verdict import paired_spread, ratio_spread
 
-CONV_ARMS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
-             "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
-             "odb_padded_rank": "odb padded, per-rank plan"}
+CONV_ARMS = LABELS  # the convergence section's own labels
 NOT_SAME_UPDATES = ("odb_budget_filled",)  # more samples per optimizer step: not a competitor at the user's settings
 SCALE_WORLDS, SCALE_SHARE, SCALE_WORKLOAD = (32, 1024), 16, "sharegpt"
 VLM_NAMES = {"qwen2_vl": "Qwen2-VL", "llava": "LLaVA"}
 # The arms of the README's plot: odb and what users pick instead.
-PLOT_ARMS = ("fixed", "group_by_length", "trl_packing", "odb_padded", "odb_packed")
+PLOT_ARMS = ("fixed", "group_by_length", "trl_packing", "odb_padded", "odb_packed", "odb_length_grouped_packed")
 
 
 class Row(NamedTuple):
@@ -223,7 +222,7 @@ def plot_loss_vs_time(conv: Dict[str, Any], path: str, arms: Sequence[str] = PLO
     accs = sorted(conv["accumulations"], key=int)
     fig, axes = plt.subplots(1, len(accs), figsize=(5.2 * len(accs), 3.6), squeeze=False)
     style = {"fixed": ("C0", "-"), "group_by_length": ("C1", "-"), "trl_packing": ("C3", "-"),
-             "odb_padded": ("C4", "-"), "odb_packed": ("C5", "-")}
+             "odb_padded": ("C4", "-"), "odb_packed": ("C5", "-"), "odb_length_grouped_packed": ("C2", "-")}
     for ax, acc in zip(axes[0], accs):
         part = conv["accumulations"][acc]
         shown = _median_round(part.get("rounds") or [])
