@@ -181,6 +181,34 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+@dataclasses.dataclass
+class _Tally:
+    """What one micro-batch's run did on this rank so far: passes run, out-of-memory errors caught here, rows
+    skipped; whether some rank ran out of memory, whether a kept row's share is missing (inexact), whether the
+    batch was split; the scaled losses backpropagated (detached)."""
+
+    passes: int = 0
+    local_ooms: int = 0
+    skipped: int = 0
+    any_oom: bool = False
+    inexact: bool = False
+    split: bool = False
+    losses: List[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Sync:
+    """When a pass synchronizes gradients: ``no_sync`` (the model's context, or None: every pass syncs),
+    ``sync_step`` (this micro-batch ends the optimizer step), ``sync_pass`` ("last" or "extra") and ``rearm``
+    (the next pass syncs on every rank: DDP prepared for a syncing backward that another rank's failure
+    dropped)."""
+
+    no_sync: Optional[Callable[[], Any]]
+    sync_step: bool
+    sync_pass: str
+    rearm: bool = False
+
+
 class _Run:
     def __init__(self, loss_fn, batch, info, model, policy, backward, no_sync, sync_step, sync_pass, exchange,
                  splitter) -> None:
@@ -188,7 +216,7 @@ class _Run:
         self.scale = float(info.loss_scale)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.backward = backward or torch.Tensor.backward
-        self.no_sync, self.sync_step, self.sync_pass = no_sync, sync_step, sync_pass
+        self.sync = _Sync(no_sync, sync_step, sync_pass)
         if exchange is None and world()[1] > 1:
             exchange = GroupExchanges()(_EXCHANGE_TIMEOUT_S)
         self.exchange = exchange if exchange is not None and exchange.processes > 1 else None
@@ -200,10 +228,8 @@ class _Run:
         if self.n_rows < 1:
             raise ValueError("the batch has 0 rows: nothing to run. Fix: pass a batch with at least one row.")
         self._total_weight: Optional[float] = None
-        self.passes = self.local_ooms = self.skipped = 0
-        self.any_oom = self.inexact = self.split = self.rearm = False
+        self.tally = _Tally()
         self.round: Optional[np.ndarray] = None
-        self.losses: List[torch.Tensor] = []
 
     def execute(self) -> StepOutcome:
         pending, n = [_Item(None, frozenset())], 1
@@ -214,9 +240,9 @@ class _Run:
             outcomes: List[Tuple[_Item, Set[int], bool]] = []
             for j in range(n):
                 item = pending[j] if j < len(pending) else ghost
-                synced = self.no_sync is None or self.rearm or (self.sync_step and self.sync_pass == "last"
+                synced = self.sync.no_sync is None or self.sync.rearm or (self.sync.sync_step and self.sync.sync_pass == "last"
                                                                   and j == n - 1)
-                self.rearm, self.round = False, None
+                self.sync.rearm, self.round = False, None
                 if peer_round is not None:
                     failed, acc, again = self._peer_pass(item, synced)
                     if not item.ghost:
@@ -231,28 +257,28 @@ class _Run:
                 n = len(nxt)
             else:  # the round's outcome, unless the last pass's check before backward already told it
                 got = self.round if self.round is not None else self.exchange.all_gather(
-                    np.array([0, len(nxt), self.local_ooms, self.inexact]), "an OOM round")
-                n, self.any_oom, self.inexact = int(got[:, 1].max()), bool(got[:, 2].any()), bool(got[:, 3].any())
+                    np.array([0, len(nxt), self.tally.local_ooms, self.tally.inexact]), "an OOM round")
+                n, self.tally.any_oom, self.tally.inexact = int(got[:, 1].max()), bool(got[:, 2].any()), bool(got[:, 3].any())
             pending = nxt
-        if self.exchange is not None and self.no_sync is not None and self.sync_step and self.sync_pass == "extra":
+        if self.exchange is not None and self.sync.no_sync is not None and self.sync.sync_step and self.sync.sync_pass == "extra":
             if self._pass(ghost, synced=True):
                 raise ODBOOMError("odb: the one-row pass at zero weight that synchronizes gradients ran out of "
                                   "memory on some rank. Fix: lower token_budget.")
-        self.any_oom = self.any_oom or self.local_ooms > 0
-        action = "skip" if self.skipped else "split" if self.split else "ok"
-        loss = torch.stack([x.reshape(()) for x in self.losses]).sum() if self.losses else None
-        return StepOutcome(action, self.passes, self.local_ooms, self.any_oom, self.skipped,  # type: ignore[arg-type]
-                           not self.inexact, loss)
+        self.tally.any_oom = self.tally.any_oom or self.tally.local_ooms > 0
+        action = "skip" if self.tally.skipped else "split" if self.tally.split else "ok"
+        loss = torch.stack([x.reshape(()) for x in self.tally.losses]).sum() if self.tally.losses else None
+        return StepOutcome(action, self.tally.passes, self.tally.local_ooms, self.tally.any_oom, self.tally.skipped,  # type: ignore[arg-type]
+                           not self.tally.inexact, loss)
 
     def _pass(self, item: _Item, synced: bool, queued: int = 0) -> List[_Item]:
         """Run one piece; returns what is left to run of it (nothing, itself, or its halves)."""
-        self.passes += 1
+        self.tally.passes += 1
         acc: Set[int] = set()
-        with self.no_sync() if self.no_sync is not None and not synced else contextlib.nullcontext():
+        with self.sync.no_sync() if self.sync.no_sync is not None and not synced else contextlib.nullcontext():
             oom, loss, scale, masked = self._forward(item, synced)
             if synced and self.exchange is not None:  # nobody enters a syncing backward unless all forwards worked
                 # (with what the round needs next: if all worked, this backward completes or raises)
-                got = self.exchange.all_gather(np.array([oom, queued, self.local_ooms, self.inexact]),
+                got = self.exchange.all_gather(np.array([oom, queued, self.tally.local_ooms, self.tally.inexact]),
                                                "an OOM check before backward")
                 self.round = None if got[:, 0].any() else got
                 if got[:, 0].any():
@@ -260,7 +286,7 @@ class _Run:
                     # for a syncing backward, would reduce in the next backward even under no_sync, so
                     # the next pass syncs on every rank.
                     del loss
-                    self.rearm = True
+                    self.sync.rearm = True
                     return self._failed(item, acc) if oom else [item]
             elif oom:
                 return self._failed(item, acc)
@@ -299,7 +325,7 @@ class _Run:
             scaled = zero_loss(loss) if scale == 0 else loss * scale
             self.backward(scaled)
             if not item.ghost:
-                self.losses.append(scaled.detach())
+                self.tally.losses.append(scaled.detach())
         except OOM_ERRORS:
             oom = True
         finally:
@@ -313,16 +339,16 @@ class _Run:
         """Under a mesh: run one piece; (it ran out of memory here or, at a syncing pass, on a peer of this
         replica; the parameters whose gradient it reached here; run it again whole: another replica failed
         before a syncing backward). What is left of it is decided for the whole replica (``_settle``)."""
-        self.passes += 1
+        self.tally.passes += 1
         acc: Set[int] = set()
-        with self.no_sync() if self.no_sync is not None and not synced else contextlib.nullcontext():
+        with self.sync.no_sync() if self.sync.no_sync is not None and not synced else contextlib.nullcontext():
             oom, loss, scale, masked = self._forward(item, synced)
-            self.local_ooms += oom
+            self.tally.local_ooms += oom
             if synced:  # nobody enters a syncing backward unless every forward worked
                 got = self.exchange.all_gather(np.array([oom]), "an OOM check before backward", every_process=True)
                 if got.any():
                     del loss
-                    self.rearm = True
+                    self.sync.rearm = True
                     here = bool(got[[p for p, r in enumerate(self.peers.replica)
                                      if r == self.peers.replica[self.exchange.process_rank]]].any())
                     if item.ghost and oom:
@@ -333,7 +359,7 @@ class _Run:
                     self._failed(item, acc)  # raises
                 return True, acc, False
             oom, acc = self._backward(item, loss, scale, masked)
-            self.local_ooms += oom
+            self.tally.local_ooms += oom
         if oom:
             release_memory()
             if synced:
@@ -345,11 +371,11 @@ class _Run:
     def _settle(self, peer_round: PeerRound, outcomes: List[Tuple[_Item, Set[int], bool]]) -> Tuple[int, List[_Item]]:
         """Under a mesh, the round's end: every process's outcomes; an item that failed on a peer of this replica
         is cut on every peer alike; (passes of the next round, its items)."""
-        rows = self.exchange.all_gather(peer_round.message(self.local_ooms, self.inexact), "an OOM round",
+        rows = self.exchange.all_gather(peer_round.message(self.tally.local_ooms, self.tally.inexact), "an OOM round",
                                         every_process=True)
         peer_round.agree(rows)
-        self.any_oom = self.any_oom or peer_round.ooms > 0
-        self.inexact = self.inexact or peer_round.inexact
+        self.tally.any_oom = self.tally.any_oom or peer_round.ooms > 0
+        self.tally.inexact = self.tally.inexact or peer_round.inexact
         if not peer_round.anywhere:
             return 0, []
         nxt: List[_Item] = []
@@ -358,9 +384,9 @@ class _Run:
                 nxt += self._cut(item, acc, peer_round.held[j])
             elif again:
                 nxt.append(item)
-        got = self.exchange.all_gather(np.array([len(nxt), self.inexact]), "an OOM round (its pieces)",
+        got = self.exchange.all_gather(np.array([len(nxt), self.tally.inexact]), "an OOM round (its pieces)",
                                        every_process=True)
-        self.inexact = bool(got[:, 1].any())
+        self.tally.inexact = bool(got[:, 1].any())
         return int(got[:, 0].max()), nxt
 
     def _cut(self, item: _Item, acc: Set[int], held: bool) -> List[_Item]:
@@ -369,14 +395,14 @@ class _Run:
         masked = item.masked | acc
         rows = item.rows if item.rows is not None else tuple(range(self.n_rows))
         if (self.policy == "skip" and not held) or len(rows) == 1:
-            self.skipped += len(rows)
-            self.inexact = self.inexact or held
+            self.tally.skipped += len(rows)
+            self.tally.inexact = self.tally.inexact or held
             return []
-        self.split, half = True, len(rows) // 2
+        self.tally.split, half = True, len(rows) // 2
         return [_Item(rows[:half], masked), _Item(rows[half:], masked)]
 
     def _failed(self, item: _Item, acc: Set[int]) -> List[_Item]:
-        self.local_ooms += 1
+        self.tally.local_ooms += 1
         if item.ghost:
             raise ODBOOMError("odb: a one-row pass at zero weight, run only to keep the ranks' passes aligned, ran "
                               "out of memory. Fix: lower token_budget.")
