@@ -124,7 +124,7 @@ def test_a_worker_killed_on_one_rank_is_named_with_its_cause_on_every_rank(tmp_p
             continue
         assert out["type"] == "ODBRankFailed" and out["failed_rank"] == 1, out
         text = out["error"]
-        assert re.match(rf"odb rank {rank} of {world}: rank 1 failed at epoch 0, [a-z ]+ \d+ \(", text), text
+        assert re.match(rf"odb rank {rank} of {world}: rank 1 failed at epoch 0, [a-z -]+ \d+ \(", text), text
         death = ODB_DEATH.search(text)
         assert death, text
         assert pid is None or death.group(1) == pid.group(1), (text, own["error"])
