@@ -644,7 +644,6 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = F
         ratio_goal("odb packed / group_by_length", "odb_packed", "group_by_length", 1.0)
         ratio_goal("odb padded (global plan) / odb padded, per-rank plan", "odb_padded", "odb_padded_rank", 1.0)
         return out
-    composition_goals(part, acc, ratio_goal, out)
     ratio_goal("odb padded / fixed", "odb_padded", "fixed", 0.5)
     ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0)
     ratio_goal("odb packed / group_by_length", "odb_packed", "group_by_length", 0.85)
@@ -656,6 +655,7 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = F
                                 f"fixed's within the rounds' spread", "measured": None if gap is None else gap["max_gap"],
                         "target": None if gap is None else gap["spread_there"], "met": bool(gap and gap["within"]),
                         "gap": gap, "arms": [arm, "fixed"]})
+    composition_goals(part, acc, ratio_goal, out)
     return out
 
 
