@@ -14,7 +14,7 @@ OversizePolicy = Literal["error", "alone", "skip"]
 LossScaling = Literal["exact", "approx", "sample", "none"]
 Layout = Literal["padded", "packed"]
 Balance = Literal["tokens", "time"]
-StepPlan = Literal["global", "rank"]
+StepPlanner = Literal["global", "rank"]
 
 @dataclasses.dataclass(frozen=True)
 class ODBConfig:
@@ -244,7 +244,7 @@ class ODBConfig:
     gradient_accumulation_steps: int = 1
     global_batch_size: Optional[int] = None
     micro_batch_cost: Optional[float] = None
-    step_plan: StepPlan = "global"
+    step_plan: StepPlanner = "global"
     composition: str = "sampler"
     composition_block_steps: int = 16
     composition_warmup_steps: int = 0

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import odb.epoch.run
 import odb.epoch.simulate
-from odb.plan.ranks.align import (StepPlan, decide_steps, global_steps, local_steps, shared_step_order,
+from odb.plan.ranks.align import (MicroBatchPlan, decide_steps, global_steps, local_steps, shared_step_order,
                        step_imbalance)
 from odb.bench.workloads import LOGNORMAL, lognormal_lengths
 from odb.config import ODBConfig
@@ -76,9 +76,9 @@ def test_global_steps_sums_every_rank_and_keeps_the_local_share():
                       [[90, 3, 20], [0, 0, 0]],
                       [[80, 5, 40], [40, 1, 5]]], dtype=np.int64)
     steps = global_steps(stats, rank=1, order=np.array([1, 0]), groups_by_rank_order=[6, None])
-    assert steps == [StepPlan(group=None, global_samples=3, global_loss_tokens=15, local_loss_tokens=0, local_samples=0,
+    assert steps == [MicroBatchPlan(group=None, global_samples=3, global_loss_tokens=15, local_loss_tokens=0, local_samples=0,
                               imbalance=50 / 30),
-                     StepPlan(group=6, global_samples=12, global_loss_tokens=90, local_loss_tokens=20,
+                     MicroBatchPlan(group=6, global_samples=12, global_loss_tokens=90, local_loss_tokens=20,
                               local_samples=3, imbalance=100 / 90)]
 
 

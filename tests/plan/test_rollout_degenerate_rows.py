@@ -32,7 +32,7 @@ def test_degenerate_rows_plan(layout: str, world: int, rows: int) -> None:
             assert sum(local.sizes) == rows, name
             assert (local.costs <= BUDGET).all(), name
             moved = plan_rollout_global(prompt, completion, BUDGET, layout=layout)
-            planned = sorted(int(r) for groups in moved.groups for g in groups for r in np.asarray(g).ravel())
+            planned = sorted(int(r) for groups in moved.ranks for g in groups for r in np.asarray(g).ravel())
             assert planned == list(range(world * rows)), name
-            assert all(len(g) for groups in moved.groups for g in groups), f"{name}: an empty micro-batch"
+            assert all(len(g) for groups in moved.ranks for g in groups), f"{name}: an empty micro-batch"
             assert (moved.costs <= BUDGET).all(), name

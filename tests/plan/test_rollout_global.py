@@ -28,9 +28,9 @@ def check(plan, prompt, completion, budget, multiple, layout) -> None:
     world, n = prompt.shape
     p, c = prompt.ravel(), completion.ravel()
     assert plan.world == world and plan.n == n
-    assert sorted(int(i) for rank in plan.groups for g in rank for i in g) == list(range(world * n))
-    assert {len(rank) for rank in plan.groups} == {plan.steps}  # the same micro-steps on every rank
-    for r, rank in enumerate(plan.groups):
+    assert sorted(int(i) for rank in plan.ranks for g in rank for i in g) == list(range(world * n))
+    assert {len(rank) for rank in plan.ranks} == {plan.steps}  # the same micro-steps on every rank
+    for r, rank in enumerate(plan.ranks):
         for s, g in enumerate(rank):
             assert len(g) >= 1, (r, s)  # TRL's loss runs on rows: never an empty micro-batch
             assert g.tolist() == sorted(g.tolist())
@@ -55,7 +55,7 @@ def test_every_row_once_within_budget_same_steps_and_never_empty(world, n, multi
     plan = plan_rollout_global(prompt, completion, budget, multiple, layout=layout)
     check(plan, prompt, completion, budget, multiple, layout)
     again = plan_rollout_global(prompt.copy(), completion.copy(), budget, multiple, layout=layout)
-    assert [[g.tolist() for g in r] for r in again.groups] == [[g.tolist() for g in r] for r in plan.groups]
+    assert [[g.tolist() for g in r] for r in again.ranks] == [[g.tolist() for g in r] for r in plan.ranks]
     if plan.local:  # the rank-local plan: rows stay, and it is plan_rollout_steps's
         local = plan_rollout_steps(prompt, completion, budget, multiple, layout=layout)
         assert plan.moved_rows == 0 and plan.steps == local.steps
@@ -82,7 +82,7 @@ def test_fewer_rows_than_micro_steps_fall_back_to_the_rank_local_plan():
     check(plan, prompt, completion, 172, 1, "padded")
     local = plan_rollout_steps(prompt, completion, 172)
     assert plan.local and plan.moved_rows == 0
-    assert [[g.tolist() for g in r] for r in plan.groups] == [[(np.sort(local.rows(r, s)) + 2 * r).tolist()
+    assert [[g.tolist() for g in r] for r in plan.ranks] == [[(np.sort(local.rows(r, s)) + 2 * r).tolist()
                                                                for s in range(local.steps)] for r in range(2)]
 
 

@@ -222,7 +222,7 @@ def odb_global(rows: Rows, budget: int, packed: bool, micro_batch_cost: Optional
     plan = plan_rollout_global(prompt, completion, budget, micro_batch_cost=micro_batch_cost, layout=layout)
     plan_s = time.perf_counter() - t0
     moved = plan.moved_rows / max(len(p), 1)
-    return [[_mb(p, c, g, layout) for g in groups] for groups in plan.groups], moved, plan_s
+    return [[_mb(p, c, g, layout) for g in groups] for groups in plan.ranks], moved, plan_s
 
 
 def plan_step(rows: Rows, arm: str, budget: int, overhead: float, slice_rows: int, seed: int = 0

@@ -19,7 +19,7 @@ from odb.epoch.pipeline import LazyBatch
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import Step
 from odb.epoch.run_state import step_from_row, step_row
-from odb.plan.ranks.align import StepPlan
+from odb.plan.ranks.align import MicroBatchPlan
 from odb.step_info import ODBStepInfo, attach_step_info
 
 Ghost = Tuple[int, Any, Any, int]  # (position, sample copy, meta, dataset index)
@@ -31,7 +31,7 @@ class StepEmission:
 
     Example:
         >>> emission = StepEmission()
-        >>> emission.add([(StepPlan(0, 1, 1, 1, 1), np.array([4])), (StepPlan(0, 1, 1, 1, 1), np.array([5]))])
+        >>> emission.add([(MicroBatchPlan(0, 1, 1, 1, 1), np.array([4])), (MicroBatchPlan(0, 1, 1, 1, 1), np.array([5]))])
         >>> emission.start_step(None)
         >>> plan, ids, micro, j = emission.next_micro()
         >>> ids.tolist(), len(micro), j, emission.planned()
@@ -72,7 +72,7 @@ class StepEmission:
         self.step_batches = [self.pending.popleft() for _ in range(take)]
         self.step_pos = 0
 
-    def next_micro(self) -> Tuple[StepPlan, Optional[np.ndarray], List[StepPlan], int]:
+    def next_micro(self) -> Tuple[MicroBatchPlan, Optional[np.ndarray], List[MicroBatchPlan], int]:
         """The next micro-batch: its plan and positions (None: a ghost), its step's plans and its index."""
         j = self.step_pos
         self.step_pos += 1

@@ -34,7 +34,7 @@ from odb.epoch.drop_last import DropLast
 from odb.epoch.pool import SamplePool
 from odb.epoch.ranks import RankAligner, Step
 from odb.epoch.stats import EpochStats
-from odb.plan.ranks.align import StepPlan
+from odb.plan.ranks.align import MicroBatchPlan
 from odb.plan.steps.global_plan import GlobalStepPlan, plan_global_step
 from odb.plan.steps.price_deal import deal_by_price, planned_groups
 from odb.plan.windows.window import WindowPlanner
@@ -298,7 +298,7 @@ class GlobalStep:
         imbalance = np.where(mean > 0, padded.max(axis=0) / np.maximum(mean, 1e-9), 1.0)
         out: List[Step] = []
         for j, g in enumerate(planned.ranks[self.rank]):
-            plan = StepPlan(j if len(g) else None, int(samples[:, j].sum()), int(round(loss[:, j].sum())),
+            plan = MicroBatchPlan(j if len(g) else None, int(samples[:, j].sum()), int(round(loss[:, j].sum())),
                             int(round(loss[self.rank, j])), int(samples[self.rank, j]), float(imbalance[j]))
             keys = [int(table.position[u]) if table.owner[u] == self.rank else foreign_key(table.index[u], u)
                     for u in g.tolist()]

@@ -31,14 +31,14 @@ import numpy as np
 from odb.comm.agreement import agreed_values, check_agreement, fingerprint
 from odb.comm.protocol import ODBOptionMismatch
 from odb.epoch.pool import SamplePool, side_needed
-from odb.plan.ranks.align import StepPlan, global_steps, local_steps, shared_step_order
+from odb.plan.ranks.align import MicroBatchPlan, global_steps, local_steps, shared_step_order
 from odb.plan.auto.budget_plan import PLAN_FIELDS, agree
 from odb.plan.ranks.fitting import cost_rank_order, decide_splits, decide_trim, decide_window, must_emit
 from odb.plan.ranks.pairing import Pairing, TokenPairing
 from odb.plan.windows.planner import balanced_partition
 from odb.plan.windows.window import WindowPlanner
 
-Step = Tuple[StepPlan, Optional[np.ndarray]]
+Step = Tuple[MicroBatchPlan, Optional[np.ndarray]]
 PLAN_SIZE = PLAN_FIELDS  # int64 of an encoded BudgetPlan (odb.plan.auto.budget_plan.BudgetPlan.encode)
 AUTO_SIZE = PLAN_SIZE + 1  # the header's auto part: the encoded plan, and whether this rank's time model predicts
 CONFIRM_STEPS = 4  # steps confirmed by one exchange (the same on every rank: it shapes the protocol)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
-from odb.plan.ranks.align import StepPlan
+from odb.plan.ranks.align import MicroBatchPlan
 from odb.config import ODBConfig
 from odb.epoch.drop_last import DropLast
 from odb.epoch.emission import BatchCollate, StepEmission
@@ -243,7 +243,7 @@ class EpochRun:
             warnings.warn(f"odb skipped {self.stats.oversize_skipped} sample(s) longer than token_budget="
                           f"{self.planner.costs.token_budget} in epoch {self.epoch} (oversize='skip').", stacklevel=3)
 
-    def _make_batch(self, plan: StepPlan, group: Optional[np.ndarray], micro: List[StepPlan], j: int) -> Any:
+    def _make_batch(self, plan: MicroBatchPlan, group: Optional[np.ndarray], micro: List[MicroBatchPlan], j: int) -> Any:
         ghost = plan.group is None
         if ghost:
             copied = self.emission.ghost
@@ -289,7 +289,7 @@ class EpochRun:
         st.loss_tokens += local_loss
         return self.batches.make(samples, info)
 
-    def _scale(self, plan: StepPlan, micro: List[StepPlan]) -> float:
+    def _scale(self, plan: MicroBatchPlan, micro: List[MicroBatchPlan]) -> float:
         """The loss scale of one micro-batch of the optimizer step ``micro`` (odb.step_info.loss_scale)."""
         mode, w = self.cfg.loss_scaling, self.world_size
         planned = 1.0

@@ -16,18 +16,18 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from odb.epoch.stats import EpochStats
-from odb.plan.ranks.align import StepPlan
+from odb.plan.ranks.align import MicroBatchPlan
 
 RUN_KEYS = frozenset({"position", "planner", "aligner", "stats", "budget"})
 POSITION_KEYS = frozenset({"arrived", "planned_final", "window_index", "step", "optimizer_step", "pending", "micro",
                            "micro_pos", "ghost", "composed", "layers", "stream", "step_tokens"})
 
 
-def step_row(entry: Tuple[StepPlan, Optional[np.ndarray]]) -> List[Any]:
+def step_row(entry: Tuple[MicroBatchPlan, Optional[np.ndarray]]) -> List[Any]:
     """A planned step as a row of plain data.
 
     Example:
-        >>> step_row((StepPlan(0, 4, 9, 5, 2), np.array([7, 3])))
+        >>> step_row((MicroBatchPlan(0, 4, 9, 5, 2), np.array([7, 3])))
         [[7, 3], 4, 9, 5, 2, 1.0]
     """
     plan, ids = entry
@@ -35,7 +35,7 @@ def step_row(entry: Tuple[StepPlan, Optional[np.ndarray]]) -> List[Any]:
             plan.global_loss_tokens, plan.local_loss_tokens, plan.local_samples, plan.imbalance]
 
 
-def step_from_row(row: List[Any]) -> Tuple[StepPlan, Optional[np.ndarray]]:
+def step_from_row(row: List[Any]) -> Tuple[MicroBatchPlan, Optional[np.ndarray]]:
     """The planned step of a row (``step_row``'s inverse, its group index 0 or None).
 
     Example:
@@ -45,7 +45,7 @@ def step_from_row(row: List[Any]) -> Tuple[StepPlan, Optional[np.ndarray]]:
     """
     ids, global_samples, global_loss, local_loss, local_samples, imbalance = row
     group = None if ids is None else 0
-    return (StepPlan(group, int(global_samples), int(global_loss), int(local_loss), int(local_samples),
+    return (MicroBatchPlan(group, int(global_samples), int(global_loss), int(local_loss), int(local_samples),
                      float(imbalance)),
             None if ids is None else np.asarray(ids, dtype=np.int64))
 

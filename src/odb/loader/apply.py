@@ -9,7 +9,7 @@ from torch.utils.data import BatchSampler, DataLoader, default_collate
 from odb.comm.protocol import ExchangeFactory
 from odb.config import ODBConfig
 from odb.loader.core import LoaderCore
-from odb.loader.exchanges import exchange_factory
+from odb.comm.exchanges import exchange_factory
 from odb.loader.user_batch import UserBatch
 from odb.loader.dataloader import ODBLoaderMixin, check_inputs, draw_seed, group_collate_for, make_config, shuffles
 from odb.packed.collate import PackedCollate

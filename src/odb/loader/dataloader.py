@@ -15,7 +15,7 @@ from odb.data.lengths import check_length_dims
 from odb.data.sampling import EpochShuffleSampler
 from odb.loader.user_batch import UserBatch
 from odb.loader.core import LoaderCore
-from odb.loader.exchanges import exchange_factory
+from odb.comm.exchanges import exchange_factory
 from odb.loader.sources import shuffles
 from odb.packed.collate import PackedCollate
 

@@ -28,7 +28,8 @@ from typing import Any, Callable, Deque, Dict, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from odb.comm.dist import GroupExchanges, world
+from odb.comm.dist import world
+from odb.comm.exchanges import choose_exchanges
 from odb.comm.protocol import RankExchange
 from odb.integrations.trl.pairs import ragged_gather
 from odb.integrations.trl.rl_forward import RolloutForward
@@ -153,7 +154,7 @@ class RolloutMicroSteps:
             return RolloutTable(prompt[None], completion[None], tokens[None], completion_tokens[None],
                                 np.array([width]))
         if self.exchange is None:  # a gloo group of odb's: every rank reaches the first step's loss in order
-            self.exchange = GroupExchanges()(self.exchange_timeout_s)
+            self.exchange = choose_exchanges()[0](self.exchange_timeout_s)  # the loader's own choice
         where = f"{self.name} step {self.trainer.state.global_step} (odb's rollout micro-steps)"
         head = self.exchange.all_gather(np.array([len(prompt), width]), where)
         if (head[:, 0] != head[0, 0]).any():

@@ -14,8 +14,10 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """One step of this rank: which of its groups it runs (None: a ghost step)."""
+class MicroBatchPlan:
+    """One micro-batch of this rank with the figures of its micro-step over all ranks: which of its groups it
+    runs (None: a ghost), the micro-step's samples and the optimizer step's supervised tokens over all ranks, this
+    rank's own, and the micro-step's rank imbalance."""
 
     group: Optional[int]
     global_samples: int
@@ -25,14 +27,14 @@ class StepPlan:
     imbalance: float = 1.0  # max over ranks of this step's cost / their mean
 
 
-def local_steps(loss_tokens: Sequence[int], samples: Sequence[int]) -> List[StepPlan]:
+def local_steps(loss_tokens: Sequence[int], samples: Sequence[int]) -> List[MicroBatchPlan]:
     """One rank on its own: every planned group is a step, with local numbers as global ones.
 
     Example:
         >>> [(s.group, s.global_samples) for s in local_steps([5, 4], [2, 2])]
         [(0, 2), (1, 2)]
     """
-    return [StepPlan(g, int(n), int(t), int(t), int(n)) for g, (t, n) in enumerate(zip(loss_tokens, samples))]
+    return [MicroBatchPlan(g, int(n), int(t), int(t), int(n)) for g, (t, n) in enumerate(zip(loss_tokens, samples))]
 
 
 def decide_steps(n_groups: Sequence[int], must_emit: Sequence[int], exhausted: Sequence[bool]) -> int:
@@ -67,7 +69,7 @@ def shared_step_order(n_steps: int, seed: int, epoch: int, window: int, shuffle:
 
 
 def global_steps(stats: np.ndarray, rank: int, order: np.ndarray, groups_by_rank_order: Sequence[Optional[int]]
-                 ) -> List[StepPlan]:
+                 ) -> List[MicroBatchPlan]:
     """StepPlans of one rank from every rank's per-step stats.
 
     stats: (world, S, 3) int array of (cost, samples, loss_tokens) in each rank's
@@ -79,7 +81,7 @@ def global_steps(stats: np.ndarray, rank: int, order: np.ndarray, groups_by_rank
     for k in order.tolist():
         col = stats[:, k, :]
         g = groups_by_rank_order[k]
-        steps.append(StepPlan(g, int(col[:, 1].sum()), int(col[:, 2].sum()), int(stats[rank, k, 2]),
+        steps.append(MicroBatchPlan(g, int(col[:, 1].sum()), int(col[:, 2].sum()), int(stats[rank, k, 2]),
                               int(stats[rank, k, 1]), float(imbalance[k])))
     return steps
 

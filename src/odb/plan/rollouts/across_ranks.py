@@ -33,7 +33,7 @@ Example:
     >>> prompt = np.array([[2, 2, 2, 2], [2, 2, 2, 2]])
     >>> completion = np.array([[30, 30, 30, 30], [2, 2, 2, 2]])   # rank 0 holds the long rollouts
     >>> plan = plan_rollout_global(prompt, completion, token_budget=64)
-    >>> [[g.tolist() for g in groups] for groups in plan.groups], plan.costs.tolist()   # 2 long, 2 short each
+    >>> [[g.tolist() for g in groups] for groups in plan.ranks], plan.costs.tolist()   # 2 long, 2 short each
     ([[[0, 1], [4, 5]], [[2, 3], [6, 7]]], [[64, 8], [64, 8]])
     >>> plan.moved_rows, plan.sent(0, 1).tolist(), plan.local
     (4, [2, 3], False)
@@ -48,6 +48,7 @@ import numpy as np
 
 from odb.plan.costs.cost import CostModel
 from odb.plan.steps.global_plan import plan_global_step
+from odb.plan.steps.step_plan import OptimizerStepPlan
 from odb.plan.rollouts.per_rank import RolloutPlan, check_rollout_lengths, padded_width, plan_rollout_steps
 
 __all__ = ["GlobalRolloutPlan", "plan_rollout_global"]
@@ -56,16 +57,16 @@ Groups = List[List[np.ndarray]]
 
 
 @dataclass(frozen=True)
-class GlobalRolloutPlan:
-    """Micro-steps of one training step on every rank, rows moving between ranks.
+class GlobalRolloutPlan(OptimizerStepPlan):
+    """Micro-steps of one training step on every rank, rows moving between ranks (``OptimizerStepPlan`` over
+    the step's rows, every rank's slice together).
 
-    ``groups[r][s]``: the flat rows (``origin rank * n + row``, ascending) rank r trains at micro-step s,
+    ``ranks[r][s]``: the flat rows (``origin rank * n + row``, ascending) rank r trains at micro-step s,
     never empty; every rank has ``steps`` of them. ``widths[r, s]``: (prompt, completion) widths of that
     micro-batch (its longest of each, at least 1); ``costs[r, s]``: the tokens its layout runs. ``n``: rows
     per rank in the step. ``local``: True when the rank-local plan was taken (rows stay).
     """
 
-    groups: Groups
     widths: np.ndarray
     costs: np.ndarray
     n: int
@@ -74,25 +75,21 @@ class GlobalRolloutPlan:
     @property
     def steps(self) -> int:
         """Micro-steps (forward and backward passes) of the step, on every rank."""
-        return len(self.groups[0]) if self.groups else 0
-
-    @property
-    def world(self) -> int:
-        return len(self.groups)
+        return self.micro_steps
 
     def rows(self, rank: int, step: int) -> np.ndarray:
         """Rank ``rank``'s flat rows of micro-step ``step``."""
-        return self.groups[rank][step]
+        return self.ranks[rank][step]
 
     def sent(self, source: int, target: int) -> np.ndarray:
         """Rows of ``source``'s slice (indices into it, ascending) that rank ``target`` trains."""
-        rows = np.concatenate(self.groups[target]) if self.groups[target] else np.zeros(0, dtype=np.int64)
+        rows = self.samples_of(target)
         return np.sort(rows[rows // max(self.n, 1) == source] - source * self.n)
 
     @property
     def moved_rows(self) -> int:
         """Rows trained on another rank than their own, over all ranks."""
-        return sum(int((np.concatenate(g) // max(self.n, 1) != r).sum()) for r, g in enumerate(self.groups) if g)
+        return self.moved(np.arange(self.world * self.n) // max(self.n, 1))
 
 
 def _row_tokens(prompt: np.ndarray, completion: np.ndarray, layout: str, multiple: int) -> np.ndarray:
@@ -259,7 +256,7 @@ def plan_rollout_global(prompt_lengths: np.ndarray, completion_lengths: np.ndarr
         >>> plan.local   # the rank-local plan costs no more: taken
         True
         >>> skewed = plan_rollout_global(np.array([[1, 1], [1, 1]]), np.array([[40, 40], [2, 2]]), 100)
-        >>> skewed.local, [[g.tolist() for g in groups] for groups in skewed.groups], skewed.costs.tolist()
+        >>> skewed.local, [[g.tolist() for g in groups] for groups in skewed.ranks], skewed.costs.tolist()
         (False, [[[0], [2]], [[1], [3]]], [[41, 3], [41, 3]])
     """
     prompt = np.asarray(prompt_lengths, dtype=np.int64)

@@ -33,6 +33,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from odb.plan.steps.step_plan import OptimizerStepPlan
+
 __all__ = ["ROLLOUT_LAYOUTS", "RolloutPlan", "check_rollout_lengths", "plan_rollout_steps", "padded_width"]
 
 ROLLOUT_LAYOUTS = ("padded", "packed")
@@ -50,8 +52,10 @@ def padded_width(length: np.ndarray, multiple: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class RolloutPlan:
-    """Micro-steps of one training step on every rank.
+class RolloutPlan(OptimizerStepPlan):
+    """Micro-steps of one training step on every rank, each rank's rows staying there (``OptimizerStepPlan``
+    over the step's rows, every rank's slice together: ``ranks[r][s]`` rank r's rows of micro-step s as flat rows
+    ``r * n + row``; ``of`` builds it).
 
     ``order[r]``: rank r's rows, longest first; ``sizes[s]``: rows of micro-step s (the same on
     every rank); ``widths[r, s]``: (prompt, completion) widths of rank r's micro-batch s (its
@@ -72,6 +76,14 @@ class RolloutPlan:
         """Rank ``rank``'s rows (indices into its slice) of micro-step ``step``."""
         start = int(sum(self.sizes[:step]))
         return self.order[rank, start:start + self.sizes[step]]
+
+    @classmethod
+    def of(cls, order: np.ndarray, sizes: Tuple[int, ...], widths: np.ndarray, costs: np.ndarray) -> "RolloutPlan":
+        """The plan of these rows (``ranks`` made from ``order`` and ``sizes``)."""
+        world, n = order.shape
+        bounds = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        ranks = [[order[r, bounds[s]:bounds[s + 1]] + r * n for s in range(len(sizes))] for r in range(world)]
+        return cls(ranks, order, tuple(sizes), widths, costs)
 
 
 def check_rollout_lengths(prompt: np.ndarray, completion: np.ndarray, layout: str, who: str) -> None:
@@ -164,4 +176,4 @@ def plan_rollout_steps(prompt_lengths: np.ndarray, completion_lengths: np.ndarra
         start += fits
     width_arr = np.stack(widths, axis=1) if widths else np.zeros((world, 0, 2), dtype=np.int64)
     cost_arr = np.stack(costs, axis=1) if costs else np.zeros((world, 0), dtype=np.int64)
-    return RolloutPlan(order=order, sizes=tuple(sizes), widths=width_arr, costs=cost_arr)
+    return RolloutPlan.of(order, tuple(sizes), width_arr, cost_arr)

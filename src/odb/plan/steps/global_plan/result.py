@@ -7,13 +7,16 @@ from typing import List
 
 import numpy as np
 
+from odb.plan.steps.step_plan import OptimizerStepPlan
+
 _EMPTY = np.empty(0, dtype=np.int64)
 _EMPTY.flags.writeable = False  # the one ghost array every plan shares
 
 
 @dataclasses.dataclass(frozen=True)
-class GlobalStepPlan:
-    """One step planned over W ranks: positions into the step's samples.
+class GlobalStepPlan(OptimizerStepPlan):
+    """One step planned over W ranks: positions into the step's samples (``OptimizerStepPlan``), with what the
+    loader's planner adds.
 
     ranks: ``ranks[r][j]`` the positions of rank r's micro-batch j; every rank has ``micro_steps`` of them;
         an empty array is a ghost micro-batch (the rank runs an empty forward for that micro-step).
@@ -30,17 +33,6 @@ class GlobalStepPlan:
         (2, 1)
     """
 
-    ranks: List[List[np.ndarray]]
     oversize: np.ndarray
     rank_costs: np.ndarray
     bound: float
-
-    @property
-    def micro_steps(self) -> int:
-        """M: the number of micro-batches of every rank."""
-        return len(self.ranks[0]) if self.ranks else 0
-
-    @property
-    def ghosts(self) -> int:
-        """How many micro-batches are ghosts (empty), over all ranks."""
-        return sum(1 for groups in self.ranks for g in groups if len(g) == 0)

@@ -1,6 +1,7 @@
-"""Where a loader's exchanges come from: torch.distributed's ranks, a group of them, a device mesh, or a factory.
+"""Where odb's exchanges come from: torch.distributed's ranks, a group of them, a device mesh, or a factory.
 
-``exchange_factory`` reads the loader's ``process_group``, ``peer_group``, ``device_mesh`` and ``exchange``
+``choose_exchanges`` is the one choice, which the loader and an RL trainer's rollout rows
+(odb.integrations.trl.rl_steps) both make; ``exchange_factory`` reads the loader's ``process_group``, ``peer_group``, ``device_mesh`` and ``exchange``
 arguments. Without any, the exchanges span every rank of torch.distributed and each rank is a data-parallel
 replica. Under tensor, context, sequence or pipeline parallelism each replica spans several ranks, its peers:
 ``device_mesh=`` (a torch DeviceMesh whose data-parallel dimensions are named "dp", or "dp_replicate" and
@@ -46,14 +47,31 @@ def exchange_factory(cfg: ODBConfig, process_group: Any = None, exchange: Option
                              f"exchanges nothing. Fix: drop {name}, or drop distributed=False.")
     if not cfg.distributed:
         return None, cfg
-    if exchange is not None:
-        return exchange, cfg
+    factory, cp = choose_exchanges(process_group, exchange, device_mesh, peer_group)
     if device_mesh is not None:
-        factory, cp = mesh_exchanges(device_mesh)
         return factory, with_context_parallel(cfg, cp, "the device mesh's 'cp' dimension")
+    return factory, cfg
+
+
+def choose_exchanges(process_group: Any = None, exchange: Optional[ExchangeFactory] = None, device_mesh: Any = None,
+                     peer_group: Any = None) -> Tuple[ExchangeFactory, int]:
+    """The one choice of where odb's exchanges run, for the loader and for an RL trainer's rows alike: (the
+    factory, the context parallel degree a device mesh names, else 1). ``exchange`` as given; a ``device_mesh``'s
+    replicas; ``process_group`` with ``peer_group``; else a gloo group over ``process_group``'s ranks (None: every
+    rank of torch.distributed).
+
+    Example:
+        >>> factory, cp = choose_exchanges()
+        >>> factory.world(), cp
+        ((0, 1), 1)
+    """
+    if exchange is not None:
+        return exchange, 1
+    if device_mesh is not None:
+        return mesh_exchanges(device_mesh)
     if peer_group is not None:
-        return peer_exchanges(process_group, peer_group), cfg
-    return GroupExchanges(process_group), cfg
+        return peer_exchanges(process_group, peer_group), 1
+    return GroupExchanges(process_group), 1
 
 
 def with_context_parallel(cfg: ODBConfig, cp: int, source: str) -> ODBConfig:
