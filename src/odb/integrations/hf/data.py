@@ -21,6 +21,7 @@ from odb.config import ODBConfig
 from odb.loader.length_probe import first_oversize
 from odb.loader.dataloader import ODBDataLoader
 from odb.data.sampling import ShardSampler
+from odb.integrations.hf.sampling import epoch_draw, trainer_sampler
 from odb.integrations.trl.vision import vision_samples
 from odb.integrations.vlm import imageless_guard
 
@@ -60,8 +61,10 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
     collator = imageless_guard(collator, trainer.model, world_size=args.world_size,
                                ddp_finds_unused=ddp_finds_unused(trainer))
     shuffle = getattr(args, "train_sampling_strategy", "random") != "sequential"
-    sampler = None
-    if not isinstance(dataset, IterableDataset):
+    # group_by_length, batch_rebalance: the Trainer's own sampler (over the dataset it would sample: the raw
+    # one when TRL's collator processes samples), dealt to the ranks as Accelerate deals it
+    sampler, generator = trainer_sampler(trainer, trainer.train_dataset if processed else dataset)
+    if sampler is None and not isinstance(dataset, IterableDataset):
         sampler = ShardSampler(dataset, num_replicas=args.world_size, rank=args.process_index, shuffle=shuffle,
                                seed=int(cfg.seed or 0))
     workers = args.dataloader_num_workers
@@ -80,7 +83,7 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers and workers > 0,
         multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None) if workers > 0 else None,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
-        drop_last=args.dataloader_drop_last, lengths=lengths,
+        drop_last=args.dataloader_drop_last, lengths=lengths, generator=generator,
         worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index), **options)
 
 
@@ -179,6 +182,9 @@ def write_state(checkpoint_dir: str, rank: int, world_size: int, loader: ODBData
     os.makedirs(checkpoint_dir, exist_ok=True)
     state = {"odb_hf_state_version": STATE_VERSION, "rank": rank, "world_size": world_size,
              "progress": progress, "loader": loader.state_dict()}
+    drawn = epoch_draw(loader)
+    if drawn is not None:  # group_by_length: what draws the epoch's order again (odb.integrations.hf.sampling)
+        state["order"] = drawn.state()
     path = state_file(checkpoint_dir, rank)
     with open(path + ".part", "w", encoding="utf-8") as f:
         json.dump(state, f)

@@ -52,6 +52,7 @@ from odb.train.loss import weigh_loss
 from odb.integrations.hf.collators import collator_label, collator_options, collator_rules
 from odb.integrations.hf.data import build_train_loader, check_fits, epoch_emitted, estimate_micro_steps, read_state, write_state
 from odb.integrations.hf.progress import SampleProgress, schedule_by_samples
+from odb.integrations.hf.sampling import check_strategy, replay_order
 from odb.integrations.memory import auto_meter_options, measure_auto_explicitly
 from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, log_batching,
                        loss_shifts_labels, prepare_packed_rows)
@@ -133,6 +134,7 @@ class ODBTrainerMixin:
         options = auto_meter_options(token_budget, config, options, self.model, args.device)
         cfg = make_config(config, token_budget, options, "enable_odb")
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
+        check_strategy(args, cfg)  # group_by_length, batch_rebalance: their steps need the Trainer's
         check_fits(self, cfg, lengths)
         check_pairs_fit(self, cfg)
         if cfg.layout == "packed":
@@ -212,6 +214,7 @@ class ODBTrainerMixin:
         if progress.in_epoch and fresh:
             progress.begin_epoch(epoch)  # ignore_data_skip: the interrupted epoch starts again
         elif progress.in_epoch:
+            replay_order(run.loader, saved, checkpoint, self.args.world_size)  # group_by_length's order, drawn again
             run.loader.load_state_dict(saved["loader"])
             run.resume, run.rng_checkpoint = True, checkpoint
         return epoch, 0
