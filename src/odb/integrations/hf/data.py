@@ -4,7 +4,9 @@ The loader is built the way ``Trainer.get_train_dataloader`` builds its own (col
 with unused columns removed, workers, pinning, worker seeding, drop_last) except that
 it is not passed through ``accelerator.prepare``: that would re-shard or dispatch odb's
 batches across ranks. Each rank instead reads its own share of the dataset through an
-``odb.ShardSampler`` (every sample to exactly one rank) and odb aligns the ranks.
+``odb.ShardSampler`` (every sample to exactly one rank; under ``group_by_length`` and
+``batch_rebalance`` the Trainer's own sampler dealt as Accelerate deals it: odb.integrations.hf.sampling)
+and odb aligns the ranks.
 """
 
 from __future__ import annotations

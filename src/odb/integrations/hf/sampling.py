@@ -27,10 +27,14 @@ with ``dataloader_drop_last=True`` an incomplete last round is dropped. One diff
 ``BatchRebalanceSampler`` fills a last step of fewer than W x A samples (``dataloader_drop_last=False``)
 with samples from the start of its permutation; odb trains that step on its own samples only.
 
+A checkpoint holds what draws the epoch's order again (``EpochDraw.state``), so a resume in the middle of an
+epoch reads on in that order (``replay_order``; batch_rebalance's order is seeded by its epoch); a resume of
+such an epoch on another number of ranks is refused with the fix. odb options that would change the steps
+(another ``global_batch_size``, a ``composition``) are refused at ``enable_odb`` (``check_strategy``).
+
 Example:
-    >>> order = RebalanceSteps.__doc__.splitlines()[0]
-    >>> order.startswith("The order")
-    True
+    >>> STRATEGIES
+    ('group_by_length', 'batch_rebalance')
 """
 
 from __future__ import annotations
@@ -217,7 +221,12 @@ def trainer_sampler(trainer: Any, dataset: Any) -> Tuple[Optional[Sampler], Opti
 
     args = trainer.args
     strategy = getattr(args, "train_sampling_strategy", "random")
-    if strategy not in STRATEGIES or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+    if strategy not in STRATEGIES:
+        return None, None
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        logger.warning("odb: train_sampling_strategy=%r is ignored for a training dataset without a length (%s), "
+                       "as the Trainer ignores it: samples come in the dataset's own order.", strategy,
+                       type(dataset).__name__)
         return None, None
     sampler = trainer._get_train_sampler(dataset)
     if sampler is None:

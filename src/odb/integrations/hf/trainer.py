@@ -10,8 +10,10 @@ Example:
 
 What changes in the Trainer (training only; evaluation and prediction are untouched):
 
-- the training loader is an ``odb.ODBDataLoader`` over an ``odb.ShardSampler`` (not
-  passed through ``accelerator.prepare``, which would re-shard odb's batches);
+- the training loader is an ``odb.ODBDataLoader`` over an ``odb.ShardSampler`` (under
+  ``group_by_length`` and ``batch_rebalance``: the Trainer's own sampler, dealt to the ranks as
+  Accelerate deals it, odb.integrations.hf.sampling), not passed through ``accelerator.prepare``,
+  which would re-shard odb's batches;
 - each micro-batch's loss is the model's mean over its supervised tokens times
   ``ODBStepInfo.loss_scale``: the gradient is the exact token mean over all ranks and
   micro-batches of the optimizer step, whether or not the model reads
