@@ -125,3 +125,18 @@ def test_the_trainers_steps_across_ranks(tmp_path, world):
     for rank, results in enumerate(ranks):
         for what, plain, odb in pairs:
             check(results[plain], results[odb], f"{world} ranks, rank {rank}, {what}")
+
+
+@pytest.mark.dist
+def test_accelerate_settings_that_deal_the_steps_otherwise_are_refused_on_several_ranks(tmp_path):
+    settings = [{"split_batches": True}, {"dispatch_batches": True}, {"use_seedable_sampler": False}]
+    args = [dict(GROUPED, accelerator_config=c) for c in settings] + [
+        dict(REBALANCE, accelerator_config={"use_seedable_sampler": False}), GROUPED]
+    got = run_ranks("schedule_workers:refusals", 2, {"args": args, "out": str(tmp_path / "out")}, tmp_path / "h")
+    for messages in got:
+        for setting, message in zip(["split_batches=True", "dispatch_batches=True", "use_seedable_sampler=False"],
+                                    messages):
+            assert f"on 2 processes with Accelerate's {setting}" in message and "Fix: leave them at their " \
+                "defaults" in message, message
+        assert messages[3:] == ["", ""]  # batch_rebalance draws from its own seed; the defaults are kept
+

@@ -116,3 +116,16 @@ def update_gap(plain: Dict[str, Any], odb: Dict[str, Any]) -> float:
 
 def same_start(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return all(torch.equal(a["before"][n], b["before"][n]) for n in a["before"])
+
+
+def refusals(rank: int, world: int, p: Dict[str, Any]) -> List[str]:
+    """The message ``enable_odb`` refuses each of ``p["args"]`` (TrainingArguments changes) with ("" if none)."""
+    H._join_torch_distributed(rank, world)
+    out = []
+    for k, args in enumerate(p["args"]):
+        try:
+            build(dict(n=16, args=args, odb=True), os.path.join(p["out"], str(k)))
+            out.append("")
+        except ValueError as err:
+            out.append(str(err))
+    return out

@@ -192,9 +192,20 @@ def replay_order(loader: Any, saved: Dict[str, Any], checkpoint: str, world_size
     drawn.replay(saved["order"])
 
 
-def check_strategy(args: Any, cfg: Any) -> None:
-    """Refuse odb options that would not keep the Trainer's steps under ``group_by_length`` or
-    ``batch_rebalance``: another ``global_batch_size`` than the Trainer's step, or another ``composition``."""
+def check_strategy(trainer: Any, cfg: Any) -> None:
+    """Refuse what would not keep the Trainer's steps under ``group_by_length`` or ``batch_rebalance``: odb
+    options that change them (another ``global_batch_size`` than the Trainer's step, a ``composition``), and, on
+    several processes, Accelerate settings that deal or draw them otherwise than odb does (``split_batches``,
+    ``dispatch_batches``; for group_by_length ``use_seedable_sampler=False``, which gives the sampler a generator
+    of Accelerate's).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(train_sampling_strategy="group_by_length", per_device_train_batch_size=4,
+        ...                        gradient_accumulation_steps=2, world_size=1)
+        >>> check_strategy(SimpleNamespace(args=args), SimpleNamespace(global_batch_size=8, composition="sampler"))
+    """
+    args = trainer.args
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy not in STRATEGIES:
         return
@@ -210,6 +221,19 @@ def check_strategy(args: Any, cfg: Any) -> None:
                          f"the strategy already chooses which samples form each optimizer step, and odb keeps its "
                          f"steps. Fix: leave composition unset (\"sampler\"), or use train_sampling_strategy='random' "
                          f"to let composition={cfg.composition!r} choose the steps.")
+    if args.world_size <= 1:
+        return  # Accelerate leaves a single process's loader as it is
+    accelerator = trainer.accelerator
+    unusual = [f"{name}=True" for name in ("split_batches", "dispatch_batches") if getattr(accelerator, name) is True]
+    if strategy == "group_by_length" and accelerator.use_seedable_sampler is False:
+        unusual.append("use_seedable_sampler=False")
+    if unusual:
+        raise ValueError(f"odb got train_sampling_strategy={strategy!r} on {args.world_size} processes with "
+                         f"Accelerate's {', '.join(unusual)}. Rule: odb keeps the strategy's optimizer steps as "
+                         f"Accelerate deals and draws them by default (whole batches to the ranks in turn, the "
+                         f"sampler on torch's RNG), and these settings split, dispatch or draw them otherwise. Fix: "
+                         f"leave them at their defaults in TrainingArguments(accelerator_config=...), or use "
+                         f"train_sampling_strategy='random'.")
 
 
 def trainer_sampler(trainer: Any, dataset: Any) -> Tuple[Optional[Sampler], Optional[torch.Generator]]:

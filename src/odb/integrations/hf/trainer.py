@@ -136,7 +136,7 @@ class ODBTrainerMixin:
         options = auto_meter_options(token_budget, config, options, self.model, args.device)
         cfg = make_config(config, token_budget, options, "enable_odb")
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
-        check_strategy(args, cfg)  # group_by_length, batch_rebalance: their steps need the Trainer's
+        check_strategy(self, cfg)  # group_by_length, batch_rebalance: their steps need the Trainer's
         check_fits(self, cfg, lengths)
         check_pairs_fit(self, cfg)
         if cfg.layout == "packed":
