@@ -299,8 +299,13 @@ def test_bad_settings_are_refused_with_the_fix(tmp_path):
         args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", max_steps=1, **kw)
         return Trainer(model=W.llama(), args=args, train_dataset=data, data_collator=W.pad_collate)
 
-    with pytest.raises(ValueError, match="train_sampling_strategy='group_by_length'.*configure_trainer"):
-        enable_odb(build(train_sampling_strategy="group_by_length"), token_budget=64)
+    # group_by_length's steps are kept (tests/integrations/test_hf_sampling.py): odb options that would not keep them
+    with pytest.raises(ValueError, match=r"global_batch_size=None with train_sampling_strategy='group_by_length'.*"
+                                         r"Fix: leave global_batch_size unset"):
+        enable_odb(build(train_sampling_strategy="group_by_length"), token_budget=64, global_batch_size=None)
+    with pytest.raises(ValueError, match=r"composition='length_grouped' with train_sampling_strategy="
+                                         r"'batch_rebalance'.*Fix: leave composition unset"):
+        enable_odb(build(train_sampling_strategy="batch_rebalance"), token_budget=64, composition="length_grouped")
     with pytest.raises(ValueError, match="gradient_accumulation_steps=3 .* accumulates 2"):
         enable_odb(build(gradient_accumulation_steps=2), token_budget=64, gradient_accumulation_steps=3)
     with pytest.raises(TypeError, match="token_budget"):
@@ -329,12 +334,13 @@ def test_label_count_mismatch_is_an_error_naming_the_fix(tmp_path):
 
 def test_configure_trainer_returns_an_odb_ready_copy(tmp_path):
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=8,
-                             train_sampling_strategy="group_by_length")
+                             train_sampling_strategy="group_by_length", auto_find_batch_size=True)
     ready = configure_trainer(args, num_train_epochs=2)
-    # the per-device batch stays: it sets the samples of each optimizer step (global_batch_size)
-    assert (ready.per_device_train_batch_size, ready.train_sampling_strategy, ready.num_train_epochs) == \
-        (8, "random", 2)
-    assert args.per_device_train_batch_size == 8 and args.train_sampling_strategy == "group_by_length"
+    # the per-device batch stays: it sets the samples of each optimizer step (global_batch_size); so does the
+    # sampling strategy, whose steps odb keeps
+    assert (ready.per_device_train_batch_size, ready.train_sampling_strategy, ready.auto_find_batch_size,
+            ready.num_train_epochs) == (8, "group_by_length", False, 2)
+    assert args.per_device_train_batch_size == 8 and args.auto_find_batch_size
 
 
 def test_import_odb_does_not_import_transformers():

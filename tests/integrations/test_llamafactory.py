@@ -612,7 +612,7 @@ def schedule_run(setup: Dict[str, Any], name: str, with_odb: bool, resume: Optio
     trainer.train(resume_from_checkpoint=resume)
     return {"rates": rates, "steps": trainer.state.global_step, "before": before,
             "params": {n: w.detach().clone() for n, w in trainer.model.named_parameters()},
-            "micro": micro}
+            "micro": micro, "rng": torch.get_rng_state()}
 
 
 def update_gap(plain: Dict[str, Any], other: Dict[str, Any]) -> float:
@@ -639,3 +639,19 @@ def test_the_trainers_schedule_runs_unchanged_with_odb_and_across_a_resume(setup
     resumed_gap = update_gap(plain, resumed)
     print(f"LLaMA-Factory: relative update gap {gap:.1e}, resumed at step 3 of 5: {resumed_gap:.1e}")
     assert gap <= 1e-5 and resumed_gap <= 1e-5
+
+
+def test_group_by_length_keeps_llamafactorys_steps(setup):
+    """LLaMA-Factory's trainer samples through the Trainer's own sampler when it shuffles, so under
+    group_by_length odb keeps its steps as it keeps the Trainer's (tests/integrations/test_hf_sampling.py): the
+    same learning rates and updates over two epochs (odb reads the samples' lengths from LLaMA-Factory's
+    dataset), and torch's RNG left where the Trainer leaves it (its LengthGroupedSampler draws from it)."""
+    grouped = dict(disable_shuffling=False, train_sampling_strategy="group_by_length")
+    plain = schedule_run(setup, "grouped_plain", False, **grouped)
+    with_odb = schedule_run(setup, "grouped_odb", True, **grouped)
+    assert plain["steps"] == with_odb["steps"] == 2 * 5 and with_odb["rates"] == plain["rates"]
+    assert any(m != 2 for m in with_odb["micro"]), "odb did not cut the steps into micro-batches of its own"
+    assert torch.equal(with_odb["rng"], plain["rng"])
+    gap = update_gap(plain, with_odb)
+    print(f"LLaMA-Factory, group_by_length: relative update gap {gap:.1e}")
+    assert gap <= 1e-5

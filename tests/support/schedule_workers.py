@@ -1,12 +1,16 @@
-"""The same Trainer run with and without odb (the user's batch), for tests/integrations/test_hf_schedule.py.
+"""The same Trainer run with and without odb (the user's batch), for tests/integrations/test_hf_schedule.py
+and test_hf_sampling.py.
 
-``run(rank, world, p)`` trains a float64 tiny Llama with transformers' ``Trainer`` (``p["trainer"] == "hf"``)
-or TRL's ``SFTTrainer`` (``"sft"``), with ``enable_odb`` when ``p["odb"]`` and as it is otherwise, and
-returns what the two must share: the learning rate after every optimizer step, the parameters at the end,
-the step count. The data is read in order (``train_sampling_strategy="sequential"``), so each optimizer step
+``run(rank, world, p)`` trains a float64 tiny Llama with transformers' ``Trainer`` (``p["trainer"] == "hf"``),
+a tiny T5 with its ``Seq2SeqTrainer`` (``"seq2seq"``) or a Llama with TRL's ``SFTTrainer`` (``"sft"``), with
+``enable_odb`` when ``p["odb"]`` and as it is otherwise, and returns what the two must share: the learning
+rate after every optimizer step, the parameters at the end, the step count, torch's global RNG state at the
+end. By default the data is read in order (``train_sampling_strategy="sequential"``), so each optimizer step
 of the plain Trainer and of odb holds the same samples (odb only cuts them into other micro-batches), and
-the gradient is the exact token mean of the step either way. The same function runs on every rank of
-dist_harness.run_ranks ("schedule_workers:run") and in the test process for one rank.
+the gradient is the exact token mean of the step either way. ``p["packed"]``: odb trains on its packed rows
+(``odb.PackedCollate``) where the plain Trainer pads; ``p["known"]``: odb is given the samples' lengths. The
+same function runs on every rank of dist_harness.run_ranks ("schedule_workers:run") and in the test process
+for one rank.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Dict, List
 import torch
 
 import hf_workers as H
+import odb
 
 LR = 1e-2
 
@@ -36,20 +41,30 @@ def build(p: Dict[str, Any], out: str) -> Any:
     """The Trainer of ``p``, with odb (the user's batch: no odb option but the budget) when ``p["odb"]``."""
     from transformers import Trainer, TrainingArguments
 
-    model = H.llama()
-    if p.get("trainer", "hf") == "sft":
+    kind = p.get("trainer", "hf")
+    model = H.t5() if kind == "seq2seq" else H.llama()
+    if kind == "sft":
         import trl_workers as T
         from trl import SFTConfig, SFTTrainer
 
         trainer = SFTTrainer(model=model, args=SFTConfig(**trainer_args(p, out), bf16=False, dataset_num_proc=None),
                              train_dataset=T.raw_dataset("completion", p["n"]), processing_class=T.tokenizer())
+    elif kind == "seq2seq":
+        from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+        trainer = Seq2SeqTrainer(model=model, args=Seq2SeqTrainingArguments(**trainer_args(p, out)),
+                                 train_dataset=H.seq2seq_dataset(p["n"]), data_collator=H.pad_collate)
     else:
+        packed = p.get("odb") and p.get("packed")  # odb's packed rows against the plain Trainer's padded ones
         trainer = Trainer(model=model, args=TrainingArguments(**trainer_args(p, out)),
-                          train_dataset=H.causal_dataset(p["n"]), data_collator=H.pad_collate)
+                          train_dataset=H.causal_dataset(p["n"]),
+                          data_collator=odb.PackedCollate() if packed else H.pad_collate)
     if p.get("odb"):
         from odb.integrations.hf import enable_odb
 
-        enable_odb(trainer, token_budget=p.get("budget", 60), buffer_size=16)
+        known = [len(s["input_ids"]) for s in trainer.train_dataset] if p.get("known") else None
+        enable_odb(trainer, token_budget=p.get("budget", 60), buffer_size=16, lengths=known,
+                   **({"layout": "packed"} if p.get("packed") else {}))
     return trainer
 
 
@@ -83,7 +98,7 @@ def _train(p: Dict[str, Any]) -> Dict[str, Any]:
     trainer.train(resume_from_checkpoint=p.get("resume"))
     return {"rates": rates, "global_step": trainer.state.global_step, "max_steps": trainer.state.max_steps,
             "before": before, "params": {n: w.detach().clone() for n, w in trainer.model.named_parameters()},
-            "micro": micro}
+            "micro": micro, "rng": torch.get_rng_state()}  # torch's global RNG once trained
 
 
 def suite(rank: int, world: int, p: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -101,3 +116,16 @@ def update_gap(plain: Dict[str, Any], odb: Dict[str, Any]) -> float:
 
 def same_start(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return all(torch.equal(a["before"][n], b["before"][n]) for n in a["before"])
+
+
+def refusals(rank: int, world: int, p: Dict[str, Any]) -> List[str]:
+    """The message ``enable_odb`` refuses each of ``p["args"]`` (TrainingArguments changes) with ("" if none)."""
+    H._join_torch_distributed(rank, world)
+    out = []
+    for k, args in enumerate(p["args"]):
+        try:
+            build(dict(n=16, args=args, odb=True), os.path.join(p["out"], str(k)))
+            out.append("")
+        except ValueError as err:
+            out.append(str(err))
+    return out

@@ -83,6 +83,8 @@ NAMES: Tuple[FrameworkName, ...] = (
              "description"),
     _trainer("_get_collator_with_removed_columns", "call", "odb.integrations.hf.data: the collator that drops "
              "them", "data_collator", "description"),
+    _trainer("_get_train_sampler", "call", "odb.integrations.hf.sampling: the Trainer's own sampler of "
+             "group_by_length and batch_rebalance, whose steps odb keeps", "train_dataset"),
     _trainer("_get_output_dir", "call", f"{_LOOP}: where the checkpoint's loader states go", "trial"),
     *(FrameworkName(owner, "_compute_loss", "method", "read", "odb.integrations.trl.rl_loss: the loss odb cuts into "
                     "micro-batches (a subclass's own is refused)", ("model", "inputs")) for owner in _RL),

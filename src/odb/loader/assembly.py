@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from odb.comm.protocol import ExchangeFactory, RankExchange
+from odb.data.sampling import stride_sharded
 from odb.epoch.cursor import Cursor
 from odb.epoch.known import announce_to_steps, known_epoch
 from odb.epoch.local_table import local_tables
@@ -139,8 +140,8 @@ class EpochAssembly:
         sampler's order makes: each rank composes its own)."""
         cfg = self.budget.options
         if known is None or exchange is None or order is not None or cfg.step_plan != "global" or \
-                cfg.composition != "sampler":
-            return None
+                cfg.composition != "sampler" or not stride_sharded(self.loader.sampler):
+            return None  # (another sampler is not iterated here: one drawing from torch's RNG would draw again)
         return local_tables(self.loader.sampler, epoch=epoch, rank=exchange.rank, world=exchange.world_size,
                             lengths=known, step_samples=cfg.step_samples(exchange.world_size),
                             own_order=list(self.loader.sampler))

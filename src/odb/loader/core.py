@@ -33,6 +33,7 @@ from odb.arguments import check_in_order
 from odb.comm.protocol import ExchangeFactory
 from odb.config_rules import check_composition
 from odb.config import ODBConfig
+from odb.data.batch_shard import BatchShardSampler
 from odb.data.bucket_collate import PadToBucket
 from odb.packed.collate import check_context_collate
 from odb.data.collate_check import PaddingHint
@@ -205,6 +206,8 @@ class LoaderCore:
             n = len(sampler)
             if isinstance(sampler, ShardSampler):  # ranks differ by one sample at most: the largest share counts
                 n = -(-len(sampler.data_source) // sampler.num_replicas)
+            elif isinstance(sampler, BatchShardSampler):  # ranks differ by a batch at most: rank 0's is the largest
+                n = sampler.share(0)
         except TypeError:
             return None
         return self.drops.steps(n, g)

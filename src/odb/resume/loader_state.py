@@ -21,6 +21,7 @@ from odb.epoch.global_step import foreign_keys
 from odb.epoch.run_state import retained_positions
 from odb.resume.elastic import check_group, rank_order, repartition
 from odb.resume.state import STATE_VERSION, check_state, cursor_state, upgrade
+from odb.data.batch_shard import BatchShardSampler
 from odb.data.sampling import EpochShuffleSampler, ShardSampler, sampler_settings
 from odb.data.source import SampleMeter
 
@@ -162,6 +163,9 @@ def _indices_at(order: Any, positions: List[int]) -> List[int]:
 
 
 def _replayable(sampler: Any) -> bool:
-    """Samplers whose order is a function of (seed, epoch), so a resumed epoch sees the same order."""
+    """Samplers whose order is a function of (seed, epoch), so a resumed epoch sees the same order (a
+    BatchShardSampler: when the order it deals is, or it says so)."""
+    if isinstance(sampler, BatchShardSampler):
+        return sampler.replayable or _replayable(sampler.sampler)
     return isinstance(sampler, (SequentialSampler, DistributedSampler, ShardSampler, EpochShuffleSampler, list,
                                 tuple, range))

@@ -35,7 +35,9 @@ RULES: Dict[str, Tuple[str, str]] = {
     "mixin-order": ("error", "ODBTrainerMixin comes before the Trainer class it extends"),
     "integration-missing": ("error", "the framework's odb hook is there beside the loader (configure_accelerator, "
                                      "the Lightning callback)"),
-    "trainer-args": ("error", "TrainingArguments leave batching to odb: no auto_find_batch_size, no length grouping"),
+    "trainer-args": ("error", "TrainingArguments leave batch sizes to odb (no auto_find_batch_size), and a "
+                              "length-grouping strategy keeps the Trainer's steps (no global_batch_size or "
+                              "composition for odb)"),
     "no-loop": ("info", "a loop over the odb loader was found (else the loop checks were skipped)"),
 }
 

@@ -107,17 +107,19 @@ def check_hf(ctx: Context) -> List[Finding]:
         out.append(ctx.finding("num-workers", anchor, "dataloader_num_workers is 0: odb's loader inherits it, so "
                                "samples are processed in the training process, between steps.",
                                "TrainingArguments(..., dataloader_num_workers=4)"))
-    if not configured:
-        problems = []
-        for key, bad in (("auto_find_batch_size", (True,)),
-                         ("train_sampling_strategy", GROUPING)):
-            if key in settings and literal(ctx.index, settings[key][0]) in bad:
-                problems.append((key, settings[key][1]))
-        for key, call in problems:
-            out.append(ctx.finding("trainer-args", call, f"{key}={literal(ctx.index, settings[key][0])!r} is "
-                                   "refused by the odb Trainer (it groups or sizes batches, which odb does).",
-                                   f"drop {key}, or pass the arguments through "
-                                   "odb.integrations.hf.configure_trainer(args)"))
+    if not configured and "auto_find_batch_size" in settings and \
+            literal(ctx.index, settings["auto_find_batch_size"][0]) is True:
+        out.append(ctx.finding("trainer-args", settings["auto_find_batch_size"][1], "auto_find_batch_size=True is "
+                               "refused by the odb Trainer (it sizes batches, which odb does).",
+                               "drop auto_find_batch_size, or pass the arguments through "
+                               "odb.integrations.hf.configure_trainer(args)"))
+    strategy = settings.get("train_sampling_strategy")
+    grouping = literal(ctx.index, strategy[0]) if strategy else None
+    for call in entries if grouping in GROUPING else []:
+        for key in sorted({"global_batch_size", "composition"} & set(call_args(call, ())[0])):
+            out.append(ctx.finding("trainer-args", call, f"odb gets {key} with train_sampling_strategy="
+                                   f"{grouping!r}, whose optimizer steps odb keeps: the odb Trainer refuses it.",
+                                   f"leave {key} out (or train_sampling_strategy='random' for steps odb chooses)"))
     given = [(c, a["gradient_accumulation_steps"]) for c in entries
              for a in [call_args(c, ())[0]] if "gradient_accumulation_steps" in a]
     trainer_gas = settings.get("gradient_accumulation_steps")

@@ -1,6 +1,6 @@
 # expect-framework: hf_trainer
 # expect-findings:
-"""ODBTrainer built directly; configure_trainer copies the arguments with batch size 1 and no grouping."""
+"""ODBTrainer built directly; configure_trainer copies the arguments (group_by_length's steps are kept)."""
 import odb.integrations.hf as odb_hf
 from transformers import TrainingArguments
 

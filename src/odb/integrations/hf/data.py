@@ -4,7 +4,9 @@ The loader is built the way ``Trainer.get_train_dataloader`` builds its own (col
 with unused columns removed, workers, pinning, worker seeding, drop_last) except that
 it is not passed through ``accelerator.prepare``: that would re-shard or dispatch odb's
 batches across ranks. Each rank instead reads its own share of the dataset through an
-``odb.ShardSampler`` (every sample to exactly one rank) and odb aligns the ranks.
+``odb.ShardSampler`` (every sample to exactly one rank; under ``group_by_length`` and
+``batch_rebalance`` the Trainer's own sampler dealt as Accelerate deals it: odb.integrations.hf.sampling)
+and odb aligns the ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from odb.config import ODBConfig
 from odb.loader.length_probe import first_oversize
 from odb.loader.dataloader import ODBDataLoader
 from odb.data.sampling import ShardSampler
+from odb.integrations.hf.sampling import epoch_draw, trainer_sampler
 from odb.integrations.trl.vision import vision_samples
 from odb.integrations.vlm import imageless_guard
 
@@ -60,8 +63,10 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
     collator = imageless_guard(collator, trainer.model, world_size=args.world_size,
                                ddp_finds_unused=ddp_finds_unused(trainer))
     shuffle = getattr(args, "train_sampling_strategy", "random") != "sequential"
-    sampler = None
-    if not isinstance(dataset, IterableDataset):
+    # group_by_length, batch_rebalance: the Trainer's own sampler (over the dataset it would sample: the raw
+    # one when TRL's collator processes samples), dealt to the ranks as Accelerate deals it
+    sampler, generator = trainer_sampler(trainer, trainer.train_dataset if processed else dataset)
+    if sampler is None and not isinstance(dataset, IterableDataset):
         sampler = ShardSampler(dataset, num_replicas=args.world_size, rank=args.process_index, shuffle=shuffle,
                                seed=int(cfg.seed or 0))
     workers = args.dataloader_num_workers
@@ -80,7 +85,7 @@ def build_train_loader(trainer: Any, cfg: ODBConfig, lengths: Optional[Sequence[
         pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers and workers > 0,
         multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None) if workers > 0 else None,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
-        drop_last=args.dataloader_drop_last, lengths=lengths,
+        drop_last=args.dataloader_drop_last, lengths=lengths, generator=generator,
         worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index), **options)
 
 
@@ -179,6 +184,9 @@ def write_state(checkpoint_dir: str, rank: int, world_size: int, loader: ODBData
     os.makedirs(checkpoint_dir, exist_ok=True)
     state = {"odb_hf_state_version": STATE_VERSION, "rank": rank, "world_size": world_size,
              "progress": progress, "loader": loader.state_dict()}
+    drawn = epoch_draw(loader)
+    if drawn is not None:  # group_by_length: what draws the epoch's order again (odb.integrations.hf.sampling)
+        state["order"] = drawn.state()
     path = state_file(checkpoint_dir, rank)
     with open(path + ".part", "w", encoding="utf-8") as f:
         json.dump(state, f)

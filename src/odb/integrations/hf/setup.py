@@ -19,7 +19,6 @@ from odb.step_info import ODBStepInfo
 from odb.integrations.hf.progress import SampleProgress, WindowMetrics
 from odb.integrations.private_api import check_classes
 
-_GROUPING = ("group_by_length", "batch_rebalance")
 # transformers 5.3.0-5.5.3 also hand gradient_accumulation_steps to the Accelerator, so every micro-batch's loss
 # is divided by it twice (fixed in 5.5.4): the gradient would not be odb's exact token mean.
 MIN_TRANSFORMERS = "5.5.4"
@@ -95,20 +94,18 @@ def configure_trainer(args: TrainingArguments, **changes: Any) -> TrainingArgume
     ``per_device_train_batch_size`` stays: with odb's default it sets the samples of each
     optimizer step (``per_device_train_batch_size x gradient_accumulation_steps x world size``),
     which odb splits into micro-batches under the token budget. The copy has
-    ``auto_find_batch_size=False`` (lower ``token_budget`` instead) and
-    ``train_sampling_strategy="random"`` in place of the length-grouping strategies that
-    odb replaces, and ``dataloader_in_order=True`` (odb reads samples in sampler order).
-    ``enable_odb`` refuses those settings rather than changing them.
+    ``auto_find_batch_size=False`` (lower ``token_budget`` instead) and ``dataloader_in_order=True``
+    (odb reads samples in sampler order). ``enable_odb`` refuses those settings rather than changing
+    them. ``train_sampling_strategy`` stays: odb keeps the steps of ``group_by_length`` and
+    ``batch_rebalance`` (odb.integrations.hf.sampling).
 
     Example:
-        >>> args = configure_trainer(TrainingArguments("out", train_sampling_strategy="group_by_length"),
+        >>> args = configure_trainer(TrainingArguments("out", auto_find_batch_size=True),
         ...                          num_train_epochs=2)               # doctest: +SKIP
-        >>> args.train_sampling_strategy                              # doctest: +SKIP
-        'random'
+        >>> args.auto_find_batch_size, args.num_train_epochs          # doctest: +SKIP
+        (False, 2)
     """
     fixed: Dict[str, Any] = {"auto_find_batch_size": False}
-    if getattr(args, "train_sampling_strategy", None) in _GROUPING:
-        fixed["train_sampling_strategy"] = "random"
     if getattr(args, "dataloader_in_order", True) is False:
         fixed["dataloader_in_order"] = True
     fixed.update(changes)
@@ -129,9 +126,6 @@ def loss_shifts_labels(trainer: Trainer) -> bool:
 def check_args(trainer: Trainer) -> None:
     args = trainer.args
     problems = []
-    if getattr(args, "train_sampling_strategy", None) in _GROUPING:
-        problems.append(f"train_sampling_strategy={args.train_sampling_strategy!r} groups samples by length, "
-                        f"which odb does itself (fix: 'random' or 'sequential')")
     if getattr(args, "dataloader_in_order", True) is False:
         problems.append("dataloader_in_order=False lets workers hand over samples as they finish, so odb's batches "
                         "would depend on worker timing and a resumed run would skip or repeat samples (fix: True; "

@@ -10,8 +10,10 @@ Example:
 
 What changes in the Trainer (training only; evaluation and prediction are untouched):
 
-- the training loader is an ``odb.ODBDataLoader`` over an ``odb.ShardSampler`` (not
-  passed through ``accelerator.prepare``, which would re-shard odb's batches);
+- the training loader is an ``odb.ODBDataLoader`` over an ``odb.ShardSampler`` (under
+  ``group_by_length`` and ``batch_rebalance``: the Trainer's own sampler, dealt to the ranks as
+  Accelerate deals it, odb.integrations.hf.sampling), not passed through ``accelerator.prepare``,
+  which would re-shard odb's batches;
 - each micro-batch's loss is the model's mean over its supervised tokens times
   ``ODBStepInfo.loss_scale``: the gradient is the exact token mean over all ranks and
   micro-batches of the optimizer step, whether or not the model reads
@@ -52,6 +54,7 @@ from odb.train.loss import weigh_loss
 from odb.integrations.hf.collators import collator_label, collator_options, collator_rules
 from odb.integrations.hf.data import build_train_loader, check_fits, epoch_emitted, estimate_micro_steps, read_state, write_state
 from odb.integrations.hf.progress import SampleProgress, schedule_by_samples
+from odb.integrations.hf.sampling import check_strategy, replay_order
 from odb.integrations.memory import auto_meter_options, measure_auto_explicitly
 from odb.integrations.hf.setup import (ODBRun, ProgressCallback, check_args, check_loop_api, configure_trainer, log_batching,
                        loss_shifts_labels, prepare_packed_rows)
@@ -133,6 +136,7 @@ class ODBTrainerMixin:
         options = auto_meter_options(token_budget, config, options, self.model, args.device)
         cfg = make_config(config, token_budget, options, "enable_odb")
         check_length_dims(cfg.token_budgets, cfg.length_fn, lengths)
+        check_strategy(self, cfg)  # group_by_length, batch_rebalance: their steps need the Trainer's
         check_fits(self, cfg, lengths)
         check_pairs_fit(self, cfg)
         if cfg.layout == "packed":
@@ -212,6 +216,7 @@ class ODBTrainerMixin:
         if progress.in_epoch and fresh:
             progress.begin_epoch(epoch)  # ignore_data_skip: the interrupted epoch starts again
         elif progress.in_epoch:
+            replay_order(run.loader, saved, checkpoint, self.args.world_size)  # group_by_length's order, drawn again
             run.loader.load_state_dict(saved["loader"])
             run.resume, run.rng_checkpoint = True, checkpoint
         return epoch, 0
