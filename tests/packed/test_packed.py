@@ -304,7 +304,6 @@ def test_packed_collate_without_transformers_uses_torch(monkeypatch) -> None:
     ([[1, 2, 3]], TypeError, "type list"),
     ([{"tokens": [1, 2]}], TypeError, "fields ['tokens']"),
     ([{"input_ids": torch.ones(1, 4, dtype=torch.long)}], ValueError, "shape (1, 4)"),
-    ([{"input_ids": []}], ValueError, "shape (0,)"),
     ([{"input_ids": [1, 2, 3], "labels": [1, 2]}], ValueError, "labels of shape (2,)"),
 ])
 def test_packed_collate_refuses_bad_samples_with_the_fix(samples, exc, words) -> None:
@@ -478,3 +477,13 @@ def test_ranks_align_on_the_packed_cost_with_ghost_steps() -> None:
     for k in range(len(infos[0])):  # a ghost step costs nothing
         costs = np.array([0 if infos[r][k].is_ghost else infos[r][k].padded_tokens for r in range(3)], dtype=float)
         assert infos[0][k].rank_imbalance == pytest.approx(costs.max() / costs.mean() if costs.mean() else 1.0)
+
+
+def test_packed_collate_takes_empty_samples() -> None:
+    """An empty sample (0 tokens) is legal: it adds nothing to the row; a row of empty samples only holds one
+    unsupervised token, so that a model runs it."""
+    collate = odb.PackedCollate(backend="torch")
+    row = collate([{"input_ids": [5, 6, 7]}, {"input_ids": []}, {"input_ids": [8, 9]}])
+    assert row["input_ids"].tolist() == [[5, 6, 7, 8, 9]] and row["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    empty = collate([{"input_ids": []}, {"input_ids": [], "labels": []}])
+    assert empty["input_ids"].shape == (1, 1) and (empty["labels"] == -100).all()

@@ -197,9 +197,9 @@ def train_arm(p: Dict[str, Any], out: str, budget: Any) -> Dict[str, Any]:
 def plan_record(plan: Any) -> Any:
     """A plan as plain lists: a rank-local plan's rows per micro-step, a global plan's flat rows per rank and
     micro-step."""
-    if hasattr(plan, "groups"):
-        return [[g.tolist() for g in rank] for rank in plan.groups]
-    return list(plan.sizes)
+    if hasattr(plan, "sizes"):  # odb.plan.rollouts.per_rank.RolloutPlan
+        return list(plan.sizes)
+    return [[g.tolist() for g in rank] for rank in plan.ranks]
 
 
 def pair_ranks(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:

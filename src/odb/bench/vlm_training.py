@@ -259,7 +259,7 @@ def worst(workloads: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
         {'ratio': 0.9, 'workload': 'a', 'baseline': 'group_by_length'}
     """
     out = {}
-    for o in ODB_ARMS:
+    for o in [a for a in ODB_ARMS if all(a in w["odb_over"] for w in workloads.values())]:
         ratio, name, base = min((w["odb_over"][o][base], name, base) for name, w in workloads.items()
                                 for base in ("fixed", "group_by_length"))
         out[o] = {"ratio": ratio, "workload": name, "baseline": base}
