@@ -24,6 +24,28 @@ from odb.integrations.private_api import check_classes
 MIN_TRANSFORMERS = "5.5.4"
 
 
+@dataclasses.dataclass
+class StepInfos:
+    """The ODBStepInfo of the optimizer step being trained: per micro-batch, in order, and the one in use."""
+
+    by_batch: Dict[int, ODBStepInfo] = dataclasses.field(default_factory=dict)  # id(micro-batch) -> its info
+    step: Tuple[ODBStepInfo, ...] = ()
+    active: Optional[ODBStepInfo] = None
+
+
+@dataclasses.dataclass
+class EpochFlags:
+    """Where the Trainer's epoch stands for odb: a resume pending, its first pull, and the end of the data."""
+
+    resume: bool = False  # the next epoch continues from a loaded loader state
+    # The checkpoint whose RNG states the resumed epoch restores once its iterator is built (see
+    # ODBTrainerMixin.get_batch_samples); None when there is nothing to restore.
+    rng_checkpoint: Optional[str] = None
+    first_pull: bool = False  # the next get_batch_samples is the first of a resumed epoch
+    empty_resume: bool = False  # ...and found nothing left (the state was saved after its last step)
+    exhausted: bool = False
+
+
 class ODBRun:
     """odb's state inside one Trainer (one attribute, so the Trainer's namespace stays clean)."""
 
@@ -32,16 +54,8 @@ class ODBRun:
         self.loader: Optional[ODBDataLoader] = None
         self.progress = SampleProgress(None, 1)
         self.window = WindowMetrics()
-        self.infos: Dict[int, ODBStepInfo] = {}  # id(micro-batch) -> its info, for the current step
-        self.step_infos: Tuple[ODBStepInfo, ...] = ()
-        self.active: Optional[ODBStepInfo] = None
-        self.resume = False  # the next epoch continues from a loaded loader state
-        # The checkpoint whose RNG states the resumed epoch restores once its iterator is built (see
-        # ODBTrainerMixin.get_batch_samples); None when there is nothing to restore.
-        self.rng_checkpoint: Optional[str] = None
-        self.first_pull = False  # the next get_batch_samples is the first of a resumed epoch
-        self.empty_resume = False  # ...and found nothing left (the state was saved after its last step)
-        self.exhausted = False
+        self.steps = StepInfos()
+        self.epoch = EpochFlags()
         # The collator's supervised tokens exist only once it has run (masked LM, left padding): counted then.
         self.count_after_collate = False
         self.collator_name = ""
@@ -80,12 +94,12 @@ class ProgressCallback(TrainerCallback):
 
     def on_epoch_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         run = self.run
-        if run.exhausted:
+        if run.epoch.exhausted:
             run.progress.end_epoch()
             state.epoch = run.progress.epochs_done
-        if run.empty_resume and not run.progress.reached():
+        if run.epoch.empty_resume and not run.progress.reached():
             control.should_training_stop = False  # the Trainer stops after an epoch without batches
-        run.empty_resume = False
+        run.epoch.empty_resume = False
 
 
 def configure_trainer(args: TrainingArguments, **changes: Any) -> TrainingArguments:

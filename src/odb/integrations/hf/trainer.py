@@ -103,7 +103,7 @@ class ODBTrainerMixin:
     @property
     def odb_step_infos(self) -> Tuple[ODBStepInfo, ...]:
         """Step infos of this rank's micro-batches in the last optimizer step."""
-        return self._odb.step_infos
+        return self._odb.steps.step
 
     # ---- setup -----------------------------------------------------------------------
     def _odb_enable(self, token_budget: Any, config: Optional[ODBConfig], lengths: Optional[Sequence[int]],
@@ -197,7 +197,7 @@ class ODBTrainerMixin:
             return epochs_trained, skipped
         bound = inspect.signature(Trainer._init_training_state).bind(self, *args, **kwargs)
         checkpoint = bound.arguments.get("resume_from_checkpoint")
-        run.resume, run.rng_checkpoint = False, None
+        run.epoch.resume, run.epoch.rng_checkpoint = False, None
         if checkpoint is None:
             return 0, 0
         fresh = bool(self.args.ignore_data_skip)
@@ -218,7 +218,7 @@ class ODBTrainerMixin:
         elif progress.in_epoch:
             replay_order(run.loader, saved, checkpoint, self.args.world_size)  # group_by_length's order, drawn again
             run.loader.load_state_dict(saved["loader"])
-            run.resume, run.rng_checkpoint = True, checkpoint
+            run.epoch.resume, run.epoch.rng_checkpoint = True, checkpoint
         return epoch, 0
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
@@ -227,9 +227,9 @@ class ODBTrainerMixin:
         kwargs.pop("self")
         if kwargs.get("train_dataloader") is not run.loader or run.loader is None:
             return super()._run_epoch(**kwargs)
-        if not run.resume:
+        if not run.epoch.resume:
             run.progress.begin_epoch(kwargs["epoch"])
-        run.first_pull, run.resume, run.exhausted = run.resume, False, False
+        run.epoch.first_pull, run.epoch.resume, run.epoch.exhausted = run.epoch.resume, False, False
         # The epoch ends when odb's data does (get_batch_samples asks the Trainer to stop it);
         # odb does the resume itself, so the Trainer must not skip batches.
         kwargs.update(steps_in_epoch=sys.maxsize, num_update_steps_per_epoch=sys.maxsize,
@@ -240,18 +240,18 @@ class ODBTrainerMixin:
         run = self._odb
         if run.loader is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        run.infos.clear()
-        if run.first_pull and run.rng_checkpoint is not None:
+        run.steps.by_batch.clear()
+        if run.epoch.first_pull and run.epoch.rng_checkpoint is not None:
             # The Trainer restored the checkpoint's RNG states before it built the resumed epoch's iterator,
             # and building it drew from torch's RNG (a DataLoader draws its base seed at iter()); the
             # uninterrupted run drew that at the epoch's start. Restore them again before the first batch:
             # dropout (and a collator drawing on the training thread) continue as the interrupted run did.
-            self._load_rng_state(run.rng_checkpoint)
-            run.rng_checkpoint = None
+            self._load_rng_state(run.epoch.rng_checkpoint)
+            run.epoch.rng_checkpoint = None
         got = next_step(epoch_iterator, run.cfg.step_info_key)
-        run.empty_resume, run.first_pull = run.first_pull and got is None, False
+        run.epoch.empty_resume, run.epoch.first_pull = run.epoch.first_pull and got is None, False
         if got is None:
-            run.exhausted = True
+            run.epoch.exhausted = True
             self.control.should_epoch_stop = True
             return [], None
         batches, infos = got
@@ -262,8 +262,8 @@ class ODBTrainerMixin:
         except ValueError as err:
             run.loader.odb_abort(err)  # the other ranks stop at their next exchange instead of waiting there
             raise
-        run.infos.update((id(b), i) for b, i in zip(batches, infos))
-        run.step_infos = tuple(infos)
+        run.steps.by_batch.update((id(b), i) for b, i in zip(batches, infos))
+        run.steps.step = tuple(infos)
         run.window.add(infos)
         run.progress.add(sum(i.all_samples_this_step for i in infos))
         name = getattr(self.model, "main_input_name", "input_ids")
@@ -292,26 +292,26 @@ class ODBTrainerMixin:
                 with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
                     loss = loss + self.training_step(model, part, num_items_in_batch)
             return loss
-        info = run.infos.pop(id(inputs), None)
+        info = run.steps.by_batch.pop(id(inputs), None)
         if info is None:
             return super().training_step(model, inputs, num_items_in_batch)
         # The model averages over this batch's own supervised tokens, whether or not it reads
         # num_items_in_batch; loss_scale then turns that mean into its share of the exact mean.
         count = torch.tensor(max(info.local_loss_tokens, 1), device=self.args.device)
         self.current_gradient_accumulation_steps = 1  # Trainers without loss_is_scaled_for_ga divide by it
-        run.active = info
+        run.steps.active = info
         if run.auto is not None:
             run.auto.begin(info.step, info.is_ghost)
         try:
             return super().training_step(model, inputs, count)  # forward and backward
         finally:
-            run.active = None
+            run.steps.active = None
             if run.auto is not None:
                 run.auto.end()
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        info = self._odb.active
+        info = self._odb.steps.active
         if info is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
