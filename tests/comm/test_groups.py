@@ -1,7 +1,7 @@
 """odb's gloo groups do not pile up, and none is left when the process exits.
 
 odb makes its own gloo groups (one per epoch for the metadata exchange, one more for the
-step exchange of known lengths, one per checkpoint gather). A group is released once
+step exchange of known lengths, one for the checkpoint gathers). A group is released once
 every rank is known to be done with it: when the next one is created (``new_group`` is
 collective); the last ones at exit, after a short barrier. A gloo group still alive while
 the interpreter finalizes can abort the process ("terminate called without an active

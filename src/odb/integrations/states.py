@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -26,7 +26,9 @@ from odb.comm.protocol import RankExchange
 from odb.loader.dataloader import ODBLoaderMixin
 
 
-_previous: Optional[RankExchange] = None  # the last gather's exchange, released by the next (or at exit)
+# The last gather's factory and exchange: the next gather through the same factory reuses the exchange while it is
+# alive, another one releases it (and exit releases the last).
+_previous: Optional[Tuple[Any, RankExchange]] = None
 
 
 def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[str, Any]]:
@@ -37,10 +39,13 @@ def gather_states(state: Dict[str, Any], loader: ODBLoaderMixin) -> List[Dict[st
     if factory is None or factory.processes() == 1:
         return [state]
     raw = json.dumps(state).encode()
-    exchange = factory(loader.odb_config.exchange_timeout_s)  # new_group: every rank is past the last gather
-    if _previous is not None:
-        _previous.release()
-    _previous = exchange
+    if _previous is not None and _previous[0] is factory and not _previous[1].dead:
+        exchange = _previous[1]  # one group for a run's checkpoints: none made or torn down at each save
+    else:
+        exchange = factory(loader.odb_config.exchange_timeout_s)  # new_group: every rank is past the last gather
+        if _previous is not None:
+            _previous[1].release()
+        _previous = (factory, exchange)
     sizes = exchange.all_gather(np.array([len(raw)]), "checkpoint (state sizes)", every_process=True)[:, 0]
     local = np.zeros(-(-int(sizes.max()) // 8), dtype=np.int64)
     local.view(np.uint8)[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
