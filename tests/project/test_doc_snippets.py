@@ -32,8 +32,7 @@ import snippet_fixtures  # noqa: E402
 GUIDES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "integration-guides").glob("*.md"))
 MARK = re.compile(r"^<!-- odb-snippet: ([\w-]+) -->\s*$")
 # Python blocks left unmarked on purpose, by (guide, the block's first code line), with the reason.
-NOT_RUN = {("docs/integration-guides/trl-rl.md", "from trl import GRPOConfig, GRPOTrainer"):
-           "GRPOConfig(...) elides the config; the GRPO/RLOO guide's own work makes it runnable"}
+NOT_RUN: Dict[Tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

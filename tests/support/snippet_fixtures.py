@@ -188,6 +188,27 @@ def trl_dpo() -> Fixture:
     return ns, lambda ns: trainer_trained(ns, before)
 
 
+def trl_grpo() -> Fixture:
+    from datasets import Dataset
+
+    tokenizer = tiny_tokenizer()
+
+    def reward(completions: List[str], **_: Any) -> List[float]:
+        return [float(len(set(c.split()))) - 0.3 * len(c.split()) for c in completions]
+
+    prompts = Dataset.from_dict({"prompt": [" ".join(t.split()[:1 + i % 6]) for i, t in enumerate(texts(16))]})
+    ns = dict(tokenizer=tokenizer, model=tiny_llama(tokenizer), reward=reward, prompts=prompts)
+    before = snapshot(ns["model"])
+
+    def check(ns: Dict[str, Any]) -> None:
+        trainer = ns["trainer"]
+        assert trainer.state.global_step > 0 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
+        assert trainer.odb_rl.counts.micro_steps > 0, "odb cut no policy update into micro-batches"
+        trained(before, trainer.model)
+
+    return ns, check
+
+
 def trl_auto() -> Fixture:
     import torch
     from datasets import Dataset
@@ -420,6 +441,7 @@ FIXTURES: Dict[str, Callable[[], Fixture]] = {
     "trl-sft": trl_sft,
     "trl-dpo": trl_dpo,
     "trl-auto": trl_auto,
+    "trl-grpo": trl_grpo,
     "trl-vlm": trl_vlm,
     "llamafactory-run-exp": llamafactory_run_exp,
     "llamafactory-trainer": llamafactory_parts,
