@@ -236,18 +236,18 @@ class RankAligner:
         return [(s, None if s.group is None else ranked[s.group])
                 for s in global_steps(everyone, ex.rank, order, slots)]
 
-    def _ranked_bodies(self, stats: np.ndarray, where: str, probe: bool) -> Tuple[np.ndarray, List[np.ndarray]]:
+    def _ranked_bodies(self, stats: np.ndarray, where: str, probe: bool) -> Tuple[np.ndarray, np.ndarray]:
         """Every replica's step summaries ((world, S, 3): cost, samples, loss tokens), each ranked by its cost (and
         its longest sample where ``probe``), and each replica's rank order of its groups. Every rank ranks every
         replica's groups from the gathered summaries (its first peer's costs): the peers of a replica, whose
         prices are their own (balance="time"), so rank their groups alike."""
         ex = self.exchange
         if not len(stats):
-            return np.zeros((ex.world_size, 0, 3), dtype=np.int64), [np.zeros(0, dtype=np.int64)] * ex.world_size
+            return np.zeros((ex.world_size, 0, 3), dtype=np.int64), np.zeros((ex.world_size, 0), dtype=np.int64)
         rows = ex.all_gather(stats, where, every_process=True)
         rows = ex.replica_rows(rows, where, compare=lambda r: r[..., 1:])  # costs may be each process's prices
-        orders = [cost_rank_order(row[:, 0], row[:, 3] if probe else None) for row in rows]
-        return np.stack([row[order, :3] for row, order in zip(rows, orders)]), orders
+        orders = cost_rank_order(rows[..., 0], rows[..., 3] if probe else None)  # every replica's, in one sort
+        return np.take_along_axis(rows[..., :3], orders[..., None], axis=1), orders
 
     def header(self, fields: List[int], where: str, proposal: Optional[np.ndarray] = None) -> np.ndarray:
         """Every rank's 4 header ``fields`` ((world, 4)), checking that the ranks plan under the same options;

@@ -169,15 +169,18 @@ def decide_splits(sizes: Sequence[int], steps: int) -> SplitDecision:
 def cost_rank_order(costs: Sequence[int], longest: Optional[Sequence[int]] = None) -> np.ndarray:
     """Positions of a rank's step groups by decreasing cost (ties: earlier first); with ``longest``
     (the worst-case probe's window) by decreasing longest sample first. Every rank ranks its own so,
-    and step k pairs groups of similar cost across ranks.
+    and step k pairs groups of similar cost across ranks. 2-D ``costs`` (and ``longest``): each row ranked,
+    all in one sort (every replica's groups at once).
 
     Example:
         >>> cost_rank_order([10, 30, 20]).tolist()
         [1, 2, 0]
         >>> cost_rank_order([10, 30, 20], longest=[9, 5, 9]).tolist()
         [2, 0, 1]
+        >>> cost_rank_order([[10, 30, 20], [5, 5, 7]]).tolist()
+        [[1, 2, 0], [2, 0, 1]]
     """
     keys = [-np.asarray(costs, dtype=np.float64)]
     if longest is not None:
         keys.append(-np.asarray(longest, dtype=np.float64))
-    return np.lexsort(keys) if len(costs) else np.zeros(0, dtype=np.int64)
+    return np.lexsort(keys) if np.size(costs) else np.zeros(np.shape(costs), dtype=np.int64)
