@@ -612,7 +612,7 @@ def run_convergence(rank: int, world: int, params: Dict[str, Any]) -> Dict[str, 
 def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = False) -> List[Dict[str, Any]]:
     """The goals (2 ranks, at accumulation ``acc``): time to the target against fixed, group_by_length and the
     per-rank plan (odb_padded_rank: each rank cuts its own share), and the curve's match. ``plans_only``: the
-    two goals of the default step plan alone (against group_by_length and the per-rank plan)."""
+    goals of the default step plan alone (against group_by_length and the per-rank plan) and the compositions'."""
     part = conv.get("accumulations", {}).get(acc)
     if not part:
         return []
@@ -643,6 +643,7 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = F
         ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0, context=("odb_packed",))
         ratio_goal("odb packed / group_by_length", "odb_packed", "group_by_length", 1.0)
         ratio_goal("odb padded (global plan) / odb padded, per-rank plan", "odb_padded", "odb_padded_rank", 1.0)
+        composition_goals(part, acc, ratio_goal, out)
         return out
     ratio_goal("odb padded / fixed", "odb_padded", "fixed", 0.5)
     ratio_goal("odb padded / group_by_length", "odb_padded", "group_by_length", 1.0)
