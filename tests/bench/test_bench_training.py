@@ -218,7 +218,8 @@ def test_convergence_arms_take_the_users_samples_per_step():
     # no per-rank arm and no composition arms here: 5 goals, and odb's best arm against the best other one
     assert len(goals_) == 6 and all(isinstance(g["met"], bool) for g in goals_)
     plans = convergence_goals(conv, "1", plans_only=True)
-    assert len(plans) == 2  # odb padded and packed against group_by_length (no per-rank arm here)
+    # odb padded and packed against group_by_length (no per-rank arm here), and odb's best arm against the best other
+    assert len(plans) == 3 and plans[-1]["goal"].startswith("convergence (2 ranks, A = 1): time to target, odb's best")
     assert plans[0]["read_at_fixed_step"] == ["odb_padded"] and plans[0]["context"] == ["odb_packed"]
     for g in goals_:  # time-to-target ratios carry their rounds' spread, paired round by round
         if "gap" not in g and g["measured"] is not None:
