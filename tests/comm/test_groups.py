@@ -29,6 +29,7 @@ def groups_left(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
     import odb
     import odb.comm.dist
     from helpers import LengthDataset, known_lengths, pad_collate
+    import odb.integrations.states
     from odb.integrations.states import gather_states
 
     def groups() -> int:
@@ -48,8 +49,11 @@ def groups_left(rank: int, world: int, p: Dict[str, Any]) -> Dict[str, Any]:
                 odb.pop_step_info(batch)
             after.append(groups())
         out[name] = after
+    used = []
     for _ in range(2):
         assert len(gather_states(loader.state_dict(), loader)) == world
+        used.append(odb.integrations.states._previous[1])  # the exchange the gather ran on
+    out["one_gather_group"] = used[0] is used[1]
     out["gathers"] = groups()
     odb.comm.dist.release_at_exit()
     out["exit"] = groups()
@@ -64,4 +68,5 @@ def test_groups_do_not_pile_up_and_none_is_left_at_exit(tmp_path):
         # known lengths: the last online epoch's group stays (that loader is never iterated again) + 2 of its own
         assert r["known"] == [base + 3] * 3, f"rank {rank}: groups after each known-lengths epoch {r['known']}"
         assert r["gathers"] == base + 4, f"rank {rank}: groups after two checkpoint gathers {r['gathers']}"
+        assert r["one_gather_group"], f"rank {rank}: the second checkpoint gather made a group of its own"
         assert r["exit"] == base, f"rank {rank}: {r['exit'] - base} group(s) of odb left at exit"
