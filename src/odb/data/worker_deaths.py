@@ -11,6 +11,12 @@ announces the death to every rank at its next exchange).
 
 A worker that exits cleanly (torch shuts its workers down at the end of an epoch, or when the
 iterator is dropped), or that torch terminated while it shut them down, is no failure.
+
+Reading an exit races with torch, which joins the workers when it shuts them down, while the
+watch reads the same exit from its own thread. A forked or spawned worker's exit is reaped once
+(the loser finds no child and reads again until the code shows); a forkserver worker's code
+arrives once on its sentinel, and the loser reads the end of it, which multiprocessing reports
+as exit code 255. That code, read while torch shuts the workers down, is no failure either.
 """
 
 from __future__ import annotations
@@ -21,9 +27,14 @@ import time
 import weakref
 from multiprocessing import Pipe
 from multiprocessing import connection as mp_connection
+from multiprocessing import context as mp_context
 from typing import Any, Callable, Dict, List, Optional
 
 OnDeath = Callable[[RuntimeError], None]
+
+# What multiprocessing reports for a forkserver process whose exit code it could not read from the
+# sentinel: another thread read it first (or the forkserver itself died).
+UNREAD_FORKSERVER_EXIT = 255
 
 
 def death_of(worker: Any) -> Optional[RuntimeError]:
@@ -62,8 +73,9 @@ def exit_code(worker: Any, wait_s: float = 1.0) -> Optional[int]:
     within ``wait_s``).
 
     Two threads may reap one worker at once (odb's watch, and the training thread or torch's shutdown):
-    the loser's ``waitpid`` finds no child and its poll answers None until the winner has stored the
-    code, so the code is read again until it shows.
+    for a forked or spawned worker the loser's ``waitpid`` finds no child and its poll answers None
+    until the winner has stored the code, so the code is read again until it shows; for a forkserver
+    worker the loser reads 255 (``UNREAD_FORKSERVER_EXIT``, see ``WorkerWatch``).
 
     Example:
         >>> import multiprocessing
@@ -106,6 +118,7 @@ class WorkerWatch:
         self._followed: Dict[int, Any] = {}  # sentinel -> worker process, from follow()
         self._died: Optional[RuntimeError] = None
         self._lock = threading.Lock()
+        self._judging = threading.Lock()  # odb's two readers of an exit (failure(), the watching thread) take turns
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._wake: Any = None  # the sending end of a pipe the watching thread also waits on: stop() wakes it
@@ -125,10 +138,15 @@ class WorkerWatch:
 
     def _judge(self, worker: Any) -> Optional[RuntimeError]:
         """The failure that ``worker`` (exited) tells of, or None."""
-        code = exit_code(worker)
+        with self._judging:
+            code = exit_code(worker)
         died = death_of(worker) if code not in (None, 0) else None
-        if died is not None and code == -signal.SIGTERM and self._shut_down():
+        if died is None or not self._shut_down():
+            return died
+        if code == -signal.SIGTERM:
             return None  # torch terminates a worker that does not end in time when it shuts its workers down
+        if code == UNREAD_FORKSERVER_EXIT and isinstance(worker, mp_context.ForkServerProcess):
+            return None  # torch's shutdown read the exit first (the module's docstring)
         return died
 
     def failure(self, error: Optional[BaseException] = None) -> Optional[RuntimeError]:
