@@ -660,15 +660,52 @@ def convergence_goals(conv: Dict[str, Any], acc: str = "8", plans_only: bool = F
     return out
 
 
+def composition_bound(arms: Dict[str, Any], arm: str, twin: str, base: str, target: float) -> Optional[Dict[str, Any]]:
+    """The least time to the target that ``arm``'s steps allow, as a share of ``base``'s: those steps at zero
+    padding and one micro-step per rank. Two readings, the lower taken: ``twin``, the packed arm on the same steps
+    (measured: no padding, one micro-step), its time to the target against ``base``'s; and a model, ``arm``'s steps
+    to the target against ``base``'s times ``base``'s unpadded share (time proportional to padded tokens).
+    ``reachable``: the bound is within ``target`` (else no padded cut of these steps meets the goal).
+
+    Example:
+        >>> arms = {"a": {"target_step": {"median": 88.0}, "time_read_s": {"median": 7.8}, "padding_share": 0.05},
+        ...         "t": {"target_step": {"median": 88.0}, "time_read_s": {"median": 7.5}, "padding_share": 0.0},
+        ...         "g": {"target_step": {"median": 77.0}, "time_read_s": {"median": 7.4}, "padding_share": 0.08}}
+        >>> b = composition_bound(arms, "a", "t", "g", 1.0)
+        >>> round(b["steps_ratio"], 3), round(b["model"], 3), round(b["measured"], 3), round(b["bound"], 3)
+        (1.143, 1.051, 1.014, 1.014)
+        >>> b["reachable"]
+        False
+    """
+    def median(a: str, key: str) -> Optional[float]:
+        value = (arms.get(a, {}).get(key) or {}).get("median")
+        return None if value is None else float(value)
+
+    steps, base_steps, base_s = median(arm, "target_step"), median(base, "target_step"), median(base, "time_read_s")
+    if not steps or not base_steps or not base_s:
+        return None
+    model = (1.0 - float(arms[base]["padding_share"])) * steps / base_steps
+    twin_s = median(twin, "time_read_s")
+    measured = None if twin_s is None else twin_s / base_s
+    bound = model if measured is None else min(model, measured)
+    return {"steps_ratio": steps / base_steps, "unpadded_share": 1.0 - float(arms[base]["padding_share"]),
+            "model": model, "twin": twin if measured is not None else None, "measured": measured, "bound": bound,
+            "reachable": bound <= target}
+
+
 def composition_goals(part: Dict[str, Any], acc: str, ratio_goal: Any, out: List[Dict[str, Any]]) -> None:
     """The step compositions' goals at accumulation ``acc``: odb on group_by_length's steps against
     group_by_length (its time and its loss per step), ``length_grouped`` against group_by_length (time, adjacent
     steps' length correlation), and odb's best arm against the best other arm."""
     arms = part["arms"]
-    ratio_goal("odb padded on group_by_length's steps / group_by_length", "odb_gbl_padded", "group_by_length", 0.95)
-    ratio_goal("odb packed on group_by_length's steps / group_by_length", "odb_gbl_packed", "group_by_length", 0.9)
-    ratio_goal("odb length_grouped / group_by_length", "odb_length_grouped", "group_by_length", 1.0,
-               context=("odb_length_grouped_packed",))
+    for name, arm, target, twin, context in (
+            ("odb padded on group_by_length's steps", "odb_gbl_padded", 0.95, "odb_gbl_packed", ()),
+            ("odb packed on group_by_length's steps", "odb_gbl_packed", 0.9, None, ()),
+            ("odb length_grouped", "odb_length_grouped", 1.0, "odb_length_grouped_packed",
+             ("odb_length_grouped_packed",))):
+        ratio_goal(f"{name} / group_by_length", arm, "group_by_length", target, context=context)
+        if twin is not None and out and out[-1]["arms"] == [arm, "group_by_length"]:
+            out[-1]["bound"] = composition_bound(arms, arm, twin, "group_by_length", target)
     for arm in ("odb_gbl_padded", "odb_gbl_packed"):
         if arm in arms and "group_by_length" in arms:
             gap = curve_gap(part, arm, "group_by_length")

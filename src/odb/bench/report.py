@@ -324,7 +324,10 @@ def convergence_rows(part: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
 CONVERGENCE_LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
                       "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
                       "odb_budget_filled": "odb budget-filled (not the same updates)",
-                      "odb_padded_rank": "odb padded, per-rank plan"}
+                      "odb_padded_rank": "odb padded, per-rank plan",
+                      "odb_gbl_padded": "odb padded on group_by_length's steps",
+                      "odb_gbl_packed": "odb packed on group_by_length's steps",
+                      "odb_length_grouped": "odb length_grouped", "odb_length_grouped_packed": "odb length_grouped packed"}
 
 
 def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
@@ -351,8 +354,20 @@ def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
             line += f"; breakdown (A = {g.get('accumulation', 8)}): " + "; ".join(
                 _arm_cost(a, b) for a, b in ((a, costs.get(a)) for a in [*g.get("arms", []), *g.get("context", [])])
                 if b)
+            if g.get("bound"):
+                line += "; " + _bound_text(g["bound"])
         parts.append(line)
     return "\n".join(parts)
+
+
+def _bound_text(b: Dict[str, Any]) -> str:
+    """A composition goal's bound (odb.bench.convergence.composition_bound) in words."""
+    twin = "" if b.get("twin") is None else (f"; measured: {CONVERGENCE_LABELS.get(b['twin'], b['twin'])} (the same "
+                                             f"steps, no padding, one micro-step) {b['measured']:.3f}")
+    verdict = "within the goal" if b["reachable"] else "beyond the goal: no padded cut of these steps meets it"
+    return (f"bound at zero padding and one micro-step per rank {b['bound']:.3f}, {verdict} (model: "
+            f"{b['steps_ratio']:.3f}x group_by_length's steps to the target x its unpadded share "
+            f"{b['unpadded_share']:.3f} = {b['model']:.3f}{twin})")
 
 
 def _arm_cost(arm: str, b: Dict[str, Any]) -> str:
