@@ -81,7 +81,7 @@ test-fast: $(STAMP)
 # 2.13.0, a local CPU build: the newest torch from PyPI is a multi-GB CUDA download), then the integration tests
 # (TRL's among them) and the streaming-dataset resume: a release that breaks odb shows here before a user meets it.
 # The `trl` extra declares the tested TRL range only, so the newest TRL and transformers are installed over it
-# (pip warns); odb's checks of the names it relies on (odb.integrations.private_api) name what changed. Run it on a
+# (pip warns); odb's checks of the names it relies on (odb.private_api) name what changed. Run it on a
 # schedule or by hand; CI's .ci/run does not. LLaMA-Factory pins old TRL and datasets, so its tests stay out.
 test-latest:
 	test -x $(PY_LATEST) || $(PYTHON) -m venv $(VENV_LATEST)

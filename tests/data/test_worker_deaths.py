@@ -35,7 +35,7 @@ def test_a_forkserver_exit_read_by_torchs_shutdown_is_no_failure():
     assert exit_code(worker) == UNREAD_FORKSERVER_EXIT  # what multiprocessing tells the losing reader
     batches = _TorchIterator([worker])
     watch = WorkerWatch()
-    watch.follow(batches)
+    watch.follow(batches, workers=True)
     batches._shutdown = True  # torch flags its shutdown before it tells the workers to exit
     assert watch.failure() is None
 
@@ -45,7 +45,7 @@ def test_a_forkserver_exit_that_cannot_be_read_outside_a_shutdown_is_a_failure()
     worker = _exit_read_first(0)
     batches = _TorchIterator([worker])  # held: a dropped iterator has shut its workers down
     watch = WorkerWatch()
-    watch.follow(batches)  # not shutting down: nobody else reads its exit, so the code is news
+    watch.follow(batches, workers=True)  # not shutting down: nobody else reads its exit, so the code is news
     died = watch.failure()
     assert died is not None and f"(pid {worker.pid}) exited with code {UNREAD_FORKSERVER_EXIT}" in str(died)
 
@@ -57,7 +57,7 @@ def test_a_forkserver_worker_that_failed_during_a_shutdown_is_a_failure():
     mp_connection.wait([worker.sentinel], timeout=30)
     batches = _TorchIterator([worker])
     watch = WorkerWatch()
-    watch.follow(batches)
+    watch.follow(batches, workers=True)
     batches._shutdown = True
     died = watch.failure()
     assert died is not None and "exited with code 3" in str(died)

@@ -1,7 +1,7 @@
 """A transformers or TRL release that renames or reshapes a name odb relies on stops odb loudly (``FrameworkDrift``:
 the installed version, the missing piece, the fix), never lets it train wrong.
 
-Every name of ``odb.integrations.private_api`` (the transformers Trainer's loop methods odb overrides or calls,
+Every name of ``odb.private_api`` (the transformers Trainer's loop methods odb overrides or calls,
 TRL's methods odb reads or stands in for, TRL's private flags, and the public TRL settings odb decides by) is
 renamed in turn, here, on the real classes and trainers (monkeypatch: restored after each test), and
 ``enable_odb`` refuses. A stand-in that TRL no longer calls (TRL's loss reaching its own forward another way)
@@ -23,7 +23,7 @@ import trl_rl_workers as R
 
 from odb.integrations import hf as odb_hf
 from odb.integrations import trl as odb_trl
-from odb.integrations.private_api import NAMES, TESTED, TRL_SETTINGS, FrameworkDrift
+from odb.private_api import NAMES, TESTED, TRL_SETTINGS, FrameworkDrift
 
 pytestmark = pytest.mark.trl
 

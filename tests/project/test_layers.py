@@ -2,7 +2,7 @@
 
 src/odb is a stack of layers (docs/architecture.md), bottom to top:
 
-    plan < {config, config_rules, arguments, step_info} < comm < data < epoch < resume < {train, packed}
+    plan < {config, config_rules, arguments, step_info, private_api} < comm < data < epoch < resume < {train, packed}
          < loader < integrations < bench
 
 A module may import modules of its own layer or of lower layers. ``odb/__init__.py`` is
@@ -37,7 +37,7 @@ PACKAGE = SRC / "odb"
 # Bottom to top; a module's layer is that of its package under odb (odb.config etc. are single modules).
 LAYERS: List[Set[str]] = [
     {"plan"},
-    {"config", "config_rules", "arguments", "step_info"},
+    {"config", "config_rules", "arguments", "step_info", "private_api"},
     {"comm"},
     {"data"},
     {"epoch"},

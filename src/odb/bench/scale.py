@@ -44,6 +44,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import odb
+from odb.private_api import read
 from odb.comm.threads import ThreadRanks
 
 from odb.bench.step_figures import OVERHEAD, TOKEN_BUDGET, MicroBatch, Step, draw, step_efficiency  # noqa: F401
@@ -230,7 +231,7 @@ def batch_rebalance_plan(lengths: np.ndarray, world: int, share: int, every_rank
     sampler = BatchRebalanceSampler(as_list, effective_batch_size=g, dp_size=world, grad_accum=acc, rank=0,
                                     shuffle=shuffle)
     plans: Plan = []
-    assign = sampler._assign  # one step's plan: rank -> its A micro-batches
+    assign = read(sampler, "BatchRebalanceSampler", "_assign")  # one step's plan: rank -> its A micro-batches
 
     def keep(indices: Any, batch_lengths: Any) -> Any:
         t0 = time.perf_counter()

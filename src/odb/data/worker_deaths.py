@@ -30,6 +30,9 @@ from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from typing import Any, Callable, Dict, List, Optional
 
+from odb.private_api import read
+
+_ITERATOR = "DataLoader's multi-process iterator"  # the owner of the names read (odb.private_api.CORE_NAMES)
 OnDeath = Callable[[RuntimeError], None]
 
 # What multiprocessing reports for a forkserver process whose exit code it could not read from the
@@ -59,11 +62,12 @@ def death_of(worker: Any) -> Optional[RuntimeError]:
 
 
 def _workers(batches: Any) -> Dict[int, Any]:
-    """sentinel -> worker process of a DataLoader iterator that has not shut its workers down ({} without)."""
-    if batches is None or getattr(batches, "_shutdown", True):  # shut down (it stopped its workers), or none
+    """sentinel -> worker process of a multi-process DataLoader iterator that has not shut its workers down ({}
+    once it has, or for no iterator). Two of torch's private names, checked (odb.private_api)."""
+    if batches is None or read(batches, _ITERATOR, "_shutdown"):  # shut down: it stopped its workers
         return {}
     try:
-        return {w.sentinel: w for w in list(getattr(batches, "_workers", ()))}  # ready once a worker exits
+        return {w.sentinel: w for w in list(read(batches, _ITERATOR, "_workers"))}  # ready once a worker exits
     except ValueError:  # a closed process: the iterator is being shut down
         return {}
 
@@ -109,7 +113,7 @@ class WorkerWatch:
 
     Example:
         >>> watch = WorkerWatch()
-        >>> watch.follow(iter([1, 2])) is not None, watch.failure()
+        >>> watch.follow(iter([1, 2]), workers=False) is not None, watch.failure()
         (True, None)
     """
 
@@ -123,13 +127,11 @@ class WorkerWatch:
         self._thread: Optional[threading.Thread] = None
         self._wake: Any = None  # the sending end of a pipe the watching thread also waits on: stop() wakes it
 
-    def follow(self, batches: Any) -> Any:
-        """Watch ``batches`` (an inner DataLoader's iterator, its workers started); returns it."""
-        try:
-            self._ref = weakref.ref(batches)
-        except TypeError:  # no workers to watch (an iterator that takes no weak reference)
-            self._ref = None
-        self._followed = _workers(batches)
+    def follow(self, batches: Any, workers: bool) -> Any:
+        """Watch ``batches`` (an inner DataLoader's iterator, its workers started; ``workers``: the loader has
+        worker processes, ``num_workers > 0``, else there is nothing to watch); returns it."""
+        self._ref = weakref.ref(batches) if workers else None
+        self._followed = _workers(batches) if workers else {}
         return batches
 
     def _shut_down(self) -> bool:

@@ -109,7 +109,7 @@ class EpochSources:
         meter = SampleMeter(cfg)
         watch = WorkerWatch()
         if not self.iterable:
-            batches = watch.follow(iter(inner))  # workers start here
+            batches = watch.follow(iter(inner), inner.num_workers > 0)  # workers start here
             chunks: Iterator[Any] = (unpack_records(c, packed, meter) for c in batches)
             marks = None
         else:
@@ -118,7 +118,8 @@ class EpochSources:
                 states = stream["states"] if stream else None
                 wrapper.start_from(states)
                 marks = StreamMarks(first, states, num_workers)
-            batches = watch.follow(iter(inner))  # workers start here, on this thread, each with its copy of the wrapper
+            # workers start here, on this thread, each with its copy of the wrapper
+            batches = watch.follow(iter(inner), inner.num_workers > 0)
             if wrapper is not None:
                 wrapper.start_from(None)
             chunks = stream_records(batches, packed, meter, first, marks.on_chunk if marks is not None else None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import warnings
 import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -28,6 +29,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from odb.packed.collate import PackedCollate
+from odb.private_api import read
 from odb.packed.image_probe import has_vision, image_refusal
 from odb.packed.vision import rope_index_for
 
@@ -208,12 +210,18 @@ def _refuse_without_rope(model: Any, collate: PackedCollate, name: str) -> None:
 
 
 def _attn_impl(model: Any) -> Optional[str]:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+    """The attention implementation of a transformers model's config (a private name, checked:
+    odb.private_api); None for a model without a transformers config."""
+    config = getattr(model, "config", None)  # a public attribute, absent from a plain torch module
+    transformers = sys.modules.get("transformers")  # a transformers config exists only once it is imported
+    if config is None or transformers is None or not isinstance(config, transformers.PretrainedConfig):
+        return None
+    return read(config, "PretrainedConfig", "_attn_implementation")
 
 
 def _warn_dense_mask(model: Any, name: str) -> None:
     """Exact but slow: sdpa and eager attend over a dense mask of the whole row (a UserWarning, once per model)."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    impl = _attn_impl(model)
     if impl in ("sdpa", "eager") and model not in _WARNED:
         warnings.warn(f"odb: {name} keeps packed samples apart, but through a dense block-diagonal mask over the "
                       f"whole row: a row of T tokens costs T^2 in attention, whatever its samples (a padded batch "
@@ -225,8 +233,7 @@ def _warn_dense_mask(model: Any, name: str) -> None:
 
 
 def _describe(model: Any) -> str:
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
+    impl = _attn_impl(model)
     return f"{type(model).__name__}" + (f" (attn_implementation={impl!r})" if impl else "")
 
 

@@ -28,9 +28,13 @@ from collections.abc import Mapping
 from typing import Any, List, Optional, Set
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.utils.checkpoint import CheckpointFunction
 
+from odb.private_api import read
 from odb.step_info import ODBStepInfo
+
+_FUNCTION_NODE = "autograd node of a custom Function"  # the owner of the name read (odb.private_api.CORE_NAMES)
 
 __all__ = ["scale_loss", "weigh_loss", "zero_loss"]
 
@@ -143,8 +147,9 @@ def _graph_leaves(root: torch.autograd.graph.Node) -> List[torch.Tensor]:
         variable = getattr(node, "variable", None)  # an AccumulateGrad node holds its leaf tensor
         if isinstance(variable, torch.Tensor):
             add(variable)
-        if getattr(node, "_forward_cls", None) is CheckpointFunction:  # reentrant: runs its graph in backward
-            for param in _checkpointed_parameters(node.run_function):
+        if isinstance(node, BackwardCFunction) and read(node, _FUNCTION_NODE, "_forward_cls") is CheckpointFunction:
+            # a reentrant checkpoint: runs its graph in backward
+            for param in _checkpointed_parameters(read(node, "CheckpointFunction's node", "run_function")):
                 add(param)
         for child, _ in node.next_functions:
             if child is not None and child not in seen:

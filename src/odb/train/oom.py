@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from odb.private_api import read
 from odb.train.batch_split import BatchSplitter, PaddedBatchSplitter
 from odb.comm.dist import GroupExchanges, world
 from odb.comm.protocol import RankExchange
@@ -422,12 +423,12 @@ class _Run:
         return piece, self.scale * weight / self._total_weight, item.masked
 
     def _grad_state(self) -> List[Tuple[Optional[torch.Tensor], int]]:
-        return [(g, g._version) if (g := p.grad) is not None else (None, 0) for p in self.params]
+        return [(g, read(g, "Tensor", "_version")) if (g := p.grad) is not None else (None, 0) for p in self.params]
 
     def _accumulated(self, before: List[Tuple[Optional[torch.Tensor], int]]) -> Set[int]:
         """Parameters whose gradient the failed backward changed (autograd adds in place or sets a new tensor)."""
         return {i for i, (p, (g, v)) in enumerate(zip(self.params, before)) if p.grad is not g or
-                (g is not None and g._version != v)}
+                (g is not None and read(g, "Tensor", "_version") != v)}
 
 
 def _zero_grad(grad: torch.Tensor) -> torch.Tensor:

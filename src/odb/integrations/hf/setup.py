@@ -17,7 +17,7 @@ from odb.config import ODBConfig
 from odb.loader.dataloader import ODBDataLoader
 from odb.step_info import ODBStepInfo
 from odb.integrations.hf.progress import SampleProgress, WindowMetrics
-from odb.integrations.private_api import check_classes
+from odb.private_api import check_classes
 
 # transformers 5.3.0-5.5.3 also hand gradient_accumulation_steps to the Accelerator, so every micro-batch's loss
 # is divided by it twice (fixed in 5.5.4): the gradient would not be odb's exact token mean.
@@ -182,7 +182,7 @@ def check_loop_api() -> None:
             f"divides the loss by gradient_accumulation_steps twice (in its Trainer and in its Accelerator), so "
             f"the gradient would not be odb's exact token mean. Fix: install transformers>={MIN_TRANSFORMERS} "
             f"(the versions tested: docs/versions.md), or use odb.ODBDataLoader in your own training loop.")
-    # The Trainer methods odb overrides or calls, listed with TRL's in odb.integrations.private_api.
+    # The Trainer methods odb overrides or calls, listed with TRL's in odb.private_api.
     check_classes("Trainer", Trainer)
 
 

@@ -15,7 +15,7 @@ reported loss are TRL's, for every ``loss_type``, with the KL term, the entropy 
 ratios and vLLM's sampling correction; TRL's logged metrics are recombined to TRL's values
 (``odb.integrations.trl.rl_metrics``). Every value of the rollouts is cut with its row, from odb's list
 of TRL's keys (``odb.integrations.trl.rl_rows``); the TRL names odb relies on are checked at the call
-and after each loss call (``odb.integrations.private_api``). ``odb.integrations.trl.rl_steps`` runs it.
+and after each loss call (``odb.private_api``). ``odb.integrations.trl.rl_steps`` runs it.
 
 Across ranks every rank gathers every rank's row lengths and loss tokens (one small collective per
 step, through odb's exchange) and computes the same plan, by ``step_plan``:
@@ -90,7 +90,7 @@ def enable_odb_rl(trainer: Any, token_budget: int, *, layout: str = "padded", st
 
     Settings whose loss odb cannot split exactly are refused (``ValueError`` naming the setting,
     the reason and the fix; ``odb.integrations.trl.rl_loss.check_rl_settings``), and so is a TRL whose names
-    odb relies on are missing or changed (``odb.integrations.private_api.FrameworkDrift``).
+    odb relies on are missing or changed (``odb.private_api.FrameworkDrift``).
 
     Example:
         >>> enable_odb_rl(object(), token_budget=4096)  # doctest: +ELLIPSIS

@@ -25,7 +25,7 @@ at generation), which a rotary (relative) position encoding does not see.
 values returned are the same, but the gradient through row i's log-probabilities is scaled by its
 policy weight and through its entropies by its entropy weight; with ``bonus_probe`` the entropies
 are also multiplied by ``1 + q`` (``q`` zeros, a leaf the caller differentiates the loss by). Every
-call is counted on a ``odb.integrations.private_api.StandIn``, so odb sees that TRL really called it.
+call is counted on a ``odb.private_api.StandIn``, so odb sees that TRL really called it.
 
 Example:
     >>> import torch
@@ -46,7 +46,7 @@ from typing import Any, Iterator, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-from odb.integrations.private_api import StandIn
+from odb.private_api import StandIn
 
 __all__ = ["LAYOUTS", "LaidOut", "RolloutForward", "layout_rows"]
 

@@ -56,7 +56,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
-from odb.integrations.private_api import check_classes, check_instance, owners_in
+from odb.private_api import check_classes, check_instance, owners_in
 from odb.integrations.trl.rl_rows import IS_MODES
 
 __all__ = ["LOSS_FACTORS", "RL_MODULES", "RowWeights", "check_rl_settings", "share_value", "trainer_kind"]
@@ -108,7 +108,7 @@ def _refuse(name: str, setting: str, why: str, fix: str) -> None:
 
 
 def check_rl_settings(trainer: Any) -> Tuple[str, str]:
-    """Check TRL's names odb relies on (``odb.integrations.private_api``), then refuse the settings whose loss odb
+    """Check TRL's names odb relies on (``odb.private_api``), then refuse the settings whose loss odb
     cannot split into micro-batches exactly (or has not been shown to); returns ``trainer_kind(trainer)``.
 
     Example:

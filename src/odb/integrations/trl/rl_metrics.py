@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from odb.integrations.private_api import drift
+from odb.private_api import drift
 
 __all__ = ["COMPLETION_TOKENS", "MAX", "MIN", "POLICY", "POLICY_BEFORE_ACCUMULATION", "ROWS", "SAME", "SliceMetrics",
            "TOKENS", "combine_slice", "metric_rules"]

@@ -85,7 +85,7 @@ class RolloutKeys:
                              f"Rule: every value of a micro-batch is one of TRL's rollout keys, as odb lists them"
                              + (" (vision-language rollouts are not supported)" if vision else "") +
                              f". Fix: train this {trainer_name} without odb's micro-batches, or pin the tested TRL "
-                             f"(odb.integrations.private_api.TESTED).")
+                             f"(odb.private_api.TESTED).")
         rows, width_p = inputs["prompt_ids"].shape
         width_c = inputs["completion_ids"].shape[1]
         want = {PROMPT: ((rows, width_p),), COMPLETION: ((rows, width_c),), ROW: ((rows,), (rows, 1)), SHARED: ((),)}

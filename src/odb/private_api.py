@@ -1,8 +1,11 @@
-"""Every name of transformers and TRL that odb relies on beyond their documented API, in one place, checked.
+"""Every name of torch, transformers and TRL that odb relies on beyond their documented API, in one place, checked.
 
 odb's integrations override some of the transformers Trainer's loop methods, call a few of its
-private helpers, stand in for one of TRL's private methods and read a few of TRL's private flags. A
-release that renames or reshapes one of them must stop odb loudly, never let it train wrong:
+private helpers, stand in for one of TRL's private methods and read a few of TRL's private flags;
+odb's core reads a few attributes of torch and transformers objects that have no public
+equivalent (``CORE_NAMES``: the worker processes of a DataLoader's iterator, a custom autograd
+node's Function, a tensor's version counter, a config's attention implementation). A release that
+renames or reshapes one of them must stop odb loudly, never let it train wrong:
 
 - ``check_classes`` (at ``enable_odb``): each method of ``NAMES`` exists on its owner class with
   the parameters odb passes or receives;
@@ -12,6 +15,8 @@ release that renames or reshapes one of them must stop odb loudly, never let it 
 - ``StandIn`` (after each call odb makes): a method odb stands in for was really called by the
   framework's code (a renamed call would leave odb's stand-in unused, and the framework's own
   method would run on odb's layout).
+- ``read`` (at each use of a ``CORE_NAMES`` entry): the object holds the name, of the type odb
+  expects; never a default in its place.
 
 Each failure raises ``FrameworkDrift``, naming the installed version, the missing or changed piece
 and the fix: pin the tested range (``TESTED``).
@@ -21,6 +26,9 @@ Example:
     ['_get_per_token_logps_and_entropies', '_get_per_token_logps_and_entropies']
     >>> TESTED["trl"]
     'trl>=1.16,<1.17'
+    >>> import torch
+    >>> read(torch.zeros(1), "Tensor", "_version")
+    0
 """
 
 from __future__ import annotations
@@ -31,11 +39,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Tuple
 
-__all__ = ["FrameworkDrift", "FrameworkName", "NAMES", "StandIn", "TESTED", "TRL_SETTINGS", "check_classes",
-           "check_instance", "names_of", "version_of"]
+__all__ = ["CORE_NAMES", "FrameworkDrift", "FrameworkName", "NAMES", "StandIn", "TESTED", "TRL_SETTINGS",
+           "check_classes", "check_instance", "names_of", "read", "version_of"]
 
 # The ranges the tests ran (docs/versions.md); the `trl` extra of pyproject.toml declares the same TRL range.
-TESTED = {"trl": "trl>=1.16,<1.17", "transformers": "transformers>=5.18,<5.25"}
+TESTED = {"trl": "trl>=1.16,<1.17", "transformers": "transformers>=5.18,<5.25", "torch": "torch>=2.6,<2.14"}
 _MODULES = {"Trainer": "transformers.trainer", "GRPOTrainer": "trl.trainer.grpo_trainer",
             "RLOOTrainer": "trl.trainer.rloo_trainer"}
 
@@ -44,7 +52,8 @@ _MODULES = {"Trainer": "transformers.trainer", "GRPOTrainer": "trl.trainer.grpo_
 class FrameworkName:
     """One name odb relies on: ``owner`` (the framework's class), ``kind`` ``"method"`` (checked on the class, with
     ``params``) or ``"attribute"`` (checked on the built trainer, of type ``types``), ``role`` (what odb does with it:
-    ``"override"``, ``"call"``, ``"stand-in"``, ``"read"``, ``"rewrite"``) and ``why``."""
+    ``"override"``, ``"call"``, ``"stand-in"``, ``"read"``, ``"rewrite"``, ``"wrap"``) and ``why``; ``library``: the
+    framework (default: transformers for the Trainer's names, TRL for the rest)."""
 
     owner: str
     name: str
@@ -53,10 +62,11 @@ class FrameworkName:
     why: str
     params: Tuple[str, ...] = ()
     types: Tuple[type, ...] = ()
+    library: str = ""
 
     @property
     def framework(self) -> str:
-        return "transformers" if self.owner == "Trainer" else "trl"
+        return self.library or ("transformers" if self.owner == "Trainer" else "trl")
 
 
 def _trainer(name: str, role: str, why: str, *params: str) -> FrameworkName:
@@ -88,8 +98,8 @@ NAMES: Tuple[FrameworkName, ...] = (
     _trainer("_get_output_dir", "call", f"{_LOOP}: where the checkpoint's loader states go", "trial"),
     *(FrameworkName(owner, "_compute_loss", "method", "read", "odb.integrations.trl.rl_loss: the loss odb cuts into "
                     "micro-batches (a subclass's own is refused)", ("model", "inputs")) for owner in _RL),
-    *(FrameworkName(owner, "_get_per_token_logps_and_entropies", "method", "stand-in", "odb.integrations."
-                    "odb.integrations.trl.rl_forward: odb's rollout layout stands in for it inside odb's loss calls", _FORWARD)
+    *(FrameworkName(owner, "_get_per_token_logps_and_entropies", "method", "stand-in", "odb.integrations.trl."
+                    "rl_forward: odb's rollout layout stands in for it inside odb's loss calls", _FORWARD)
       for owner in _RL),
     *(FrameworkName(owner, "_metrics", "attribute", "rewrite", "odb.integrations.trl.rl_metrics: TRL's metrics of "
                     "a slice, recombined from odb's micro-batches", types=(dict,)) for owner in _RL),
@@ -98,6 +108,56 @@ NAMES: Tuple[FrameworkName, ...] = (
     FrameworkName("GRPOTrainer", "_entropy_bonus_enabled", "attribute", "read", "odb.integrations.trl.rl_loss: "
                   "the entropy bonus's own per-token normaliser", types=(bool,)),
 )
+
+# What odb's core reads of torch and transformers objects beyond their documented API, each through ``read``.
+_ITERATOR = "DataLoader's multi-process iterator"
+CORE_NAMES: Tuple[FrameworkName, ...] = (
+    FrameworkName(_ITERATOR, "_workers", "attribute", "read", "odb.data.worker_deaths: the worker processes whose "
+                  "death odb announces to every rank (torch hands out no other handle on them)", types=(list,),
+                  library="torch"),
+    FrameworkName(_ITERATOR, "_shutdown", "attribute", "read", "odb.data.worker_deaths: whether torch is shutting "
+                  "its workers down (their exits are then no failure)", types=(bool,), library="torch"),
+    FrameworkName("autograd node of a custom Function", "_forward_cls", "attribute", "read", "odb.train.loss: the "
+                  "Function of a node (a reentrant checkpoint runs its parameters in backward)", types=(type,),
+                  library="torch"),
+    FrameworkName("CheckpointFunction's node", "run_function", "method", "read", "odb.train.loss: the function a "
+                  "reentrant checkpoint reruns in backward, whose parameters odb counts", library="torch"),
+    FrameworkName("Tensor", "_version", "attribute", "read", "odb.train.oom: whether a gradient was written before "
+                  "an out-of-memory error", types=(int,), library="torch"),
+    FrameworkName("PretrainedConfig", "_attn_implementation", "attribute", "read", "odb.packed.models: the "
+                  "attention a packed row runs through", types=(str, type(None)), library="transformers"),
+    FrameworkName("BatchRebalanceSampler", "_assign", "method", "wrap", "odb.bench.scale: the seconds of each of "
+                  "its step plans", library="transformers"),
+)
+_CORE = {(n.owner, n.name): n for n in CORE_NAMES}
+
+
+def read(obj: Any, owner: str, name: str) -> Any:
+    """``obj.<name>``, a ``CORE_NAMES`` entry of ``owner``, checked: ``FrameworkDrift`` when ``obj`` lacks it or it
+    is not of the registered type (a method: not callable), naming the installed version and the fix.
+
+    Example:
+        >>> class Iterator:
+        ...     _workers, _shutdown = [], "no"
+        >>> read(Iterator(), "DataLoader's multi-process iterator", "_workers")
+        []
+        >>> read(Iterator(), "DataLoader's multi-process iterator", "_shutdown")
+        Traceback (most recent call last):
+        ...
+        odb.private_api.FrameworkDrift: odb relies on torch's DataLoader's multi-process iterator._shutdown, ...
+    """
+    entry = _CORE[(owner, name)]
+    try:
+        value = getattr(obj, name)
+    except AttributeError:
+        raise drift(entry.framework, _describe(entry), f"has no {owner}.{name} ({type(obj).__name__})") from None
+    wrong = not callable(value) if entry.kind == "method" else bool(entry.types) and not isinstance(value, entry.types)
+    if wrong:
+        expected = "a callable" if entry.kind == "method" else " or ".join(t.__name__ for t in entry.types)
+        raise drift(entry.framework, _describe(entry), f"has {owner}.{name} of type {type(value).__name__}, not "
+                                                       f"{expected}")
+    return value
+
 
 # TRL's public settings (set on the trainer by its __init__) that odb decides by: read without a default once checked.
 _NUMBER = (int, float)
@@ -152,7 +212,7 @@ def _describe(entry: FrameworkName) -> str:
 
 
 _ROLES = {"override": "overrides", "call": "calls", "stand-in": "stands in for", "read": "reads",
-          "rewrite": "reads and rewrites"}
+          "rewrite": "reads and rewrites", "wrap": "wraps"}
 
 
 def check_classes(owner: str, cls: Any = None) -> None:
