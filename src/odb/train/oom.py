@@ -216,6 +216,7 @@ class _Run:
         self.loss_fn, self.batch, self.policy, self.model = loss_fn, batch, policy, model
         self.scale = float(info.loss_scale)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        read(torch.zeros(()), "Tensor", "_version")  # checked once (odb.private_api): _grad_state reads every gradient's
         self.backward = backward or torch.Tensor.backward
         self.sync = _Sync(no_sync, sync_step, sync_pass)
         if exchange is None and world()[1] > 1:
@@ -423,12 +424,12 @@ class _Run:
         return piece, self.scale * weight / self._total_weight, item.masked
 
     def _grad_state(self) -> List[Tuple[Optional[torch.Tensor], int]]:
-        return [(g, read(g, "Tensor", "_version")) if (g := p.grad) is not None else (None, 0) for p in self.params]
+        return [(g, g._version) if (g := p.grad) is not None else (None, 0) for p in self.params]
 
     def _accumulated(self, before: List[Tuple[Optional[torch.Tensor], int]]) -> Set[int]:
         """Parameters whose gradient the failed backward changed (autograd adds in place or sets a new tensor)."""
         return {i for i, (p, (g, v)) in enumerate(zip(self.params, before)) if p.grad is not g or
-                (g is not None and read(g, "Tensor", "_version") != v)}
+                (g is not None and g._version != v)}
 
 
 def _zero_grad(grad: torch.Tensor) -> torch.Tensor:
