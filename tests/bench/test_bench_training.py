@@ -238,9 +238,11 @@ def test_convergence_composition_arms():
     arms = ["fixed", "group_by_length", "odb_gbl_padded", "odb_gbl_packed", "odb_length_grouped"]
     params = {"device": "cpu", "cap": cap, "threads": 1,
               "convergence": {"workload": "heavy-tailed", "samples": 16, "epochs": 1, "evals": 2, "base_lr": 1e-3,
-                              "accumulations": [2], "rounds": 1, "extra_epochs": 0, "arms": arms}}
+                              "accumulations": [2], "rounds": 1, "extra_epochs": 0, "arms": arms,
+                              "micro_batch_cost": 0}}  # benchmarks/convergence_cut_price.py's knob: the odb arms'
     part = launch(params, world=2, timeout_s=500)["convergence"]["accumulations"]["2"]
     m = part["arms"]
+    assert all(("micro_batch_cost=0" in m[a]["settings"]) == a.startswith("odb") for a in arms)
     for arm in ("odb_gbl_padded", "odb_gbl_packed"):
         assert m[arm]["reference"] == "group_by_length" and m[arm]["same_samples_as_reference"], arm
         gbl = {p["step"]: p["median"] for p in m["group_by_length"]["loss_by_step"]}

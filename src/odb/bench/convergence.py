@@ -207,7 +207,7 @@ class _Arm:
     """One arm's loader and its optimizer steps on this rank: a list of micro-batches per step."""
 
     def __init__(self, arm: str, dataset: TextSamples, cap: int, b: int, acc: int, rank: int, world: int,
-                 seed: int, rows: Any) -> None:
+                 seed: int, rows: Any, micro_batch_cost: Optional[float] = None) -> None:
         self.arm, self.dataset, self.cap, self.b, self.acc = arm, dataset, cap, b, acc
         self.rank, self.world, self.seed = rank, world, seed
         self.g = b * acc * world  # samples per optimizer step, all ranks
@@ -252,9 +252,12 @@ class _Arm:
                     options["step_plan"] = "rank"
                 if arm.startswith("odb_length_grouped"):
                     options["composition"] = "length_grouped"
+                if micro_batch_cost is not None:  # benchmarks/convergence_cut_price.py: the cut's price varied
+                    options["micro_batch_cost"] = micro_batch_cost
                 self.settings = (f"ODBDataLoader(token_budget={cap}, global_batch_size={self.g}"
                                  + (", step_plan='rank'" if arm == "odb_padded_rank" else "")
                                  + (", composition='length_grouped'" if arm.startswith("odb_length_grouped") else "")
+                                 + (f", micro_batch_cost={micro_batch_cost}" if micro_batch_cost is not None else "")
                                  + (", layout='packed'), odb_varlen" if arm in PACKED else ")")
                                  + (", BatchShardSampler(group_by_length's LengthGroupedSampler)"
                                     if arm.startswith("odb_gbl") else ", the DistributedSampler of fixed"))
@@ -449,7 +452,8 @@ def _round(arms: Sequence[str], dataset: TextSamples, rows: Any, params: Dict[st
     steps_per_epoch = math.ceil(len(dataset) / (b * acc * world))
     every = max(1, round(steps_per_epoch * epochs / int(params["evals"])))
     max_len = max(int(dataset.lengths.max()), 16)
-    runs = {a: _Run(a, _Arm(a, dataset, cap, b, acc, rank, world, seed, rows), float(params["base_lr"]), world,
+    cost = params.get("micro_batch_cost")  # None: odb's default (benchmarks/convergence_cut_price.py varies it)
+    runs = {a: _Run(a, _Arm(a, dataset, cap, b, acc, rank, world, seed, rows, cost), float(params["base_lr"]), world,
                     device, held, every, seed, max_len) for a in arms}
     names = list(runs)
     for epoch in range(epochs):  # the arms take turns epoch by epoch, their order rotated each round and epoch
