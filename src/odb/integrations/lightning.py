@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -64,6 +65,9 @@ from odb.step_info import ODBStepInfo, StepInfoNotPoppedWarning
 from odb.integrations.checks import check_sharding
 from odb.integrations.lightning_loader import ODBLightningLoader
 from odb.integrations.lightning_steps import StepControl
+
+# The step info of the last loss each LightningModule scaled through scale_loss (held weakly: the module's own).
+_SCALED: "weakref.WeakKeyDictionary[Any, ODBStepInfo]" = weakref.WeakKeyDictionary()
 
 __all__ = ["ODBCallback", "ODBLightningLoader", "scale_loss"]
 
@@ -91,7 +95,7 @@ def scale_loss(pl_module: Any, loss: torch.Tensor) -> torch.Tensor:
                            f"Trainer(callbacks=[ODBCallback()]) and return an ODBLightningLoader from "
                            f"train_dataloader().")
     factor = pl_module.trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-    pl_module._odb_scaled_step_info = info  # ODBCallback checks, after the step, that this batch's loss was scaled
+    _SCALED[pl_module] = info  # ODBCallback checks, after the step, that this batch's loss was scaled
     return exact_scale(loss, info, factor)
 
 
@@ -188,7 +192,7 @@ class ODBCallback(pl.Callback):
         if info is not None:
             self.steps.after_batch(trainer, info)
         if info is not None and not self._warned_unscaled \
-                and getattr(pl_module, "_odb_scaled_step_info", None) is not info:
+                and _SCALED.get(pl_module) is not info:
             self._warned_unscaled = True
             _warn_unscaled(info, type(pl_module).__name__)
         elapsed = now - self._last_end if self._last_end is not None else 0.0

@@ -21,10 +21,12 @@ import os
 import sys
 import types
 import warnings
+import weakref
 from typing import Any, Iterator
 
 # ---- LLaMA-Factory 0.9.5 on transformers 5 ------------------------------------------------------
 _skipped_version_check = False  # whether import_llamafactory skipped LLaMA-Factory's version check in this process
+_BOUND: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the factories _bound_layer_calls made (installed at most once)
 
 
 def import_llamafactory() -> bool:
@@ -72,7 +74,7 @@ def import_llamafactory() -> bool:
     from llamafactory.model.model_utils import checkpointing
 
     factory = checkpointing.get_custom_gradient_checkpointing_func
-    if not getattr(factory, "_odb_bound_layers", False):
+    if factory not in _BOUND:
         checkpointing.get_custom_gradient_checkpointing_func = _bound_layer_calls(factory)
     return _skipped_version_check
 
@@ -128,7 +130,7 @@ def _bound_layer_calls(factory: Any) -> Any:
 
         return call
 
-    make._odb_bound_layers = True  # type: ignore[attr-defined]
+    _BOUND.add(make)
     return make
 
 
