@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import odb
 
+from odb.bench.convergence_labels import LABELS
 from odb.bench.verdict import paired_spread, straddles
 from odb.plan.steps.composition import adjacent_correlation
 from odb.bench.text_data import PAD_ID, TextSamples, held_out_batch, pad_collate, workload_lengths
@@ -66,12 +67,6 @@ ODB = ("odb_padded", "odb_packed", "odb_budget_filled", "odb_padded_rank", "odb_
        "odb_length_grouped", "odb_length_grouped_packed")
 PACKED = ("odb_packed", "odb_gbl_packed", "odb_length_grouped_packed")
 ATTENTION = {"trl_packing": PACKED_ATTN, **{a: PACKED_ATTN for a in PACKED}}
-LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
-          "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
-          "odb_budget_filled": "odb budget-filled", "odb_padded_rank": "odb padded, per-rank plan",
-          "odb_gbl_padded": "odb padded on group_by_length's steps",
-          "odb_gbl_packed": "odb packed on group_by_length's steps",
-          "odb_length_grouped": "odb length_grouped", "odb_length_grouped_packed": "odb length_grouped packed"}
 # The arm whose steps an arm holds, checked in every round (batch_digest): odb on group_by_length's steps holds
 # group_by_length's; the other same-update arms fixed's, except the compositions that choose their own.
 REFERENCE = {"odb_gbl_padded": "group_by_length", "odb_gbl_packed": "group_by_length"}

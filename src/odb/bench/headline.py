@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from odb.bench.convergence import LABELS
+from odb.bench.convergence_labels import LABELS
 from odb.bench.verdict import paired_spread, ratio_spread
 
 CONV_ARMS = LABELS  # the convergence section's own labels

@@ -10,6 +10,7 @@ import json
 import sys
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from odb.bench.convergence_labels import LABELS
 from odb.bench.verdict import spread_text, verdict
 
 PLAN_COLUMNS = [
@@ -321,13 +322,7 @@ def convergence_rows(part: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
     return header, rows
 
 
-CONVERGENCE_LABELS = {"fixed": "fixed", "group_by_length": "group_by_length", "batch_rebalance": "BatchRebalance",
-                      "trl_packing": "TRL packing", "odb_padded": "odb padded", "odb_packed": "odb packed",
-                      "odb_budget_filled": "odb budget-filled (not the same updates)",
-                      "odb_padded_rank": "odb padded, per-rank plan",
-                      "odb_gbl_padded": "odb padded on group_by_length's steps",
-                      "odb_gbl_packed": "odb packed on group_by_length's steps",
-                      "odb_length_grouped": "odb length_grouped", "odb_length_grouped_packed": "odb length_grouped packed"}
+CONVERGENCE_LABELS = {**LABELS, "odb_budget_filled": "odb budget-filled (not the same updates)"}
 
 
 def convergence_table(conv: Dict[str, Any], markdown: bool = False) -> str:
