@@ -3,8 +3,7 @@
 odb's integrations override some of the transformers Trainer's loop methods, call a few of its
 private helpers, stand in for one of TRL's private methods and read a few of TRL's private flags;
 odb's core reads a few attributes of torch and transformers objects that have no public
-equivalent (``CORE_NAMES``: the worker processes of a DataLoader's iterator, a custom autograd
-node's Function, a tensor's version counter, a config's attention implementation). A release that
+equivalent (``CORE_NAMES``: a custom autograd node's Function, a tensor's version counter, a config's attention implementation). A release that
 renames or reshapes one of them must stop odb loudly, never let it train wrong:
 
 - ``check_classes`` (at ``enable_odb``): each method of ``NAMES`` exists on its owner class with
@@ -110,13 +109,7 @@ NAMES: Tuple[FrameworkName, ...] = (
 )
 
 # What odb's core reads of torch and transformers objects beyond their documented API, each through ``read``.
-_ITERATOR = "DataLoader's multi-process iterator"
 CORE_NAMES: Tuple[FrameworkName, ...] = (
-    FrameworkName(_ITERATOR, "_workers", "attribute", "read", "odb.data.worker_deaths: the worker processes whose "
-                  "death odb announces to every rank (torch hands out no other handle on them)", types=(list,),
-                  library="torch"),
-    FrameworkName(_ITERATOR, "_shutdown", "attribute", "read", "odb.data.worker_deaths: whether torch is shutting "
-                  "its workers down (their exits are then no failure)", types=(bool,), library="torch"),
     FrameworkName("autograd node of a custom Function", "_forward_cls", "attribute", "read", "odb.train.loss: the "
                   "Function of a node (a reentrant checkpoint runs its parameters in backward)", types=(type,),
                   library="torch"),
@@ -137,14 +130,12 @@ def read(obj: Any, owner: str, name: str) -> Any:
     is not of the registered type (a method: not callable), naming the installed version and the fix.
 
     Example:
-        >>> class Iterator:
-        ...     _workers, _shutdown = [], "no"
-        >>> read(Iterator(), "DataLoader's multi-process iterator", "_workers")
-        []
-        >>> read(Iterator(), "DataLoader's multi-process iterator", "_shutdown")
+        >>> class Tensor:
+        ...     _version = "3"
+        >>> read(Tensor(), "Tensor", "_version")
         Traceback (most recent call last):
         ...
-        odb.private_api.FrameworkDrift: odb relies on torch's DataLoader's multi-process iterator._shutdown, ...
+        odb.private_api.FrameworkDrift: odb relies on torch's Tensor._version, ...
     """
     entry = _CORE[(owner, name)]
     try:

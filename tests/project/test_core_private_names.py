@@ -4,14 +4,8 @@ and transformers (a real object of each), and ``read`` refuses a missing or rety
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader
 
 from odb.private_api import CORE_NAMES, TESTED, FrameworkDrift, read, version_of
-
-
-def _iterator():
-    batches = iter(DataLoader(list(range(4)), num_workers=1))
-    return batches, lambda: list(batches)  # an exhausted iterator shuts its workers down
 
 
 def _checkpoint_node():
@@ -38,9 +32,7 @@ def _rebalance_sampler():
                                                   rank=0), None
 
 
-OBJECTS = {("DataLoader's multi-process iterator", "_workers"): _iterator,
-           ("DataLoader's multi-process iterator", "_shutdown"): _iterator,
-           ("autograd node of a custom Function", "_forward_cls"): _checkpoint_node,
+OBJECTS = {("autograd node of a custom Function", "_forward_cls"): _checkpoint_node,
            ("CheckpointFunction's node", "run_function"): _checkpoint_node,
            ("Tensor", "_version"): _tensor,
            ("PretrainedConfig", "_attn_implementation"): _config,
@@ -74,11 +66,11 @@ def test_a_missing_core_name_is_refused_naming_the_version_and_the_fix(entry):
 
 
 def test_a_core_name_of_another_type_is_refused():
-    class Iterator:
-        _workers, _shutdown = (), False  # a tuple where torch keeps a list
+    class Tensor:
+        _version = "3"  # a str where torch keeps an int
 
-    with pytest.raises(FrameworkDrift, match=r"_workers of type tuple, not list"):
-        read(Iterator(), "DataLoader's multi-process iterator", "_workers")
+    with pytest.raises(FrameworkDrift, match=r"_version of type str, not int"):
+        read(Tensor(), "Tensor", "_version")
 
 
 def test_no_module_reads_a_private_name_with_a_default():

@@ -12,11 +12,16 @@ announces the death to every rank at its next exchange).
 A worker that exits cleanly (torch shuts its workers down at the end of an epoch, or when the
 iterator is dropped), or that torch terminated while it shut them down, is no failure.
 
-Reading an exit races with torch, which joins the workers when it shuts them down, while the
-watch reads the same exit from its own thread. A forked or spawned worker's exit is reaped once
-(the loser finds no child and reads again until the code shows); a forkserver worker's code
-arrives once on its sentinel, and the loser reads the end of it, which multiprocessing reports
-as exit code 255. That code, read while torch shuts the workers down, is no failure either.
+The watch knows the workers from odb.data.worker_processes (recorded as torch starts them) and
+when torch shuts them down from the iterator it follows: torch shuts its workers down inside the
+``next()`` that ends the iterator, or when the iterator is dropped, and the watch's wrapper of the
+iterator sees both. Reading an exit races with torch, which joins the workers when it shuts them
+down, while the watch reads the same exit from its own thread. A forked or spawned worker's exit is
+reaped once (the loser finds no child and reads again until the code shows); a forkserver worker's
+code arrives once on its sentinel, and the loser reads the end of it, which multiprocessing reports
+as exit code 255. That code, and SIGTERM (torch terminates a worker that does not end in time), are
+what a shutdown leaves: read before the iterator has ended, the watch waits for its end (torch joins
+each worker for up to ``SHUTDOWN_JOIN_S``) and takes them for a failure only if it does not come.
 """
 
 from __future__ import annotations
@@ -28,16 +33,18 @@ import weakref
 from multiprocessing import Pipe
 from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-from odb.private_api import read
+from odb.data.worker_processes import started_workers
 
-_ITERATOR = "DataLoader's multi-process iterator"  # the owner of the names read (odb.private_api.CORE_NAMES)
 OnDeath = Callable[[RuntimeError], None]
 
 # What multiprocessing reports for a forkserver process whose exit code it could not read from the
 # sentinel: another thread read it first (or the forkserver itself died).
 UNREAD_FORKSERVER_EXIT = 255
+# torch joins each worker for up to this long when it shuts them down, then terminates it (its workers' status
+# check interval, 5 s in torch 2.6-2.13): how long an exit that a shutdown leaves waits for the iterator's end.
+SHUTDOWN_JOIN_S = 5.0
 
 
 def death_of(worker: Any) -> Optional[RuntimeError]:
@@ -59,17 +66,6 @@ def death_of(worker: Any) -> Optional[RuntimeError]:
             if -code == signal.SIGKILL else ""
         return RuntimeError(f"DataLoader worker (pid {worker.pid}) was killed by {name}{oom}")
     return RuntimeError(f"DataLoader worker (pid {worker.pid}) exited with code {code}")
-
-
-def _workers(batches: Any) -> Dict[int, Any]:
-    """sentinel -> worker process of a multi-process DataLoader iterator that has not shut its workers down ({}
-    once it has, or for no iterator). Two of torch's private names, checked (odb.private_api)."""
-    if batches is None or read(batches, _ITERATOR, "_shutdown"):  # shut down: it stopped its workers
-        return {}
-    try:
-        return {w.sentinel: w for w in list(read(batches, _ITERATOR, "_workers"))}  # ready once a worker exits
-    except ValueError:  # a closed process: the iterator is being shut down
-        return {}
 
 
 def exit_code(worker: Any, wait_s: float = 1.0) -> Optional[int]:
@@ -103,52 +99,69 @@ def exit_code(worker: Any, wait_s: float = 1.0) -> Optional[int]:
 class WorkerWatch:
     """Whether a worker process of an epoch's inner loader died, as the error the other ranks should hear.
 
-    ``failure()`` asks now; ``on_death(act)`` starts a thread that waits on the workers and calls
-    ``act(death)`` once, the moment one dies, whatever the training thread is doing. The iterator
-    is held weakly: its workers end when it is dropped, as without the watch. The worker processes
-    are kept from ``follow`` on, so a death is read from its exit code even after the training loop
-    dropped the iterator (an exit right after torch raised the death): any exit but a clean one is a
-    failure, except a worker that torch terminated while it shut its workers down itself. ``stop()``
-    ends the watching thread (the epoch is over).
+    ``start(inner)`` starts the inner loader's iterator and follows it (``follow``: an iterator and its
+    worker processes); ``failure()`` asks now; ``on_death(act)`` starts a thread that waits on the
+    workers and calls ``act(death)`` once, the moment one dies, whatever the training thread is doing.
+    The iterator is held weakly: its workers end when it is dropped, as without the watch. The worker
+    processes are kept from ``follow`` on, so a death is read from its exit code even after the
+    training loop dropped the iterator (an exit right after torch raised the death): any exit but a
+    clean one is a failure, except what torch's own shutdown of its workers leaves (the module's
+    docstring). ``stop()`` ends the watching thread (the epoch is over). ``shutdown_join_s``: how long
+    torch may take to join one worker when it shuts them down (``SHUTDOWN_JOIN_S``).
 
     Example:
         >>> watch = WorkerWatch()
-        >>> watch.follow(iter([1, 2]), workers=False) is not None, watch.failure()
-        (True, None)
+        >>> list(watch.follow(iter([1, 2]), [])), watch.failure()
+        ([1, 2], None)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shutdown_join_s: float = SHUTDOWN_JOIN_S) -> None:
         self._ref: Optional[weakref.ref] = None
         self._followed: Dict[int, Any] = {}  # sentinel -> worker process, from follow()
         self._died: Optional[RuntimeError] = None
         self._lock = threading.Lock()
         self._judging = threading.Lock()  # odb's two readers of an exit (failure(), the watching thread) take turns
         self._stopped = threading.Event()
+        self._ended = threading.Event()  # the iterator ended or was dropped (torch shut its workers down), or stop()
+        self._join_s = float(shutdown_join_s)
         self._thread: Optional[threading.Thread] = None
         self._wake: Any = None  # the sending end of a pipe the watching thread also waits on: stop() wakes it
 
-    def follow(self, batches: Any, workers: bool) -> Any:
-        """Watch ``batches`` (an inner DataLoader's iterator, its workers started; ``workers``: the loader has
-        worker processes, ``num_workers > 0``, else there is nothing to watch); returns it."""
-        self._ref = weakref.ref(batches) if workers else None
-        self._followed = _workers(batches) if workers else {}
-        return batches
+    def start(self, inner: Any) -> Iterator[Any]:
+        """``iter(inner)`` (an inner DataLoader: its workers start here), followed; the iterator to read."""
+        return self.follow(*started_workers(inner))
 
-    def _shut_down(self) -> bool:
-        """Whether torch shut the workers down (the epoch ended, the iterator was dropped), or odb stopped watching."""
-        return self._stopped.is_set() or not _workers(self._ref() if self._ref is not None else None)
+    def follow(self, batches: Iterator[Any], workers: Sequence[Any]) -> Iterator[Any]:
+        """Watch ``workers``, the worker processes that ``batches`` (an inner DataLoader's iterator) runs on;
+        returns the iterator to read in its place, which tells the watch when ``batches`` ends."""
+        try:
+            self._followed = {w.sentinel: w for w in workers}
+        except ValueError:  # a closed process: its iterator was shut down
+            self._followed = {}
+        wrapped = self._reading(batches)
+        ended = self._ended
+        self._ref = weakref.ref(wrapped, lambda _: ended.set())  # dropped: torch shuts its workers down
+        return wrapped
+
+    def _reading(self, batches: Iterator[Any]) -> Iterator[Any]:
+        try:
+            yield from batches
+        except GeneratorExit:  # closed: torch's iterator goes with it and shuts its workers down
+            self._ended.set()
+            raise
+        self._ended.set()  # torch shut its workers down inside the next() that ended its iterator
 
     def _judge(self, worker: Any) -> Optional[RuntimeError]:
         """The failure that ``worker`` (exited) tells of, or None."""
         with self._judging:
             code = exit_code(worker)
         died = death_of(worker) if code not in (None, 0) else None
-        if died is None or not self._shut_down():
-            return died
-        if code == -signal.SIGTERM:
-            return None  # torch terminates a worker that does not end in time when it shuts its workers down
-        if code == UNREAD_FORKSERVER_EXIT and isinstance(worker, mp_context.ForkServerProcess):
-            return None  # torch's shutdown read the exit first (the module's docstring)
+        if died is None:
+            return None
+        left_by_shutdown = code == -signal.SIGTERM or (  # torch terminates a worker that does not end in time
+            code == UNREAD_FORKSERVER_EXIT and isinstance(worker, mp_context.ForkServerProcess))  # read first
+        if left_by_shutdown and self._ended.wait(self._join_s * (len(self._followed) + 1)):
+            return None
         return died
 
     def failure(self, error: Optional[BaseException] = None) -> Optional[RuntimeError]:
@@ -175,7 +188,7 @@ class WorkerWatch:
     def on_death(self, act: OnDeath) -> Optional[threading.Thread]:
         """Call ``act(death)`` once, from a thread of the watch's own, when a followed worker dies (None:
         no workers to watch). The thread ends at ``stop()``, or once the workers are shut down."""
-        workers = list(self._followed.values()) if not self._shut_down() else []
+        workers = list(self._followed.values()) if not self._ended.is_set() else []
         if not workers or self._thread is not None:
             return None
         woken, self._wake = Pipe(duplex=False)
@@ -188,6 +201,7 @@ class WorkerWatch:
         """Stop watching (the epoch is over: its workers may be shut down now, no failure) and wait for the
         watching thread to end (a worker process forked next must not see it)."""
         self._stopped.set()
+        self._ended.set()
         with self._lock:
             wake = self._wake
             if wake is not None:

@@ -127,7 +127,7 @@ class EpochAssembly:
         mode = KnownLengthsEpoch(owner, run, pipeline, steps)
         resume_totals = run_state["position"]["step_tokens"] if run_state is not None else None  # a step split by it
         # workers start here (a persistent inner loader's, the first time)
-        batches = declared.unwrap(watch.follow(iter(inner), inner.num_workers > 0))
+        batches = declared.unwrap(watch.start(inner))
         if exchange is not None:
             watch.on_death(stop_at_death(run, pipeline, steps))
         return Epoch(run, cursor, pipeline, mode,

@@ -5,7 +5,8 @@ samples, odb plans and collates on the main process. Known lengths (``known``): 
 plans first and hands the plan to the inner loader as its batch sampler, so the workers
 load and collate whole batches. Both take the outer loader's worker settings
 (``num_workers``, ``timeout``, ``worker_init_fn``, ``multiprocessing_context``,
-``generator``, ``persistent_workers``, ``prefetch_factor``, ``in_order``); with
+``generator``, ``persistent_workers``, ``prefetch_factor``, ``in_order``; the context records the
+workers it starts, odb.data.worker_processes); with
 ``persistent_workers`` the inner loader, and so its workers, lives across epochs.
 
 Example:
@@ -29,6 +30,7 @@ from odb.data.declared import DeclaredDataset, DeclaredLengthCheck, DeclaredLeng
 from odb.data.sampling import ChunkSampler, IndexedDataset, TransformedIterable
 from odb.data.source import ChunkCollate, SampleMeter
 from odb.data.stream_state import StatefulStream, has_own_state
+from odb.data.worker_processes import recording_context
 from odb.epoch.known import GroupCollate, PlannedBatchSampler
 from odb.loader.length_probe import Workers, meter_for_workers
 
@@ -95,9 +97,10 @@ class InnerLoaders:
         outer = self.loader
         kwargs: Dict[str, Any] = dict(
             num_workers=outer.num_workers, collate_fn=collate_fn, timeout=outer.timeout,
-            worker_init_fn=outer.worker_init_fn, multiprocessing_context=outer.multiprocessing_context,
-            generator=outer.generator, persistent_workers=outer.persistent_workers,
+            worker_init_fn=outer.worker_init_fn, generator=outer.generator, persistent_workers=outer.persistent_workers,
             prefetch_factor=outer.prefetch_factor if outer.num_workers > 0 else None)
+        if outer.num_workers > 0:  # the user's start method, its workers recorded for odb's watch
+            kwargs["multiprocessing_context"] = recording_context(outer.multiprocessing_context)
         if pin:  # known lengths: the workers' batches are final, the inner loader pins them
             kwargs.update(pin_memory=outer.pin_memory, pin_memory_device=getattr(outer, "pin_memory_device", ""))
         else:  # online: odb pins its own collated batches

@@ -109,7 +109,7 @@ class EpochSources:
         meter = SampleMeter(cfg)
         watch = WorkerWatch()
         if not self.iterable:
-            batches = watch.follow(iter(inner), inner.num_workers > 0)  # workers start here
+            batches = watch.start(inner)  # workers start here
             chunks: Iterator[Any] = (unpack_records(c, packed, meter) for c in batches)
             marks = None
         else:
@@ -119,7 +119,7 @@ class EpochSources:
                 wrapper.start_from(states)
                 marks = StreamMarks(first, states, num_workers)
             # workers start here, on this thread, each with its copy of the wrapper
-            batches = watch.follow(iter(inner), inner.num_workers > 0)
+            batches = watch.start(inner)
             if wrapper is not None:
                 wrapper.start_from(None)
             chunks = stream_records(batches, packed, meter, first, marks.on_chunk if marks is not None else None)
