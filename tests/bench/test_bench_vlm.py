@@ -41,6 +41,7 @@ def test_every_arm_trains_the_same_samples_per_step_within_the_cap(qwen: Dict[st
             t = m[key]
             assert 0 < t["min"] <= t["median"] <= t["max"], (arm, key)
         assert m["patches_per_s"]["median"] == pytest.approx(patches / m["wall_s"]["median"])
+        assert m["tokens_per_s_rounds"] == [pytest.approx(m["tokens_per_s"]["median"])]  # one round here
         assert 0.0 <= m["padding_share"] < 1.0
     assert qwen["arms"]["odb_packed"]["padding_share"] == 0.0  # one padding-free row per micro-batch
     assert qwen["arms"]["odb_packed"]["micro_steps"] <= qwen["arms"]["fixed"]["micro_steps"]
