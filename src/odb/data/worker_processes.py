@@ -28,40 +28,52 @@ import threading
 from multiprocessing.context import BaseContext
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-__all__ = ["recording_context", "started_workers"]
+__all__ = ["WorkerRecord", "recording_context", "started_workers"]
 
 
-class _Recording:
-    """What a recording context adds to its start method's context: ``Process`` records each process it makes."""
+class WorkerRecord:
+    """The worker processes that a loader's ``iter()`` starts through a recording context (``add``), and
+    ``start``, which runs an ``iter()`` and says which processes it runs on."""
 
-    _odb_base: type  # the start method's context class, set on each derived class
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Optional[List[Any]] = None  # processes started by the iter() under way
+        self._current: List[Any] = []  # the processes of the last iter() that started any
 
-    def _odb_init(self) -> None:
-        self._odb_lock = threading.Lock()
-        self._odb_pending: Optional[List[Any]] = None  # processes started by the iter() under way
-        self._odb_current: List[Any] = []  # the processes the last iter() that started any started
+    def add(self, process: Any) -> None:
+        """A process the context made (kept while an ``iter()`` of ``start`` runs)."""
+        with self._lock:
+            if self._pending is not None:
+                self._pending.append(process)
 
-    def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (multiprocessing's name)
-        process = self._odb_base.Process(*args, **kwargs)
-        with self._odb_lock:
-            if self._odb_pending is not None:
-                self._odb_pending.append(process)
-        return process
-
-    def _odb_start(self, loader: Any) -> Tuple[Iterator[Any], List[Any]]:
-        with self._odb_lock:
-            self._odb_pending = []
+    def start(self, loader: Any) -> Tuple[Iterator[Any], List[Any]]:
+        """``iter(loader)`` and the processes it runs on: those it started, else (persistent workers) the last."""
+        with self._lock:
+            self._pending = []
         try:
             batches = iter(loader)
         finally:
-            with self._odb_lock:
-                started, self._odb_pending = self._odb_pending or [], None
+            with self._lock:
+                started, self._pending = self._pending or [], None
                 if started:
-                    self._odb_current = started
-                workers = list(self._odb_current)
+                    self._current = started
+                workers = list(self._current)
         return batches, workers
 
-    def __reduce__(self) -> Any:  # a copy is the start method's plain context (its records stay here)
+
+class _Recording:
+    """What a recording context adds to its start method's context: ``Process`` also hands each process it
+    makes to the context's ``odb_record``."""
+
+    _odb_base: type  # the start method's context class, set on each derived class
+    odb_record: WorkerRecord
+
+    def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (multiprocessing's name)
+        process = self._odb_base.Process(*args, **kwargs)
+        self.odb_record.add(process)
+        return process
+
+    def __reduce__(self) -> Any:  # a copy is the start method's plain context (its record stays here)
         return multiprocessing.get_context, (self.get_start_method(),)  # type: ignore[attr-defined]
 
 
@@ -93,11 +105,12 @@ def recording_context(context: Any = None) -> Any:
     if isinstance(context, _Recording) or not isinstance(context, BaseContext):
         return context
     try:
-        recording = _recording_class(type(context)).__new__(_recording_class(type(context)))
+        cls = _recording_class(type(context))
+        recording = cls.__new__(cls)
         recording.__dict__.update(vars(context))
     except TypeError:  # a class that cannot be derived or made without arguments
         return context
-    recording._odb_init()
+    recording.odb_record = WorkerRecord()
     return recording
 
 
@@ -107,4 +120,4 @@ def started_workers(loader: Any) -> Tuple[Iterator[Any], List[Any]]:
     context = loader.multiprocessing_context if loader.num_workers > 0 else None
     if not isinstance(context, _Recording):
         return iter(loader), []
-    return context._odb_start(loader)
+    return context.odb_record.start(loader)
