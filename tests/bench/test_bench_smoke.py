@@ -19,8 +19,8 @@ from odb.bench.planning import batch_metrics, odb_configs, odb_loader_run, time_
 from odb.bench.report import goals
 from odb.bench.verdict import verdict
 from odb.bench.workloads import encoder_decoder_lengths, lognormal_lengths, pareto_lengths
+from quick_bench import ROOT, TEST_TIMEOUT_S
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYNTHETIC = ["lognormal-cv0.29", "lognormal-cv0.48", "lognormal-cv1.00", "pareto-a1.2", "encdec-synthetic"]
 ODB = ["odb-512", "odb-2048", "odb-default"]
 
@@ -32,64 +32,17 @@ def missing_citations(text: str, *folders: str) -> list:
                                               for b in (*folders, ROOT, os.path.join(ROOT, "docs"))))
 
 
-# The bench runs in a fresh copy of this checkout (a git repository of its own, every file committed), as
-# `make demo` in a fresh clone: what it changes there is its own doing. CHECKOUT holds that copy's
-# `git status` after the run and the run's stderr (a pipe, as in a log).
-CHECKOUT: dict = {}
-
-
-def git(*args: str, cwd: str) -> str:
-    proc = subprocess.run(["git", "-c", "user.name=odb-test", "-c", "user.email=odb-test@localhost", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"git {' '.join(args)}: {proc.stderr}"
-    return proc.stdout
-
-
-def fresh_copy(dest: str) -> "str | None":
-    """The files of this checkout (tracked and new, not ignored, as they are now) committed in a new repository
-    at ``dest``; None where the tests do not run from a git checkout."""
-    try:
-        listed = subprocess.run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard", "-z"],
-                                capture_output=True, text=True, timeout=60)
-    except OSError:  # no git
-        return None
-    if listed.returncode != 0:
-        return None
-    for path in filter(None, listed.stdout.split("\0")):
-        if os.path.isfile(os.path.join(ROOT, path)):  # not one deleted but not yet committed
-            os.makedirs(os.path.dirname(os.path.join(dest, path)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, path), os.path.join(dest, path))
-    git("init", "-q", cwd=dest)
-    git("add", "-A", cwd=dest)
-    git("commit", "-q", "--no-verify", "-m", "the checkout under test", cwd=dest)
-    return dest
-
-
-# The quick run takes about 2 minutes on 2 idle cores and 5-6 under a load of 8 (other test suites beside it);
-# the tests that use it (the first one pays for it) get 1,500 s: above the run's own limit (1,200 s), so that
-# a run too slow fails there, naming the run, not as a bare pytest timeout.
-BENCH_TIMEOUT = pytest.mark.timeout(1500)
+# The quick run (tests/support/quick_bench.py, once per session); the tests that use it get its time limit.
+BENCH_TIMEOUT = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    copy = fresh_copy(str(tmp_path_factory.mktemp("checkout")))
-    paths = [os.path.join(copy or ROOT, "src"), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))  # the copy's odb
-    proc = subprocess.run([sys.executable, "-m", "odb.bench", "--out", str(out), "--quick"], env=env,
-                          capture_output=True, timeout=1200, cwd=copy or ROOT)  # where `make demo` runs
-    # bytes, decoded here: text=True would read each '\r' of a progress bar as a newline
-    stdout, stderr = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
-    status = git("status", "--porcelain", "--untracked-files=all", cwd=copy) if copy else None
-    CHECKOUT.update(copy=copy, status=status, stderr=stderr)
-    assert proc.returncode == 0, stderr[-3000:]
-    with open(out / "results.json") as f:
-        return out, json.load(f), stdout
+def bench(quick_bench):
+    return quick_bench.out, quick_bench.results, quick_bench.stdout
 
 
 @BENCH_TIMEOUT
-def test_outputs_written(bench):
+def test_outputs_written(bench, quick_bench):
     out, results, stdout = bench
     assert set(results) >= {"meta", "convergence", "planning", "ranks", "loader", "training", "e2e", "packing",
                             "auto_budget", "wall_s"}
@@ -119,7 +72,7 @@ def test_outputs_written(bench):
     # the default (global) step plan against the per-rank plan, at A = 8 and A = 1
     plans = [g["goal"] for g in conv["goals"] if "per-rank plan" in g["goal"]]
     assert [p.split(": ")[0] for p in plans] == ["convergence (2 ranks, A = 8)", "convergence (2 ranks, A = 1)"]
-    assert "[bench] convergence" in CHECKOUT["stderr"] and "[bench] end to end" in CHECKOUT["stderr"]
+    assert "[bench] convergence" in quick_bench.stderr and "[bench] end to end" in quick_bench.stderr
     # The printed goals table holds every goal of the results, in order, with its figure, target and verdict.
     expected = goals(results)
     for part in ("end to end, ", "window ", "short epoch ", "order ", "planning ", "loader (", "packed ", "training (",
@@ -137,14 +90,14 @@ def test_outputs_written(bench):
 
 
 @BENCH_TIMEOUT
-def test_the_bench_changes_no_file_of_the_checkout_and_draws_no_bars_into_a_log(bench):
+def test_the_bench_changes_no_file_of_the_checkout_and_draws_no_bars_into_a_log(quick_bench):
     """`make demo` leaves `git status` clean: the benchmark writes under --out only (README.md and
     docs/benchmarks.md change by `make publish`), and with stderr piped (a log) it draws no progress bars."""
-    if CHECKOUT["copy"] is None:
+    if quick_bench.copy is None:
         pytest.skip("not a git checkout: no fresh copy to run the benchmark in")
-    assert CHECKOUT["status"] == "", (f"python -m odb.bench --out <tmp>, run in a fresh copy of the checkout, left "
-                                      f"this git status there:\n{CHECKOUT['status']}Rule: it writes under --out only.")
-    assert "\r" not in CHECKOUT["stderr"], "a progress bar was redrawn into a piped stderr: bars belong on a terminal"
+    assert quick_bench.status == "", (f"python -m odb.bench --out <tmp>, run in a fresh copy of the checkout, left "
+                                      f"this git status there:\n{quick_bench.status}Rule: it writes under --out only.")
+    assert "\r" not in quick_bench.stderr, "a progress bar was redrawn into a piped stderr: bars belong on a terminal"
 
 
 @BENCH_TIMEOUT

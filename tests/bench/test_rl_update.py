@@ -8,10 +8,11 @@ import torch
 import trl  # noqa: F401  (the section trains TRL's GRPOTrainer; pinned under `make test`: a broken install fails)
 
 from odb.bench.report import goals, render
-from odb.bench.rl_update import run_rl_update, update_params
+from odb.bench.rl_update import update_params
 from odb.bench.rl_update_plan import (PLAN_ARMS, draw_rollouts, kk_partition, odb_global, odb_rollout, plan_step,
                                       trl_slices, verl_plan)
 from odb.bench.rl_update_rollouts import rollout_batch, row_signatures, step_batches
+from quick_bench import TEST_TIMEOUT_S
 
 HEAVY = dict(prompt=(40, 0.7, 8, 256), completion=(120, 1.0, 1024))
 
@@ -131,9 +132,9 @@ def test_the_step_batches_are_the_same_on_every_call_and_split_across_ranks():
     assert a[0]["num_items_in_batch"].item() == other[0]["num_items_in_batch"].item() == total
 
 
-@pytest.mark.timeout(600)
-def test_the_quick_section_runs_and_yields_every_figure():
-    result = run_rl_update(quick=True)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_the_quick_section_runs_and_yields_every_figure(quick_bench):
+    result = quick_bench.results["rl_update"]  # run_rl_update(quick=True) inside the quick run, read back from its file
     u = result["update"]
     assert u["world"] == 2 and "fallback" not in u
     assert u["same_rows"] and u["grad_rel_gap"] < 1e-5  # the same rollouts reached both arms, the same gradient
