@@ -149,7 +149,7 @@ class WorkerWatch:
         except GeneratorExit:  # closed: torch's iterator goes with it and shuts its workers down
             self._ended.set()
             raise
-        self._ended.set()  # torch shut its workers down inside the next() that ended its iterator
+        self._ended.set()  # torch shut its workers down inside the next() that ended it (persistent ones: kept idle)
 
     def _judge(self, worker: Any) -> Optional[RuntimeError]:
         """The failure that ``worker`` (exited) tells of, or None."""
