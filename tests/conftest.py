@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 SUPPORT = Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
@@ -33,3 +35,12 @@ MARKERS = {
 def pytest_configure(config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+
+
+@pytest.fixture(scope="session")
+def quick_bench(tmp_path_factory):
+    """`python -m odb.bench --quick` run once per session in a fresh copy of this checkout, for the tests of
+    tests/bench that read its results (tests/support/quick_bench.py)."""
+    from quick_bench import run_quick_bench
+
+    return run_quick_bench(tmp_path_factory.mktemp("bench"), tmp_path_factory.mktemp("checkout"))

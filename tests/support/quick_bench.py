@@ -1,6 +1,6 @@
 """`python -m odb.bench --quick` run once per test session, in a fresh copy of this checkout (a git repository of
 its own, every file committed), as `make demo` runs in a fresh clone: what it changes there is its own doing.
-tests/bench/conftest.py's ``quick_bench`` fixture hands it to the tests of tests/bench that read its results.
+tests/conftest.py's ``quick_bench`` fixture hands it to the tests of tests/bench that read its results.
 """
 
 from __future__ import annotations
