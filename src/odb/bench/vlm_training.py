@@ -217,9 +217,10 @@ def run_workload(name: str, cap: int, n: int, acc: int, rounds: int,
         "arms": {}}
     for arm, rs in runs.items():
         per_step = [s for e in rs for s in e["samples_per_step"]]
+        rates = [e["real"] / e["wall_s"] for e in rs]
         out["arms"][arm] = {
-            "tokens_per_s": spread([e["real"] / e["wall_s"] for e in rs]),
-            "tokens_per_s_rounds": [e["real"] / e["wall_s"] for e in rs],  # round by round (arms paired by round)
+            "tokens_per_s": spread(rates),
+            "tokens_per_s_rounds": rates,  # round by round (the arms paired by round)
             "patches_per_s": spread([e["patches"] / e["wall_s"] for e in rs]),
             "wall_s": spread([e["wall_s"] for e in rs]),
             "steps": int(statistics.median(e["steps"] for e in rs)),
